@@ -1,0 +1,234 @@
+//! The public connection types, the same for every transport: [`Listener`], [`ConnRequest`],
+//! [`Connection`] and their options.
+
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::cq::CompletionQueue;
+use crate::error::{Error, Result};
+use crate::mr::MemoryRegion;
+use crate::shm;
+
+/// Most bytes of private data a connect, accept or reject may carry. The same on every
+/// transport, so a program never depends on which one it runs over.
+pub const PRIVATE_DATA_MAX: usize = 48;
+/// Deepest send or receive queue a connection may ask for.
+pub const QUEUE_DEPTH_MAX: u32 = 16384;
+/// Largest inline send a connection may ask for.
+pub const INLINE_MAX: u32 = 1024;
+
+static NEXT_CONN_ID: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) fn next_conn_id() -> u64 {
+    NEXT_CONN_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Settings of one connection, for [`crate::Context::connect`] and [`ConnRequest::accept`].
+#[derive(Debug, Clone)]
+pub struct ConnOptions {
+    /// Most sends outstanding at once (posted, not yet completed). Default 128.
+    pub send_queue_depth: u32,
+    /// Most receives outstanding at once. Default 128.
+    pub recv_queue_depth: u32,
+    /// Largest send that may be posted inline (copied at post time). Default 64.
+    pub max_inline: u32,
+    /// Connect: how long establishment may take in all. `None` waits forever. Default 5 s.
+    pub timeout: Option<Duration>,
+    /// Private data for the peer (at most [`PRIVATE_DATA_MAX`] bytes).
+    pub private_data: Vec<u8>,
+    /// Echoed in every completion of the connection.
+    pub context: usize,
+}
+
+impl Default for ConnOptions {
+    fn default() -> Self {
+        ConnOptions {
+            send_queue_depth: 128,
+            recv_queue_depth: 128,
+            max_inline: 64,
+            timeout: Some(Duration::from_secs(5)),
+            private_data: Vec::new(),
+            context: 0,
+        }
+    }
+}
+
+impl ConnOptions {
+    /// Checks every field; the error says which one is wrong.
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [("send", self.send_queue_depth), ("receive", self.recv_queue_depth)] {
+            if v == 0 || v > QUEUE_DEPTH_MAX {
+                return Err(Error::invalid(format!(
+                    "{name} queue depth {v} not in 1..={QUEUE_DEPTH_MAX}"
+                )));
+            }
+        }
+        if self.max_inline > INLINE_MAX {
+            return Err(Error::invalid(format!("max_inline {} over {INLINE_MAX}", self.max_inline)));
+        }
+        check_private_data(&self.private_data)
+    }
+}
+
+pub(crate) fn check_private_data(data: &[u8]) -> Result<()> {
+    if data.len() > PRIVATE_DATA_MAX {
+        return Err(Error::invalid(format!(
+            "private data of {} bytes over {PRIVATE_DATA_MAX}",
+            data.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Flags of a send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SendFlags(pub u32);
+
+impl SendFlags {
+    /// Report a completion when the send finishes. Unsignaled sends report only failures.
+    pub const SIGNALED: SendFlags = SendFlags(1);
+    /// Every defined bit.
+    pub const ALL: SendFlags = SendFlags(1);
+
+    /// Whether the send is signaled.
+    pub fn signaled(self) -> bool {
+        self.0 & Self::SIGNALED.0 != 0
+    }
+}
+
+/// What was granted to a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnInfo {
+    /// The connection's id, echoed in its completions.
+    pub id: u64,
+    /// Granted send queue depth.
+    pub send_queue_depth: u32,
+    /// Granted receive queue depth.
+    pub recv_queue_depth: u32,
+    /// Granted inline size.
+    pub max_inline: u32,
+    /// Which transport carries it.
+    pub transport: Transport,
+}
+
+/// A transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Transport {
+    /// Shared memory between processes on one host.
+    Shm,
+    /// RDMA verbs.
+    Verbs,
+}
+
+/// A listening endpoint. Thread-safe.
+#[derive(Debug)]
+pub struct Listener {
+    imp: shm::Listener,
+}
+
+impl Listener {
+    pub(crate) fn from_shm(imp: shm::Listener) -> Self {
+        Listener { imp }
+    }
+
+    /// Takes the next connection request, waiting up to `timeout` (`None` = forever).
+    pub fn get_request(&self, timeout: Option<Duration>) -> Result<ConnRequest> {
+        Ok(ConnRequest { imp: self.imp.get_request(timeout)? })
+    }
+
+    /// A descriptor that is readable while a connection request may be waiting
+    /// (level-triggered). Owned by the listener; do not read it or close it.
+    pub fn fd(&self) -> RawFd {
+        self.imp.fd()
+    }
+}
+
+/// A peer's request to connect. Answer it with [`accept`](Self::accept) or
+/// [`reject`](Self::reject); dropping it unanswered rejects it without private data.
+#[derive(Debug)]
+pub struct ConnRequest {
+    imp: shm::Request,
+}
+
+impl ConnRequest {
+    /// The private data the peer sent with its request.
+    pub fn private_data(&self) -> &[u8] {
+        self.imp.private_data()
+    }
+
+    /// Accepts the request; the connection's completions go to `cq`.
+    pub fn accept(self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
+        opts.validate()?;
+        Ok(Connection { imp: self.imp.accept(cq.clone(), opts)? })
+    }
+
+    /// Rejects the request, sending `private_data` (at most [`PRIVATE_DATA_MAX`] bytes).
+    pub fn reject(self, private_data: &[u8]) -> Result<()> {
+        check_private_data(private_data)?;
+        self.imp.reject(private_data)
+    }
+}
+
+/// An established connection: reliable, in-order messages, like an RC queue pair.
+///
+/// Thread-safe: any thread may post at any time. Dropping it disconnects (if still connected),
+/// completes every outstanding work request with [`crate::WcStatus::Flushed`], delivers a
+/// [`crate::Opcode::Disconnected`] record, and releases everything, in bounded time.
+#[derive(Debug)]
+pub struct Connection {
+    imp: shm::Conn,
+}
+
+impl Connection {
+    pub(crate) fn from_shm(imp: shm::Conn) -> Self {
+        Connection { imp }
+    }
+
+    /// The connection's id, echoed in its completions.
+    pub fn id(&self) -> u64 {
+        self.imp.info().id
+    }
+
+    /// What was granted.
+    pub fn info(&self) -> ConnInfo {
+        self.imp.info()
+    }
+
+    /// The private data the peer sent when it accepted (client) or requested (server).
+    pub fn private_data(&self) -> &[u8] {
+        self.imp.private_data()
+    }
+
+    /// Sends `len` bytes at `offset` of `mr`. The bytes must not change until the send
+    /// completes. Fails with [`Error::QueueFull`] when the send queue is full.
+    pub fn post_send(
+        &self,
+        mr: &Arc<MemoryRegion>,
+        offset: usize,
+        len: usize,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<()> {
+        self.imp.post_send(mr, offset, len, wr_id, flags)
+    }
+
+    /// Sends `data`, copied before this returns (at most the granted `max_inline` bytes).
+    pub fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
+        self.imp.post_send_inline(data, wr_id, flags)
+    }
+
+    /// Posts a receive of up to `len` bytes into `mr` at `offset` (needs
+    /// [`crate::Access::LOCAL_WRITE`]). Messages fill receives in the order they were posted.
+    pub fn post_recv(&self, mr: &Arc<MemoryRegion>, offset: usize, len: usize, wr_id: u64) -> Result<()> {
+        self.imp.post_recv(mr, offset, len, wr_id)
+    }
+
+    /// Starts an orderly disconnect. Outstanding work completes (flushed), then a
+    /// [`crate::Opcode::Disconnected`] record arrives on the completion queue. Idempotent.
+    pub fn disconnect(&self) {
+        self.imp.disconnect()
+    }
+}

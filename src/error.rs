@@ -1,0 +1,111 @@
+//! The crate's one error type. Each variant names what failed; the C surface maps every variant
+//! to an `rbr_status` code in exactly one place (`src/ffi/error.rs`).
+
+use std::io;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in rdmabridge.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An argument is out of range or malformed.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// An offset and length do not lie inside the memory region.
+    #[error("range {offset}+{len} is outside the memory region of {region_len} bytes")]
+    Range {
+        /// Offset asked for.
+        offset: usize,
+        /// Length asked for.
+        len: usize,
+        /// Length of the region.
+        region_len: usize,
+    },
+    /// The memory region was not registered with the access the operation needs.
+    #[error("memory region lacks access: {0}")]
+    Access(&'static str),
+    /// The address is malformed or names nothing that can be resolved.
+    #[error("bad address {addr:?}: {reason}")]
+    Address {
+        /// The address as given.
+        addr: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// The operation or transport is not available in this build or on this machine.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// The verbs transport was asked for and this machine has no RDMA device.
+    #[error("no RDMA device on this machine")]
+    NoDevice,
+    /// Nobody listens at the address.
+    #[error("connection refused: nobody listens at {0}")]
+    Refused(String),
+    /// The listener rejected the request; carries the listener's private data.
+    #[error("connection rejected by the peer ({} bytes of private data)", .0.len())]
+    Rejected(Vec<u8>),
+    /// The listener refused the request because of who the caller is (peer credentials).
+    #[error("permission denied: {0}")]
+    Permission(String),
+    /// The peer speaks a protocol version or format this library does not.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// Something did not happen within its timeout.
+    #[error("timed out while {0}")]
+    Timeout(&'static str),
+    /// The connection is down; no more work can be posted.
+    #[error("the connection is disconnected")]
+    Disconnected,
+    /// The send or receive queue already holds its depth of outstanding work.
+    #[error("the {0} queue is full")]
+    QueueFull(&'static str),
+    /// The address is already in use by another listener.
+    #[error("address {0} is already in use")]
+    AddrInUse(String),
+    /// The object is in the wrong state for the operation.
+    #[error("wrong state: {0}")]
+    State(&'static str),
+    /// Creating the listening socket failed.
+    #[error("listen failed: {0}")]
+    Listen(#[source] io::Error),
+    /// Connecting or exchanging the handshake failed.
+    #[error("connect failed: {0}")]
+    Connect(#[source] io::Error),
+    /// Accepting a connection request failed.
+    #[error("accept failed: {0}")]
+    Accept(#[source] io::Error),
+    /// Creating or mapping shared memory failed.
+    #[error("shared memory failed: {0}")]
+    SharedMemory(#[source] io::Error),
+    /// Allocating or registering a memory region failed.
+    #[error("memory registration failed: {0}")]
+    MemoryRegion(#[source] io::Error),
+    /// Creating or waiting on a completion queue failed.
+    #[error("completion queue failed: {0}")]
+    CompletionQueue(#[source] io::Error),
+    /// Starting the connection's progress thread failed.
+    #[error("starting the progress thread failed: {0}")]
+    Thread(#[source] io::Error),
+}
+
+impl Error {
+    /// The OS error number behind this error, if there is one.
+    pub fn os_error(&self) -> Option<i32> {
+        match self {
+            Error::Listen(e)
+            | Error::Connect(e)
+            | Error::Accept(e)
+            | Error::SharedMemory(e)
+            | Error::MemoryRegion(e)
+            | Error::CompletionQueue(e)
+            | Error::Thread(e) => e.raw_os_error(),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+}

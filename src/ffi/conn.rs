@@ -1,0 +1,336 @@
+//! `rbr_conn`: connections, their options, and posting work.
+
+use std::ffi::{c_char, c_void};
+use std::time::Duration;
+
+use crate::ffi::cq::rbr_cq;
+use crate::ffi::ctx::rbr_ctx;
+use crate::ffi::error::{RBR_OK, fail, rbr_status, status};
+use crate::ffi::mr::rbr_mr;
+use crate::ffi::{arg_ref, arg_str, bytes_arg, ffi_body, ffi_body_or, out_ptr};
+use crate::{ConnOptions, Connection, Error, SendFlags, Transport};
+
+/// An established connection: reliable, in-order messages, like an RC queue pair. Create with
+/// `rbr_connect` or `rbr_request_accept`; free with `rbr_conn_destroy`. Thread-safe: any thread
+/// may post at any time (destroy only when no other call on it is under way).
+pub struct rbr_conn {
+    pub(crate) inner: Connection,
+}
+
+/// Most bytes of private data a connect, accept or reject may carry (every transport).
+pub const RBR_PRIVATE_DATA_MAX: usize = 48;
+const _: () = assert!(RBR_PRIVATE_DATA_MAX == crate::PRIVATE_DATA_MAX);
+
+/// Send flag: report a completion when the send finishes. Without it a send reports only a
+/// failure; post a signaled send at least once per send-queue depth.
+pub const RBR_SEND_SIGNALED: u32 = 1;
+
+/// Transport: shared memory on this host.
+pub const RBR_TRANSPORT_SHM: u32 = 1;
+/// Transport: RDMA verbs.
+pub const RBR_TRANSPORT_VERBS: u32 = 2;
+
+/// Options of `rbr_connect` and `rbr_request_accept`. Fill with `rbr_conn_options_init`,
+/// then change fields. Fields are only ever added at the end; `struct_size` tells which exist.
+#[repr(C)]
+pub struct rbr_conn_options {
+    /// `sizeof(rbr_conn_options)`, set by `rbr_conn_options_init`.
+    pub struct_size: u32,
+    /// Most sends outstanding at once (1..=16384). Default 128.
+    pub send_queue_depth: u32,
+    /// Most receives outstanding at once (1..=16384). Default 128.
+    pub recv_queue_depth: u32,
+    /// Largest inline send (at most 1024). Default 64.
+    pub max_inline: u32,
+    /// `rbr_connect`: how long establishment may take in all, in ms; -1 = no limit. Default
+    /// 5000. Ignored by accept.
+    pub timeout_ms: i32,
+    /// Private data for the peer; copied during the call. NULL when `private_data_len` is 0.
+    pub private_data: *const c_void,
+    /// At most `RBR_PRIVATE_DATA_MAX`.
+    pub private_data_len: usize,
+    /// Echoed as `conn_context` in every completion of the connection.
+    pub context: *mut c_void,
+}
+
+/// What a connection was granted; filled by `rbr_conn_get_info`. Set `struct_size` first.
+#[repr(C)]
+pub struct rbr_conn_info {
+    /// `sizeof(rbr_conn_info)` as the caller knows it.
+    pub struct_size: u32,
+    /// `RBR_TRANSPORT_*`.
+    pub transport: u32,
+    /// The connection's id.
+    pub id: u64,
+    /// Granted send queue depth.
+    pub send_queue_depth: u32,
+    /// Granted receive queue depth.
+    pub recv_queue_depth: u32,
+    /// Granted inline size.
+    pub max_inline: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+/// Fills `*opts` with the defaults. NULL is ignored.
+///
+/// # Safety
+/// `opts` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_conn_options_init(opts: *mut rbr_conn_options) {
+    ffi_body_or!((), {
+        let d = ConnOptions::default();
+        if opts.is_null() {
+            return;
+        }
+        // SAFETY: non-NULL and writable (caller contract).
+        unsafe {
+            opts.write(rbr_conn_options {
+                struct_size: std::mem::size_of::<rbr_conn_options>() as u32,
+                send_queue_depth: d.send_queue_depth,
+                recv_queue_depth: d.recv_queue_depth,
+                max_inline: d.max_inline,
+                timeout_ms: d.timeout.map_or(-1, |t| t.as_millis() as i32),
+                private_data: std::ptr::null(),
+                private_data_len: 0,
+                context: std::ptr::null_mut(),
+            })
+        };
+    })
+}
+
+/// Converts C options (NULL = defaults) into validated Rust options.
+pub(crate) fn options(opts: *const rbr_conn_options) -> Result<ConnOptions, rbr_status> {
+    // SAFETY: NULL or a readable struct (caller contract of every function taking options).
+    let Some(o) = (unsafe { opts.as_ref() }) else {
+        return Ok(ConnOptions::default());
+    };
+    if (o.struct_size as usize) < std::mem::size_of::<rbr_conn_options>() {
+        return Err(fail(Error::invalid(
+            "rbr_conn_options.struct_size is too small (call rbr_conn_options_init)",
+        )));
+    }
+    let timeout = match o.timeout_ms {
+        -1 => None,
+        ms if ms >= 0 => Some(Duration::from_millis(ms as u64)),
+        ms => return Err(fail(Error::invalid(format!("timeout_ms {ms}")))),
+    };
+    let r = ConnOptions {
+        send_queue_depth: o.send_queue_depth,
+        recv_queue_depth: o.recv_queue_depth,
+        max_inline: o.max_inline,
+        timeout,
+        private_data: bytes_arg(o.private_data, o.private_data_len)?.to_vec(),
+        context: o.context as usize,
+    };
+    r.validate().map_err(fail)?;
+    Ok(r)
+}
+
+pub(crate) fn finish(r: crate::Result<Connection>, out: *mut *mut rbr_conn) -> rbr_status {
+    match r {
+        Ok(inner) => {
+            // SAFETY: `out` was checked non-NULL by the caller of `finish` and is writable.
+            unsafe { out.write(Box::into_raw(Box::new(rbr_conn { inner }))) };
+            RBR_OK
+        }
+        Err(e) => fail(e),
+    }
+}
+
+/// Connects to the listener at `addr` and writes the connection into `*out`; its completions
+/// go to `cq`. Blocks at most `opts->timeout_ms`. RBR_ERR_REFUSED: nobody listens there;
+/// RBR_ERR_REJECTED: the listener said no (`rbr_last_reject_data` has its private data);
+/// RBR_ERR_TIMEOUT: no answer in time.
+///
+/// # Safety
+/// `ctx`, `cq` live; `addr` a NUL-terminated string; `opts` NULL or readable; `out` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_connect(
+    ctx: *mut rbr_ctx,
+    addr: *const c_char,
+    cq: *mut rbr_cq,
+    opts: *const rbr_conn_options,
+    out: *mut *mut rbr_conn,
+) -> rbr_status {
+    ffi_body!({
+        let ctx = arg_ref!(ctx);
+        let addr = arg_str!(addr);
+        let cq = arg_ref!(cq);
+        let out = out_ptr!(out);
+        let opts = match options(opts) {
+            Ok(o) => o,
+            Err(s) => return s,
+        };
+        finish(ctx.inner.connect(addr, &cq.inner, &opts), out)
+    })
+}
+
+/// Posts a send of `mr[offset..offset+len]`. The bytes must not change until the send
+/// completes. `flags`: `RBR_SEND_SIGNALED`. RBR_ERR_QUEUE_FULL when the send queue is full;
+/// RBR_ERR_DISCONNECTED once the connection is down. Nothing is posted on any error.
+///
+/// # Safety
+/// `conn`, `mr` live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_conn_post_send(
+    conn: *mut rbr_conn,
+    mr: *const rbr_mr,
+    offset: usize,
+    len: usize,
+    wr_id: u64,
+    flags: u32,
+) -> rbr_status {
+    ffi_body!({
+        let conn = arg_ref!(conn);
+        let mr = arg_ref!(mr);
+        status(conn.inner.post_send(&mr.inner, offset, len, wr_id, SendFlags(flags)))
+    })
+}
+
+/// Posts a send of `buf[0..len]`, copied before this returns, so `buf` may be reused at once.
+/// `len` may be at most the connection's granted `max_inline`.
+///
+/// # Safety
+/// `conn` live; `buf` readable for `len` bytes (NULL allowed when `len` is 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_conn_post_send_inline(
+    conn: *mut rbr_conn,
+    buf: *const c_void,
+    len: usize,
+    wr_id: u64,
+    flags: u32,
+) -> rbr_status {
+    ffi_body!({
+        let conn = arg_ref!(conn);
+        let data = match bytes_arg(buf, len) {
+            Ok(d) => d,
+            Err(s) => return s,
+        };
+        status(conn.inner.post_send_inline(data, wr_id, SendFlags(flags)))
+    })
+}
+
+/// Posts a receive into `mr[offset..offset+len]` (the region needs RBR_ACCESS_LOCAL_WRITE).
+/// Messages fill receives in the order they were posted; a message longer than its receive
+/// completes it with RBR_WC_LOCAL_LENGTH and fails the connection.
+///
+/// # Safety
+/// `conn`, `mr` live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_conn_post_recv(
+    conn: *mut rbr_conn,
+    mr: *const rbr_mr,
+    offset: usize,
+    len: usize,
+    wr_id: u64,
+) -> rbr_status {
+    ffi_body!({
+        let conn = arg_ref!(conn);
+        let mr = arg_ref!(mr);
+        status(conn.inner.post_recv(&mr.inner, offset, len, wr_id))
+    })
+}
+
+/// Writes a pointer to the private data the peer sent (the acceptor's on the connecting side,
+/// the requester's on the accepting side) into `*data` and its length into `*len`. The bytes
+/// live as long as the connection.
+///
+/// # Safety
+/// `conn` live; `data`, `len` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_conn_private_data(
+    conn: *const rbr_conn,
+    data: *mut *const c_void,
+    len: *mut usize,
+) -> rbr_status {
+    ffi_body!({
+        let conn = arg_ref!(conn);
+        let data = out_ptr!(data);
+        let len = out_ptr!(len);
+        let pd = conn.inner.private_data();
+        // SAFETY: both non-NULL and writable (caller contract).
+        unsafe {
+            data.write(pd.as_ptr().cast());
+            len.write(pd.len());
+        }
+        RBR_OK
+    })
+}
+
+/// Fills `*info` (whose `struct_size` the caller sets) with what the connection was granted.
+///
+/// # Safety
+/// `conn` live; `info` readable and writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_conn_get_info(conn: *const rbr_conn, info: *mut rbr_conn_info) -> rbr_status {
+    ffi_body!({
+        let conn = arg_ref!(conn);
+        let info = out_ptr!(info);
+        // SAFETY: non-NULL and readable (caller contract).
+        let size = unsafe { (*info).struct_size } as usize;
+        if size < std::mem::size_of::<rbr_conn_info>() {
+            return fail(Error::invalid("rbr_conn_info.struct_size is too small"));
+        }
+        let i = conn.inner.info();
+        // SAFETY: non-NULL and writable for at least our struct's size (checked above).
+        unsafe {
+            info.write(rbr_conn_info {
+                struct_size: std::mem::size_of::<rbr_conn_info>() as u32,
+                transport: match i.transport {
+                    Transport::Shm => RBR_TRANSPORT_SHM,
+                    Transport::Verbs => RBR_TRANSPORT_VERBS,
+                },
+                id: i.id,
+                send_queue_depth: i.send_queue_depth,
+                recv_queue_depth: i.recv_queue_depth,
+                max_inline: i.max_inline,
+                reserved: 0,
+            })
+        };
+        RBR_OK
+    })
+}
+
+/// The connection's id (as in its completions), or 0 for NULL.
+///
+/// # Safety
+/// `conn` is NULL or live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_conn_id(conn: *const rbr_conn) -> u64 {
+    ffi_body_or!(0, {
+        // SAFETY: NULL or live (caller contract).
+        unsafe { conn.as_ref() }.map_or(0, |c| c.inner.id())
+    })
+}
+
+/// Starts an orderly disconnect and returns at once. Outstanding work completes with
+/// RBR_WC_FLUSHED, then an RBR_OP_DISCONNECTED record arrives on the completion queue. The peer
+/// gets its own RBR_OP_DISCONNECTED. Calling it again does nothing.
+///
+/// # Safety
+/// `conn` live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_conn_disconnect(conn: *mut rbr_conn) -> rbr_status {
+    ffi_body!({
+        let conn = arg_ref!(conn);
+        conn.inner.disconnect();
+        RBR_OK
+    })
+}
+
+/// Disconnects (if still connected), completes outstanding work as flushed (the records still
+/// reach the completion queue, followed by RBR_OP_DISCONNECTED), and frees the connection.
+/// Returns in bounded time whatever the peer does. NULL is ignored.
+///
+/// # Safety
+/// `conn` is NULL or a connection not yet destroyed, with no other call on it under way.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_conn_destroy(conn: *mut rbr_conn) {
+    ffi_body_or!((), {
+        if !conn.is_null() {
+            // SAFETY: made by Box::into_raw in `finish` and not yet destroyed.
+            drop(unsafe { Box::from_raw(conn) });
+        }
+    })
+}

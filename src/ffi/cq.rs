@@ -1,0 +1,197 @@
+//! `rbr_cq`: the completion queue and its records.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use crate::ffi::error::{RBR_EMPTY, RBR_OK, fail, rbr_status};
+use crate::ffi::{arg_ref, ffi_body, ffi_body_or, out_ptr, timeout_arg};
+use crate::{Completion, CompletionQueue, Error, Opcode, WcStatus};
+
+/// A completion queue. Create with `rbr_cq_create`, free with `rbr_cq_destroy`. Thread-safe:
+/// any thread may poll or wait. Many connections may share one. Connections using it keep it
+/// alive; destroying the handle early only drops the caller's reference.
+pub struct rbr_cq {
+    pub(crate) inner: Arc<CompletionQueue>,
+}
+
+/// Opcode: a send finished.
+pub const RBR_OP_SEND: u32 = 1;
+/// Opcode: a receive was filled.
+pub const RBR_OP_RECV: u32 = 2;
+/// Opcode (connection event): the connection is down; every work request it had has
+/// completed before this record, and none follows it. `status` is RBR_WC_SUCCESS for an
+/// orderly close by either side, RBR_WC_TRANSPORT when the peer vanished (killed, link lost),
+/// or the error that failed the connection.
+pub const RBR_OP_DISCONNECTED: u32 = 16;
+
+/// Completion status: success.
+pub const RBR_WC_SUCCESS: i32 = 0;
+/// The connection went down before the work ran (flushed).
+pub const RBR_WC_FLUSHED: i32 = 1;
+/// The incoming message was larger than the posted receive buffer.
+pub const RBR_WC_LOCAL_LENGTH: i32 = 2;
+/// The peer could not take the message (its receive buffer was too small).
+pub const RBR_WC_REMOTE_ERROR: i32 = 3;
+/// The peer vanished or the link failed.
+pub const RBR_WC_TRANSPORT: i32 = 4;
+/// The local memory region does not allow the access.
+pub const RBR_WC_LOCAL_PROTECTION: i32 = 5;
+/// The remote memory region does not allow the access.
+pub const RBR_WC_REMOTE_ACCESS: i32 = 6;
+/// Any other failure.
+pub const RBR_WC_GENERAL: i32 = 7;
+
+/// Completion flag: `imm_data` holds immediate data.
+pub const RBR_WC_WITH_IMM: u32 = 1;
+
+/// One finished work request or connection event, copied out by `rbr_cq_poll`. Plain data
+/// the caller owns.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct rbr_completion {
+    /// The caller's work-request id (0 for connection events).
+    pub wr_id: u64,
+    /// The connection's id (`rbr_conn_id`).
+    pub conn_id: u64,
+    /// The connection's `context` from its options.
+    pub conn_context: *mut c_void,
+    /// `RBR_OP_*`.
+    pub opcode: u32,
+    /// `RBR_WC_*`.
+    pub status: i32,
+    /// Bytes received (receives only).
+    pub byte_len: u32,
+    /// Immediate data when `flags & RBR_WC_WITH_IMM`.
+    pub imm_data: u32,
+    /// `RBR_WC_*` flags.
+    pub flags: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+impl From<Completion> for rbr_completion {
+    fn from(c: Completion) -> Self {
+        rbr_completion {
+            wr_id: c.wr_id,
+            conn_id: c.conn_id,
+            conn_context: c.context as *mut c_void,
+            opcode: match c.opcode {
+                Opcode::Send => RBR_OP_SEND,
+                Opcode::Recv => RBR_OP_RECV,
+                Opcode::Disconnected => RBR_OP_DISCONNECTED,
+            },
+            status: match c.status {
+                WcStatus::Success => RBR_WC_SUCCESS,
+                WcStatus::Flushed => RBR_WC_FLUSHED,
+                WcStatus::LocalLength => RBR_WC_LOCAL_LENGTH,
+                WcStatus::RemoteError => RBR_WC_REMOTE_ERROR,
+                WcStatus::Transport => RBR_WC_TRANSPORT,
+                WcStatus::LocalProtection => RBR_WC_LOCAL_PROTECTION,
+                WcStatus::RemoteAccess => RBR_WC_REMOTE_ACCESS,
+                WcStatus::General => RBR_WC_GENERAL,
+            },
+            byte_len: c.byte_len,
+            imm_data: c.imm.unwrap_or(0),
+            flags: if c.imm.is_some() { RBR_WC_WITH_IMM } else { 0 },
+            reserved: 0,
+        }
+    }
+}
+
+/// Creates an empty completion queue into `*out`.
+///
+/// # Safety
+/// `out` must be writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_cq_create(out: *mut *mut rbr_cq) -> rbr_status {
+    ffi_body!({
+        let out = out_ptr!(out);
+        match CompletionQueue::new() {
+            Ok(inner) => {
+                // SAFETY: `out` is non-NULL and writable (caller contract).
+                unsafe { out.write(Box::into_raw(Box::new(rbr_cq { inner }))) };
+                RBR_OK
+            }
+            Err(e) => fail(e),
+        }
+    })
+}
+
+/// Destroys a completion queue handle. NULL is ignored.
+///
+/// # Safety
+/// `cq` is NULL or a queue from `rbr_cq_create` not yet destroyed, not in use by another call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_cq_destroy(cq: *mut rbr_cq) {
+    ffi_body_or!((), {
+        if !cq.is_null() {
+            // SAFETY: made by Box::into_raw in rbr_cq_create and not yet destroyed.
+            drop(unsafe { Box::from_raw(cq) });
+        }
+    })
+}
+
+/// Takes up to `max` completions into `out[0..max]`, oldest first, without blocking.
+/// Returns RBR_OK with `*n >= 1`, or RBR_EMPTY with `*n = 0` when none is queued.
+///
+/// # Safety
+/// `out` must be writable for `max` records; `n` must be writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_cq_poll(cq: *mut rbr_cq, out: *mut rbr_completion, max: usize, n: *mut usize) -> rbr_status {
+    ffi_body!({
+        let cq = arg_ref!(cq);
+        let out = out_ptr!(out);
+        let n = out_ptr!(n);
+        if max == 0 {
+            return fail(Error::invalid("max is 0"));
+        }
+        let mut got = 0;
+        while got < max {
+            let Some(c) = cq.inner.poll() else { break };
+            // SAFETY: got < max and `out` is writable for `max` records (caller contract).
+            unsafe { out.add(got).write(c.into()) };
+            got += 1;
+        }
+        // SAFETY: `n` is non-NULL and writable (caller contract).
+        unsafe { n.write(got) };
+        if got == 0 { RBR_EMPTY } else { RBR_OK }
+    })
+}
+
+/// Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
+/// -1 waits forever. Takes nothing from the queue.
+///
+/// # Safety
+/// `cq` must be a live queue.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_cq_wait(cq: *mut rbr_cq, timeout_ms: i32) -> rbr_status {
+    ffi_body!({
+        let cq = arg_ref!(cq);
+        let timeout = match timeout_arg(timeout_ms) {
+            Ok(t) => t,
+            Err(s) => return s,
+        };
+        match cq.inner.wait(timeout) {
+            Ok(true) => RBR_OK,
+            Ok(false) => fail(Error::Timeout("waiting for a completion")),
+            Err(e) => fail(e),
+        }
+    })
+}
+
+/// Writes into `*fd` a descriptor for epoll/poll/select that is readable exactly while
+/// completions (including connection events) are queued: level-triggered, no lost wake-up.
+/// The queue owns it: do not read, write or close it. Valid until the queue is destroyed.
+///
+/// # Safety
+/// `cq` must be a live queue; `fd` must be writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_cq_fd(cq: *const rbr_cq, fd: *mut i32) -> rbr_status {
+    ffi_body!({
+        let cq = arg_ref!(cq);
+        let fd = out_ptr!(fd);
+        // SAFETY: non-NULL and writable (caller contract).
+        unsafe { fd.write(cq.inner.fd()) };
+        RBR_OK
+    })
+}

@@ -1,0 +1,70 @@
+//! rdmabridge: RDMA connections as easy as sockets - listen, accept, connect, post, poll - over
+//! real RDMA (verbs) or, for peers on the same host, shared memory; from Rust, C and C++.
+//!
+//! # Quick start
+//! ```no_run
+//! use rdmabridge::{Access, CompletionQueue, ConnOptions, Context, Opcode, SendFlags};
+//! use std::time::Duration;
+//!
+//! # fn main() -> rdmabridge::Result<()> {
+//! let ctx = Context::new()?;
+//! let cq = CompletionQueue::new()?;
+//! // Server side: let listener = ctx.listen("shm://demo", 16)?;
+//! //              let conn = listener.get_request(None)?.accept(&cq, &ConnOptions::default())?;
+//! let conn = ctx.connect("shm://demo", &cq, &ConnOptions::default())?;
+//! let mr = ctx.alloc_mr(4096, Access::LOCAL_WRITE)?;
+//! conn.post_recv(&mr, 2048, 2048, 2)?;
+//! mr.write(0, b"hello")?;
+//! conn.post_send(&mr, 0, 5, 1, SendFlags::SIGNALED)?;
+//! while cq.wait(Some(Duration::from_secs(5)))? {
+//!     let c = cq.poll().expect("wait said a completion is queued");
+//!     if c.opcode == Opcode::Recv {
+//!         break;
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # Addresses
+//! `shm://NAME` (shared memory on this host), `rdma://HOST:PORT` (verbs), or `HOST:PORT`
+//! (shared memory when HOST is this machine, verbs otherwise; `RBR_TRANSPORT=shm|verbs|auto`
+//! overrides). This release carries the shared-memory transport; verbs endpoints report
+//! [`Error::NoDevice`] or [`Error::Unsupported`].
+//!
+//! # Semantics
+//! A connection behaves like an RC queue pair: messages are reliable and in order; a send waits
+//! for the peer to post a receive (it is never dropped); a receive too small for its message
+//! completes with [`WcStatus::LocalLength`] and fails the connection. A send completes when the
+//! peer has taken the message.
+//!
+//! # Thread safety
+//! [`Context`], [`CompletionQueue`], [`MemoryRegion`], [`Listener`] and [`Connection`] are
+//! `Send + Sync`: any thread may post, poll or wait at any time.
+//!
+//! # Resource cleanup
+//! Everything is released on drop. Dropping a [`Connection`] disconnects it, completes every
+//! outstanding work request with [`WcStatus::Flushed`], and delivers an [`Opcode::Disconnected`]
+//! record - in bounded time, never blocking on the peer. A posted work request holds its memory
+//! region alive until it completes.
+
+#![deny(missing_docs, unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
+mod addr;
+mod conn;
+mod cq;
+mod ctx;
+mod error;
+pub mod ffi;
+mod mr;
+mod shm;
+mod sys;
+mod verbs;
+
+pub use conn::{
+    ConnInfo, ConnOptions, ConnRequest, Connection, INLINE_MAX, Listener, PRIVATE_DATA_MAX,
+    QUEUE_DEPTH_MAX, SendFlags, Transport,
+};
+pub use cq::{Completion, CompletionQueue, Opcode, WcStatus};
+pub use ctx::{Context, ContextOptions};
+pub use error::{Error, Result};
+pub use mr::{Access, MemoryRegion};

@@ -1,0 +1,215 @@
+//! Memory regions: caller memory registered with the library, or memory the library allocates.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::ctx::ContextInner;
+use crate::error::{Error, Result};
+use crate::sys::cvt;
+
+/// Access rights of a memory region, combined with `|`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Access(pub u32);
+
+impl Access {
+    /// The library may write into it locally (needed to receive into it).
+    pub const LOCAL_WRITE: Access = Access(1);
+    /// The peer may write into it with one-sided operations.
+    pub const REMOTE_WRITE: Access = Access(2);
+    /// The peer may read it with one-sided operations.
+    pub const REMOTE_READ: Access = Access(4);
+    /// The peer may run atomics on it.
+    pub const REMOTE_ATOMIC: Access = Access(8);
+    /// Every defined bit.
+    pub const ALL: Access = Access(15);
+
+    /// Whether every bit of `other` is set in `self`.
+    pub fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl std::ops::BitOr for Access {
+    type Output = Access;
+    fn bitor(self, rhs: Access) -> Access {
+        Access(self.0 | rhs.0)
+    }
+}
+
+static NEXT_MR_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Memory the library owns: a shared-memory file mapped into this process, so that a peer on the
+/// same host can later map it too.
+#[derive(Debug)]
+struct Owned {
+    _fd: OwnedFd,
+}
+
+/// A region of memory that work requests may use.
+///
+/// Thread-safe. Held by an `Arc`: every posted work request keeps its region alive until it
+/// completes, so dropping the last handle early never frees memory still in use by the library.
+#[derive(Debug)]
+pub struct MemoryRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    access: Access,
+    id: u64,
+    owned: Option<Owned>,
+    _ctx: Arc<ContextInner>,
+}
+
+// SAFETY: the region is plain memory; the struct only hands out its address and copies bytes in
+// and out with explicit bounds checks. Concurrent access to the bytes themselves is the caller's
+// contract, as with any RDMA buffer.
+unsafe impl Send for MemoryRegion {}
+// SAFETY: see `Send`; no method mutates the struct through `&self`.
+unsafe impl Sync for MemoryRegion {}
+
+impl MemoryRegion {
+    /// Registers caller memory.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must stay valid for reads (and writes, with [`Access::LOCAL_WRITE`])
+    /// until the region is dropped and every work request posted with it has completed.
+    pub(crate) unsafe fn register(
+        ctx: Arc<ContextInner>,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<Arc<Self>> {
+        let ptr = NonNull::new(addr).ok_or_else(|| Error::invalid("address is NULL"))?;
+        check_args(len, access)?;
+        Ok(Arc::new(MemoryRegion {
+            ptr,
+            len,
+            access,
+            id: NEXT_MR_ID.fetch_add(1, Ordering::Relaxed),
+            owned: None,
+            _ctx: ctx,
+        }))
+    }
+
+    /// Allocates `len` zeroed bytes the library owns.
+    pub(crate) fn alloc(ctx: Arc<ContextInner>, len: usize, access: Access) -> Result<Arc<Self>> {
+        check_args(len, access)?;
+        // SAFETY: the name is a NUL-terminated literal; flags are valid memfd flags.
+        let fd = cvt(unsafe { libc::memfd_create(c"rdmabridge-mr".as_ptr(), libc::MFD_CLOEXEC) })
+            .map_err(Error::MemoryRegion)?;
+        // SAFETY: `fd` is a fresh descriptor owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let size = libc::off_t::try_from(len).map_err(|_| Error::invalid("length too large"))?;
+        // SAFETY: plain syscall on a descriptor we own.
+        cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), size) }).map_err(Error::MemoryRegion)?;
+        // SAFETY: maps `len` bytes of our own memfd; the result is checked against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::MemoryRegion(io::Error::last_os_error()));
+        }
+        Ok(Arc::new(MemoryRegion {
+            ptr: NonNull::new(p.cast()).expect("mmap never returns NULL on success"),
+            len,
+            access,
+            id: NEXT_MR_ID.fetch_add(1, Ordering::Relaxed),
+            owned: Some(Owned { _fd: fd }),
+            _ctx: ctx,
+        }))
+    }
+
+    /// Start of the region.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Length of the region in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty (never true: regions have at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The access the region was registered with.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// A number unique to this region within the process.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Copies `data` into the region at `offset`.
+    ///
+    /// Do not call while a posted receive or one-sided operation may be writing these bytes.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        let dst = self.slice_ptr(offset, data.len())?;
+        // SAFETY: `slice_ptr` checked that offset..offset+len lies inside the region, which is
+        // valid memory for as long as `self` lives; `data` cannot overlap it mutably.
+        unsafe { std::ptr::copy(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes from the region at `offset` into `out`.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let src = self.slice_ptr(offset, out.len())?;
+        // SAFETY: bounds checked by `slice_ptr`; `out` is an exclusive borrow of caller memory.
+        unsafe { std::ptr::copy(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Checks that `offset..offset+len` lies in the region and returns its start.
+    pub(crate) fn slice_ptr(&self, offset: usize, len: usize) -> Result<*mut u8> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => {
+                // SAFETY: offset <= len of the region, so the result stays inside (or one past)
+                // the same allocation.
+                Ok(unsafe { self.ptr.as_ptr().add(offset) })
+            }
+            _ => Err(Error::Range { offset, len, region_len: self.len }),
+        }
+    }
+
+    pub(crate) fn same_context(&self, ctx: &Arc<ContextInner>) -> bool {
+        Arc::ptr_eq(&self._ctx, ctx)
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        if self.owned.is_some() {
+            // SAFETY: ptr/len are exactly what mmap returned in `alloc`; the last Arc is gone,
+            // so no work request or caller reference can still use the mapping.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        }
+    }
+}
+
+fn check_args(len: usize, access: Access) -> Result<()> {
+    if len == 0 {
+        return Err(Error::invalid("memory region length is 0"));
+    }
+    if access.0 & !Access::ALL.0 != 0 {
+        return Err(Error::invalid(format!("unknown access bits {:#x}", access.0)));
+    }
+    if access.contains(Access::REMOTE_WRITE) && !access.contains(Access::LOCAL_WRITE)
+        || access.contains(Access::REMOTE_ATOMIC) && !access.contains(Access::LOCAL_WRITE)
+    {
+        return Err(Error::invalid("remote write and atomic access need local write access"));
+    }
+    Ok(())
+}

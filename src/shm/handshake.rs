@@ -1,0 +1,393 @@
+//! Connection establishment over a Unix seqpacket socket in the abstract namespace
+//! (`@rdmabridge/NAME`): peer credentials are checked, versions and private data exchanged, and
+//! the accepting side passes the shared segment's descriptor with SCM_RIGHTS. The socket then
+//! stays open for the life of the connection: doorbells travel over it, and its end of file is
+//! how each side learns, at once, that the other has gone - even when it was killed.
+//!
+//! Messages (little-endian): magic `u32`, version `u16`, kind `u16`, two `u32` parameters,
+//! private-data length `u16`, private data.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::conn::{ConnOptions, PRIVATE_DATA_MAX};
+use crate::cq::CompletionQueue;
+use crate::ctx::ContextInner;
+use crate::error::{Error, Result};
+use crate::shm::conn::Conn;
+use crate::shm::segment::{DEFAULT_RING_CAP, Segment};
+use crate::sys::{self, cvt};
+
+const MAGIC: u32 = 0x3152_4252; // "RBR1"
+const VERSION: u16 = 1;
+const HELLO: u16 = 1;
+const ACCEPT: u16 = 2;
+const REJECT: u16 = 3;
+const REJECT_VERSION: u16 = 4;
+const REJECT_PERMISSION: u16 = 5;
+const HEADER: usize = 18;
+const MSG_MAX: usize = HEADER + PRIVATE_DATA_MAX;
+/// How long the listener waits for a connected client's hello before dropping it.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+
+struct Msg {
+    version: u16,
+    kind: u16,
+    a: u32,
+    data: Vec<u8>,
+}
+
+fn encode(kind: u16, a: u32, b: u32, data: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HEADER + data.len());
+    v.extend_from_slice(&MAGIC.to_le_bytes());
+    v.extend_from_slice(&VERSION.to_le_bytes());
+    v.extend_from_slice(&kind.to_le_bytes());
+    v.extend_from_slice(&a.to_le_bytes());
+    v.extend_from_slice(&b.to_le_bytes());
+    v.extend_from_slice(&(data.len() as u16).to_le_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+fn decode(buf: &[u8]) -> Result<Msg> {
+    let bad = |m: &str| Error::Protocol(format!("handshake: {m}"));
+    if buf.len() < HEADER {
+        return Err(bad("message too short"));
+    }
+    let u16_at = |i: usize| u16::from_le_bytes([buf[i], buf[i + 1]]);
+    let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
+    if u32_at(0) != MAGIC {
+        return Err(bad("not an rdmabridge peer"));
+    }
+    let len = u16_at(16) as usize;
+    if len > PRIVATE_DATA_MAX || HEADER + len != buf.len() {
+        return Err(bad("bad private data length"));
+    }
+    Ok(Msg {
+        version: u16_at(4),
+        kind: u16_at(6),
+        a: u32_at(8),
+        data: buf[HEADER..].to_vec(),
+    })
+}
+
+fn socket() -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall; a non-negative result is a new descriptor we own.
+    let fd = cvt(unsafe {
+        libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0)
+    })?;
+    // SAFETY: fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The abstract socket address of `name` and its length.
+fn address(name: &str) -> (libc::sockaddr_un, libc::socklen_t) {
+    // SAFETY: sockaddr_un is plain data; all-zero is a valid value.
+    let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let path = format!("rdmabridge/{name}");
+    // sun_path[0] stays 0: the abstract namespace. Names are capped at parse time to fit.
+    for (i, b) in path.bytes().enumerate() {
+        sa.sun_path[i + 1] = b as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + path.len();
+    (sa, len as libc::socklen_t)
+}
+
+fn peer_uid(fd: RawFd) -> io::Result<u32> {
+    // SAFETY: ucred is plain data; getsockopt fills at most `len` bytes of it.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: pointers to live locals with their true sizes.
+    cvt(unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &mut len)
+    })?;
+    Ok(cred.uid)
+}
+
+fn my_uid() -> u32 {
+    // SAFETY: getuid cannot fail.
+    unsafe { libc::getuid() }
+}
+
+/// Sends one message, with `fd` attached if given.
+fn send_msg(sock: RawFd, msg: &[u8], fd: Option<RawFd>) -> io::Result<()> {
+    let mut iov = libc::iovec { iov_base: msg.as_ptr() as *mut _, iov_len: msg.len() };
+    let mut cbuf = [0u64; 4]; // CMSG_SPACE(sizeof(int)) rounded up, 8-aligned
+    // SAFETY: msghdr is plain data; zero is a valid "no name, no control" value.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+        debug_assert!(space <= std::mem::size_of_val(&cbuf));
+        mh.msg_control = cbuf.as_mut_ptr().cast();
+        mh.msg_controllen = space;
+        // SAFETY: the control buffer is large enough for one header carrying one int (checked
+        // above), so CMSG_FIRSTHDR is non-null and CMSG_DATA points inside it.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&mh);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+            libc::CMSG_DATA(c).cast::<RawFd>().write_unaligned(fd);
+        }
+    }
+    // SAFETY: `mh` points at live locals (iov, msg, cbuf) for the duration of the call.
+    let n = unsafe { libc::sendmsg(sock, &mh, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if n as usize != msg.len() {
+        return Err(io::Error::new(io::ErrorKind::WriteZero, "short handshake send"));
+    }
+    Ok(())
+}
+
+/// Receives one message within `timeout`, with a descriptor if one was attached.
+fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, Option<OwnedFd>)>> {
+    if !sys::poll_one(sock, libc::POLLIN, timeout).map_err(Error::Connect)? {
+        return Ok(None);
+    }
+    let mut buf = [0u8; MSG_MAX + 1];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    let mut cbuf = [0u64; 8];
+    // SAFETY: msghdr is plain data; zero is a valid starting value.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf.as_mut_ptr().cast();
+    mh.msg_controllen = std::mem::size_of_val(&cbuf);
+    // SAFETY: `mh` points at live local buffers of the sizes it states.
+    let n = unsafe { libc::recvmsg(sock, &mut mh, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
+    if n < 0 {
+        return Err(Error::Connect(io::Error::last_os_error()));
+    }
+    // Take ownership of every descriptor that arrived before judging the message, so none leaks.
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel wrote into `cbuf`, with the libc macros.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&mh);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                let count = ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&mh, c);
+        }
+    }
+    if n == 0 {
+        return Err(Error::Connect(io::Error::from(io::ErrorKind::ConnectionReset)));
+    }
+    if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || fds.len() > 1 {
+        return Err(Error::Protocol("handshake: oversized message".into()));
+    }
+    Ok(Some((buf[..n as usize].to_vec(), fds.pop())))
+}
+
+/// A listening shm endpoint.
+#[derive(Debug)]
+pub(crate) struct Listener {
+    sock: OwnedFd,
+    ctx: Arc<ContextInner>,
+}
+
+impl Listener {
+    pub(crate) fn bind(ctx: Arc<ContextInner>, name: &str, backlog: u32) -> Result<Listener> {
+        let sock = socket().map_err(Error::Listen)?;
+        let (sa, len) = address(name);
+        // SAFETY: `sa` is a valid sockaddr_un of `len` bytes.
+        if let Err(e) = cvt(unsafe { libc::bind(sock.as_raw_fd(), (&raw const sa).cast(), len) }) {
+            return Err(if e.raw_os_error() == Some(libc::EADDRINUSE) {
+                Error::AddrInUse(format!("shm://{name}"))
+            } else {
+                Error::Listen(e)
+            });
+        }
+        let backlog = backlog.clamp(1, libc::SOMAXCONN as u32) as libc::c_int;
+        // SAFETY: plain syscall on our socket.
+        cvt(unsafe { libc::listen(sock.as_raw_fd(), backlog) }).map_err(Error::Listen)?;
+        Ok(Listener { sock, ctx })
+    }
+
+    pub(crate) fn fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
+    }
+
+    pub(crate) fn get_request(&self, timeout: Option<Duration>) -> Result<Request> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            let left = sys::remaining(deadline);
+            if !sys::poll_one(self.fd(), libc::POLLIN, left).map_err(Error::Accept)? {
+                return Err(Error::Timeout("waiting for a connection request"));
+            }
+            // SAFETY: accept4 on our listening socket without an address buffer.
+            let fd = unsafe {
+                libc::accept4(
+                    self.fd(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                )
+            };
+            if fd < 0 {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::EAGAIN) | Some(libc::EINTR) | Some(libc::ECONNABORTED) => continue,
+                    _ => return Err(Error::Accept(e)),
+                }
+            }
+            // SAFETY: a fresh descriptor from accept4, owned by nobody else.
+            let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+            if let Some(req) = self.read_hello(sock, deadline)? {
+                return Ok(req);
+            }
+        }
+    }
+
+    /// Reads and checks a client's hello. `None` means the client was turned away (and told
+    /// why, when it is an rdmabridge peer); the listener goes on waiting.
+    fn read_hello(&self, sock: OwnedFd, deadline: Option<Instant>) -> Result<Option<Request>> {
+        let wait = sys::remaining(deadline).map_or(HELLO_TIMEOUT, |d| d.min(HELLO_TIMEOUT));
+        let msg = match recv_msg(sock.as_raw_fd(), Some(wait)) {
+            Ok(Some((buf, None))) => match decode(&buf) {
+                Ok(m) if m.kind == HELLO => m,
+                _ => return Ok(None),
+            },
+            _ => return Ok(None),
+        };
+        if msg.version != VERSION {
+            let _ = send_msg(sock.as_raw_fd(), &encode(REJECT_VERSION, VERSION.into(), 0, &[]), None);
+            return Ok(None);
+        }
+        let uid_ok = match peer_uid(sock.as_raw_fd()) {
+            Ok(uid) => uid == my_uid() || self.ctx.opts.shm_allow_any_uid,
+            Err(_) => false,
+        };
+        if !uid_ok {
+            let _ = send_msg(sock.as_raw_fd(), &encode(REJECT_PERMISSION, 0, 0, &[]), None);
+            return Ok(None);
+        }
+        Ok(Some(Request { sock: Some(sock), private_data: msg.data, ctx: self.ctx.clone() }))
+    }
+}
+
+/// A client's pending request.
+#[derive(Debug)]
+pub(crate) struct Request {
+    sock: Option<OwnedFd>,
+    private_data: Vec<u8>,
+    ctx: Arc<ContextInner>,
+}
+
+impl Request {
+    pub(crate) fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    pub(crate) fn accept(mut self, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Conn> {
+        let sock = self.sock.take().expect("an unanswered request has its socket");
+        let (seg, fd) = Segment::create(DEFAULT_RING_CAP)?;
+        let reply = encode(ACCEPT, seg.cap() as u32, 0, &opts.private_data);
+        send_msg(sock.as_raw_fd(), &reply, Some(fd.as_raw_fd())).map_err(|e| {
+            if e.raw_os_error() == Some(libc::EPIPE) || e.raw_os_error() == Some(libc::ECONNRESET) {
+                Error::Disconnected
+            } else {
+                Error::Accept(e)
+            }
+        })?;
+        drop(fd);
+        let data = std::mem::take(&mut self.private_data);
+        Conn::start(self.ctx.clone(), cq, opts, 1, sock, seg, data)
+    }
+
+    pub(crate) fn reject(mut self, private_data: &[u8]) -> Result<()> {
+        let sock = self.sock.take().expect("an unanswered request has its socket");
+        send_msg(sock.as_raw_fd(), &encode(REJECT, 0, 0, private_data), None).map_err(Error::Accept)
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if let Some(sock) = self.sock.take() {
+            let _ = send_msg(sock.as_raw_fd(), &encode(REJECT, 0, 0, &[]), None);
+        }
+    }
+}
+
+/// Connects to the listener `name`.
+pub(crate) fn connect(
+    ctx: Arc<ContextInner>,
+    name: &str,
+    cq: Arc<CompletionQueue>,
+    opts: &ConnOptions,
+) -> Result<Conn> {
+    let deadline = opts.timeout.map(|t| Instant::now() + t);
+    let timed_out = || Error::Timeout("connecting");
+    let sock = socket().map_err(Error::Connect)?;
+    let (sa, len) = address(name);
+    loop {
+        // SAFETY: `sa` is a valid sockaddr_un of `len` bytes.
+        let r = unsafe { libc::connect(sock.as_raw_fd(), (&raw const sa).cast(), len) };
+        if r == 0 {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => {
+                return Err(Error::Refused(format!("shm://{name}")));
+            }
+            // The listener's backlog is full: try again until the deadline.
+            Some(libc::EAGAIN) | Some(libc::EINTR) => {
+                if sys::remaining(deadline).is_some_and(|d| d.is_zero()) {
+                    return Err(timed_out());
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            _ => return Err(Error::Connect(e)),
+        }
+    }
+    match peer_uid(sock.as_raw_fd()) {
+        Ok(uid) if uid == my_uid() || ctx.opts.shm_allow_any_uid => {}
+        Ok(uid) => return Err(Error::Permission(format!("listener runs as uid {uid}"))),
+        Err(e) => return Err(Error::Connect(e)),
+    }
+    let hello = encode(
+        HELLO,
+        opts.send_queue_depth,
+        opts.recv_queue_depth,
+        &opts.private_data,
+    );
+    send_msg(sock.as_raw_fd(), &hello, None).map_err(Error::Connect)?;
+    let Some((buf, fd)) = recv_msg(sock.as_raw_fd(), sys::remaining(deadline))? else {
+        return Err(timed_out());
+    };
+    let msg = decode(&buf)?;
+    match msg.kind {
+        ACCEPT => {}
+        REJECT => return Err(Error::Rejected(msg.data)),
+        REJECT_VERSION => {
+            return Err(Error::Protocol(format!(
+                "listener speaks version {}, this library {VERSION}",
+                msg.a
+            )));
+        }
+        REJECT_PERMISSION => {
+            return Err(Error::Permission("the listener refuses this user".into()));
+        }
+        k => return Err(Error::Protocol(format!("handshake: unexpected message kind {k}"))),
+    }
+    let fd = fd.ok_or_else(|| Error::Protocol("handshake: accept without a segment".into()))?;
+    let seg = Segment::open(&fd)?;
+    drop(fd);
+    if seg.cap() != msg.a as usize {
+        return Err(Error::Protocol("handshake: ring size mismatch".into()));
+    }
+    Conn::start(ctx, cq, opts, 0, sock, seg, msg.data)
+}

@@ -1,0 +1,209 @@
+//! The shared segment of one shm connection: a sealed memfd holding a header page (control
+//! words of both sides, ring cursors) and two byte rings, one per direction.
+//!
+//! Layout (all offsets from the start of the mapping):
+//! - `0`: magic `u64`, version `u32`, ring capacity `u32`.
+//! - `CTRL + side * CTRL_STRIDE`: the control words one side writes (`side` 0 = the connecting
+//!   side, 1 = the accepting side): `sleeping` (u32), `recv_posted` (u64), `fatal` (u64), each on
+//!   its own cache line pair.
+//! - `RING + dir * RING_STRIDE`: cursors of ring `dir` (ring `d` carries side `d`'s messages):
+//!   `tail` (written by the producer) and `head` (written by the consumer).
+//! - `DATA + dir * cap`: the bytes of ring `dir`.
+//!
+//! The peer maps the same memory and may write anything into it: every value read from it is
+//! checked before use (see `ring.rs`), and the file is sealed against shrinking so the mapping
+//! can never fault.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+use crate::error::{Error, Result};
+use crate::sys::cvt;
+
+const MAGIC: u64 = 0x5242_5348_4d53_4547; // "RBSHMSEG"
+const VERSION: u32 = 1;
+const CTRL: usize = 256;
+const CTRL_STRIDE: usize = 512;
+const RING: usize = CTRL + 2 * CTRL_STRIDE;
+const RING_STRIDE: usize = 256;
+const DATA: usize = 4096;
+/// Smallest and largest ring a peer may propose.
+const MIN_CAP: usize = 64 * 1024;
+const MAX_CAP: usize = 1 << 30;
+
+/// Default bytes per ring.
+pub(crate) const DEFAULT_RING_CAP: usize = 2 * 1024 * 1024;
+
+/// One side's control words.
+pub(crate) struct Ctrl<'a> {
+    /// 1 while that side's progress thread sleeps and wants a doorbell.
+    pub(crate) sleeping: &'a AtomicU32,
+    /// How many receives that side has posted in total (the peer's send credits).
+    pub(crate) recv_posted: &'a AtomicU64,
+    /// Non-zero once that side failed the connection: `FATAL_* << 48 | message sequence`.
+    pub(crate) fatal: &'a AtomicU64,
+}
+
+/// A receive buffer was too small for the message with the sequence number in the low bits.
+pub(crate) const FATAL_LENGTH: u64 = 1;
+/// The peer broke the ring protocol.
+pub(crate) const FATAL_PROTOCOL: u64 = 2;
+
+/// A mapped segment. Unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    base: NonNull<u8>,
+    len: usize,
+    cap: usize,
+}
+
+// SAFETY: the mapping is process-wide memory; all shared words are accessed through atomics and
+// ring bytes only by the one engine thread that owns the segment.
+unsafe impl Send for Segment {}
+// SAFETY: see `Send`; `&Segment` only exposes atomics and raw pointers.
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    /// Creates a sealed segment with rings of `cap` bytes; returns it with its descriptor, which
+    /// the caller passes to the peer and then closes.
+    pub(crate) fn create(cap: usize) -> Result<(Segment, OwnedFd)> {
+        if !(MIN_CAP..=MAX_CAP).contains(&cap) || cap % 4096 != 0 {
+            return Err(Error::invalid(format!("ring size {cap} not a multiple of 4096 in range")));
+        }
+        let len = DATA + 2 * cap;
+        // SAFETY: the name is a NUL-terminated literal and the flags are valid.
+        let fd = cvt(unsafe {
+            libc::memfd_create(
+                c"rdmabridge-shm".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        })
+        .map_err(Error::SharedMemory)?;
+        // SAFETY: `fd` is fresh and owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: plain syscalls on a descriptor we own.
+        cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) })
+            .map_err(Error::SharedMemory)?;
+        // SAFETY: as above; the seals stop either side from resizing the file under a mapping.
+        cvt(unsafe {
+            libc::fcntl(
+                fd.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        })
+        .map_err(Error::SharedMemory)?;
+        let seg = Segment::map(&fd, len, cap)?;
+        // SAFETY: the header page is ours alone until the descriptor is sent; offsets 0, 8 and
+        // 12 are inside it and aligned for their types.
+        unsafe {
+            seg.base.as_ptr().cast::<u64>().write(MAGIC);
+            seg.base.as_ptr().add(8).cast::<u32>().write(VERSION);
+            seg.base.as_ptr().add(12).cast::<u32>().write(cap as u32);
+        }
+        Ok((seg, fd))
+    }
+
+    /// Maps a segment the peer sent, checking its seals, size and header.
+    pub(crate) fn open(fd: &OwnedFd) -> Result<Segment> {
+        let proto = |m: &str| Error::Protocol(format!("shared segment: {m}"));
+        // SAFETY: plain syscall on a descriptor we own.
+        let seals = cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) })
+            .map_err(|_| proto("not a sealable memfd"))?;
+        let need = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        if seals & need != need {
+            return Err(proto("not sealed against resizing"));
+        }
+        // SAFETY: `st` is a live local that fstat fills.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }).map_err(Error::SharedMemory)?;
+        let len = usize::try_from(st.st_size).map_err(|_| proto("negative size"))?;
+        if len < DATA + 2 * MIN_CAP {
+            return Err(proto("too small"));
+        }
+        let seg = Segment::map(fd, len, 0)?;
+        // SAFETY: the mapping holds at least DATA bytes; offsets are aligned for their types.
+        let (magic, version, cap) = unsafe {
+            (
+                seg.base.as_ptr().cast::<u64>().read_volatile(),
+                seg.base.as_ptr().add(8).cast::<u32>().read_volatile(),
+                seg.base.as_ptr().add(12).cast::<u32>().read_volatile() as usize,
+            )
+        };
+        if magic != MAGIC {
+            return Err(proto("bad magic"));
+        }
+        if version != VERSION {
+            return Err(Error::Protocol(format!("shared segment version {version}, want {VERSION}")));
+        }
+        if !(MIN_CAP..=MAX_CAP).contains(&cap) || cap % 4096 != 0 || DATA + 2 * cap != len {
+            return Err(proto("ring size does not match the segment"));
+        }
+        Ok(Segment { cap, ..seg })
+    }
+
+    fn map(fd: &OwnedFd, len: usize, cap: usize) -> Result<Segment> {
+        // SAFETY: maps `len` bytes of a sealed memfd whose size is at least `len`; the result is
+        // checked against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::SharedMemory(io::Error::last_os_error()));
+        }
+        Ok(Segment { base: NonNull::new(p.cast()).expect("mmap succeeded"), len, cap })
+    }
+
+    /// Bytes per ring.
+    pub(crate) fn cap(&self) -> usize {
+        self.cap
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && off + 8 <= DATA);
+        // SAFETY: `off` is one of the fixed, 8-aligned offsets inside the header page, which
+        // lives as long as `self`; memory shared with the peer is only ever accessed atomically.
+        unsafe { AtomicU64::from_ptr(self.base.as_ptr().add(off).cast()) }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off % 4 == 0 && off + 4 <= DATA);
+        // SAFETY: as for `u64_at`.
+        unsafe { AtomicU32::from_ptr(self.base.as_ptr().add(off).cast()) }
+    }
+
+    /// The control words `side` writes.
+    pub(crate) fn ctrl(&self, side: usize) -> Ctrl<'_> {
+        let b = CTRL + side * CTRL_STRIDE;
+        Ctrl { sleeping: self.u32_at(b), recv_posted: self.u64_at(b + 128), fatal: self.u64_at(b + 256) }
+    }
+
+    /// `(tail, head)` cursors of ring `dir`.
+    pub(crate) fn cursors(&self, dir: usize) -> (&AtomicU64, &AtomicU64) {
+        let b = RING + dir * RING_STRIDE;
+        (self.u64_at(b), self.u64_at(b + 128))
+    }
+
+    /// First byte of ring `dir`; `cap()` bytes follow.
+    pub(crate) fn data(&self, dir: usize) -> *mut u8 {
+        // SAFETY: DATA + dir * cap + cap <= len for dir in {0, 1}, checked in `open`/`create`.
+        unsafe { self.base.as_ptr().add(DATA + dir * self.cap) }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: base/len are what mmap returned; the owner (the engine) is done with it.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
