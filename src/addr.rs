@@ -20,7 +20,10 @@ pub(crate) enum Endpoint {
 }
 
 fn bad(addr: &str, reason: impl Into<String>) -> Error {
-    Error::Address { addr: addr.to_owned(), reason: reason.into() }
+    Error::Address {
+        addr: addr.to_owned(),
+        reason: reason.into(),
+    }
 }
 
 /// Parses `addr` and picks its transport.
@@ -37,10 +40,15 @@ pub(crate) fn resolve_with(addr: &str, forced: Option<&str>) -> Result<Endpoint>
         return Ok(Endpoint::Verbs { host, port });
     }
     if addr.contains("://") {
-        return Err(bad(addr, "unknown scheme (use shm://NAME, rdma://HOST:PORT or HOST:PORT)"));
+        return Err(bad(
+            addr,
+            "unknown scheme (use shm://NAME, rdma://HOST:PORT or HOST:PORT)",
+        ));
     }
     let (host, port) = host_port(addr, addr)?;
-    let shm = Endpoint::Shm { name: format!("port-{port}") };
+    let shm = Endpoint::Shm {
+        name: format!("port-{port}"),
+    };
     match forced.unwrap_or("auto") {
         "shm" => Ok(shm),
         "verbs" => Ok(Endpoint::Verbs { host, port }),
@@ -51,7 +59,10 @@ pub(crate) fn resolve_with(addr: &str, forced: Option<&str>) -> Result<Endpoint>
                 Ok(Endpoint::Verbs { host, port })
             }
         }
-        other => Err(bad(addr, format!("RBR_TRANSPORT={other:?} is not shm, verbs or auto"))),
+        other => Err(bad(
+            addr,
+            format!("RBR_TRANSPORT={other:?} is not shm, verbs or auto"),
+        )),
     }
 }
 
@@ -60,7 +71,10 @@ fn shm_name(addr: &str, name: &str) -> Result<String> {
         return Err(bad(addr, "empty shared-memory name"));
     }
     if name.len() > SHM_NAME_MAX {
-        return Err(bad(addr, format!("shared-memory name longer than {SHM_NAME_MAX} bytes")));
+        return Err(bad(
+            addr,
+            format!("shared-memory name longer than {SHM_NAME_MAX} bytes"),
+        ));
     }
     if name.bytes().any(|b| b == 0 || b == b'/') {
         return Err(bad(addr, "shared-memory name contains NUL or '/'"));
@@ -70,15 +84,20 @@ fn shm_name(addr: &str, name: &str) -> Result<String> {
 
 fn host_port(addr: &str, s: &str) -> Result<(String, u16)> {
     let (host, port) = if let Some(rest) = s.strip_prefix('[') {
-        let (h, p) = rest.split_once("]:").ok_or_else(|| bad(addr, "expected [IPv6]:PORT"))?;
+        let (h, p) = rest
+            .split_once("]:")
+            .ok_or_else(|| bad(addr, "expected [IPv6]:PORT"))?;
         (h, p)
     } else {
-        s.rsplit_once(':').ok_or_else(|| bad(addr, "expected HOST:PORT"))?
+        s.rsplit_once(':')
+            .ok_or_else(|| bad(addr, "expected HOST:PORT"))?
     };
     if host.is_empty() {
         return Err(bad(addr, "empty host"));
     }
-    let port: u16 = port.parse().map_err(|_| bad(addr, format!("bad port {port:?}")))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| bad(addr, format!("bad port {port:?}")))?;
     if port == 0 {
         return Err(bad(addr, "port 0"));
     }
@@ -117,7 +136,9 @@ fn interface_addrs() -> Vec<IpAddr> {
             if family == libc::AF_INET {
                 // SAFETY: family AF_INET means the storage is a sockaddr_in.
                 let sin = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in>() };
-                out.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
+                out.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                    sin.sin_addr.s_addr,
+                ))));
             } else if family == libc::AF_INET6 {
                 // SAFETY: family AF_INET6 means the storage is a sockaddr_in6.
                 let sin6 = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in6>() };
@@ -137,29 +158,54 @@ mod tests {
 
     #[test]
     fn forms() {
-        assert_eq!(resolve_with("shm://a", None).unwrap(), Endpoint::Shm { name: "a".into() });
+        assert_eq!(
+            resolve_with("shm://a", None).unwrap(),
+            Endpoint::Shm { name: "a".into() }
+        );
         assert_eq!(
             resolve_with("rdma://10.0.0.1:7471", None).unwrap(),
-            Endpoint::Verbs { host: "10.0.0.1".into(), port: 7471 }
+            Endpoint::Verbs {
+                host: "10.0.0.1".into(),
+                port: 7471
+            }
         );
         assert_eq!(
             resolve_with("127.0.0.1:7471", None).unwrap(),
-            Endpoint::Shm { name: "port-7471".into() }
+            Endpoint::Shm {
+                name: "port-7471".into()
+            }
         );
         assert_eq!(
             resolve_with("[::1]:9", Some("verbs")).unwrap(),
-            Endpoint::Verbs { host: "::1".into(), port: 9 }
+            Endpoint::Verbs {
+                host: "::1".into(),
+                port: 9
+            }
         );
         assert_eq!(
             resolve_with("localhost:9", Some("auto")).unwrap(),
-            Endpoint::Shm { name: "port-9".into() }
+            Endpoint::Shm {
+                name: "port-9".into()
+            }
         );
     }
 
     #[test]
     fn rejects() {
-        for a in ["", "shm://", "tcp://x:1", "host", "host:0", "host:99999", ":5", "[::1]5"] {
-            assert!(matches!(resolve_with(a, None), Err(Error::Address { .. })), "{a:?}");
+        for a in [
+            "",
+            "shm://",
+            "tcp://x:1",
+            "host",
+            "host:0",
+            "host:99999",
+            ":5",
+            "[::1]5",
+        ] {
+            assert!(
+                matches!(resolve_with(a, None), Err(Error::Address { .. })),
+                "{a:?}"
+            );
         }
         let long = format!("shm://{}", "x".repeat(SHM_NAME_MAX + 1));
         assert!(resolve_with(&long, None).is_err());

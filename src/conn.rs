@@ -58,7 +58,10 @@ impl Default for ConnOptions {
 impl ConnOptions {
     /// Checks every field; the error says which one is wrong.
     pub fn validate(&self) -> Result<()> {
-        for (name, v) in [("send", self.send_queue_depth), ("receive", self.recv_queue_depth)] {
+        for (name, v) in [
+            ("send", self.send_queue_depth),
+            ("receive", self.recv_queue_depth),
+        ] {
             if v == 0 || v > QUEUE_DEPTH_MAX {
                 return Err(Error::invalid(format!(
                     "{name} queue depth {v} not in 1..={QUEUE_DEPTH_MAX}"
@@ -66,7 +69,10 @@ impl ConnOptions {
             }
         }
         if self.max_inline > INLINE_MAX {
-            return Err(Error::invalid(format!("max_inline {} over {INLINE_MAX}", self.max_inline)));
+            return Err(Error::invalid(format!(
+                "max_inline {} over {INLINE_MAX}",
+                self.max_inline
+            )));
         }
         check_private_data(&self.private_data)
     }
@@ -136,7 +142,9 @@ impl Listener {
 
     /// Takes the next connection request, waiting up to `timeout` (`None` = forever).
     pub fn get_request(&self, timeout: Option<Duration>) -> Result<ConnRequest> {
-        Ok(ConnRequest { imp: self.imp.get_request(timeout)? })
+        Ok(ConnRequest {
+            imp: self.imp.get_request(timeout)?,
+        })
     }
 
     /// A descriptor that is readable while a connection request may be waiting
@@ -162,7 +170,9 @@ impl ConnRequest {
     /// Accepts the request; the connection's completions go to `cq`.
     pub fn accept(self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
         opts.validate()?;
-        Ok(Connection { imp: self.imp.accept(cq.clone(), opts)? })
+        Ok(Connection {
+            imp: self.imp.accept(cq.clone(), opts)?,
+        })
     }
 
     /// Rejects the request, sending `private_data` (at most [`PRIVATE_DATA_MAX`] bytes).
@@ -222,7 +232,13 @@ impl Connection {
 
     /// Posts a receive of up to `len` bytes into `mr` at `offset` (needs
     /// [`crate::Access::LOCAL_WRITE`]). Messages fill receives in the order they were posted.
-    pub fn post_recv(&self, mr: &Arc<MemoryRegion>, offset: usize, len: usize, wr_id: u64) -> Result<()> {
+    pub fn post_recv(
+        &self,
+        mr: &Arc<MemoryRegion>,
+        offset: usize,
+        len: usize,
+        wr_id: u64,
+    ) -> Result<()> {
         self.imp.post_recv(mr, offset, len, wr_id)
     }
 

@@ -38,7 +38,9 @@ impl Context {
 
     /// A context with the given options.
     pub fn with_options(opts: ContextOptions) -> Result<Self> {
-        Ok(Context { inner: Arc::new(ContextInner { opts }) })
+        Ok(Context {
+            inner: Arc::new(ContextInner { opts }),
+        })
     }
 
     /// Listens for connections on `addr` (see the crate docs for address forms).

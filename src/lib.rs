@@ -47,7 +47,11 @@
 //! record - in bounded time, never blocking on the peer. A posted work request holds its memory
 //! region alive until it completes.
 
-#![deny(missing_docs, unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+#![deny(
+    missing_docs,
+    unsafe_op_in_unsafe_fn,
+    clippy::undocumented_unsafe_blocks
+)]
 
 mod addr;
 mod conn;

@@ -180,7 +180,11 @@ impl MemoryRegion {
                 // the same allocation.
                 Ok(unsafe { self.ptr.as_ptr().add(offset) })
             }
-            _ => Err(Error::Range { offset, len, region_len: self.len }),
+            _ => Err(Error::Range {
+                offset,
+                len,
+                region_len: self.len,
+            }),
         }
     }
 
@@ -204,12 +208,17 @@ fn check_args(len: usize, access: Access) -> Result<()> {
         return Err(Error::invalid("memory region length is 0"));
     }
     if access.0 & !Access::ALL.0 != 0 {
-        return Err(Error::invalid(format!("unknown access bits {:#x}", access.0)));
+        return Err(Error::invalid(format!(
+            "unknown access bits {:#x}",
+            access.0
+        )));
     }
     if access.contains(Access::REMOTE_WRITE) && !access.contains(Access::LOCAL_WRITE)
         || access.contains(Access::REMOTE_ATOMIC) && !access.contains(Access::LOCAL_WRITE)
     {
-        return Err(Error::invalid("remote write and atomic access need local write access"));
+        return Err(Error::invalid(
+            "remote write and atomic access need local write access",
+        ));
     }
     Ok(())
 }

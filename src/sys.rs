@@ -11,7 +11,11 @@ pub(crate) fn last_os_error() -> io::Error {
 
 /// Maps a `-1`-on-failure libc return value to an `io::Result`.
 pub(crate) fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
-    if ret < 0 { Err(last_os_error()) } else { Ok(ret) }
+    if ret < 0 {
+        Err(last_os_error())
+    } else {
+        Ok(ret)
+    }
 }
 
 /// A non-blocking eventfd used as a level-triggered readiness flag.
@@ -83,7 +87,15 @@ pub(crate) fn poll(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> io::R
 }
 
 /// Waits for `events` on one descriptor; true if ready, false on timeout.
-pub(crate) fn poll_one(fd: RawFd, events: libc::c_short, timeout: Option<Duration>) -> io::Result<bool> {
-    let mut p = [libc::pollfd { fd, events, revents: 0 }];
+pub(crate) fn poll_one(
+    fd: RawFd,
+    events: libc::c_short,
+    timeout: Option<Duration>,
+) -> io::Result<bool> {
+    let mut p = [libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    }];
     Ok(poll(&mut p, timeout)? > 0)
 }

@@ -184,7 +184,10 @@ pub unsafe extern "C" fn rbr_conn_post_send(
     ffi_body!({
         let conn = arg_ref!(conn);
         let mr = arg_ref!(mr);
-        status(conn.inner.post_send(&mr.inner, offset, len, wr_id, SendFlags(flags)))
+        status(
+            conn.inner
+                .post_send(&mr.inner, offset, len, wr_id, SendFlags(flags)),
+        )
     })
 }
 
@@ -263,7 +266,10 @@ pub unsafe extern "C" fn rbr_conn_private_data(
 /// # Safety
 /// `conn` live; `info` readable and writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rbr_conn_get_info(conn: *const rbr_conn, info: *mut rbr_conn_info) -> rbr_status {
+pub unsafe extern "C" fn rbr_conn_get_info(
+    conn: *const rbr_conn,
+    info: *mut rbr_conn_info,
+) -> rbr_status {
     ffi_body!({
         let conn = arg_ref!(conn);
         let info = out_ptr!(info);

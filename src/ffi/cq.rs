@@ -137,7 +137,12 @@ pub unsafe extern "C" fn rbr_cq_destroy(cq: *mut rbr_cq) {
 /// # Safety
 /// `out` must be writable for `max` records; `n` must be writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rbr_cq_poll(cq: *mut rbr_cq, out: *mut rbr_completion, max: usize, n: *mut usize) -> rbr_status {
+pub unsafe extern "C" fn rbr_cq_poll(
+    cq: *mut rbr_cq,
+    out: *mut rbr_completion,
+    max: usize,
+    n: *mut usize,
+) -> rbr_status {
     ffi_body!({
         let cq = arg_ref!(cq);
         let out = out_ptr!(out);

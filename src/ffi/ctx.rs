@@ -37,7 +37,10 @@ pub unsafe extern "C" fn rbr_ctx_create(out: *mut *mut rbr_ctx) -> rbr_status {
 /// # Safety
 /// `opts` is NULL or points at a readable `rbr_ctx_options`; `out` must be writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rbr_ctx_create_ex(opts: *const rbr_ctx_options, out: *mut *mut rbr_ctx) -> rbr_status {
+pub unsafe extern "C" fn rbr_ctx_create_ex(
+    opts: *const rbr_ctx_options,
+    out: *mut *mut rbr_ctx,
+) -> rbr_status {
     ffi_body!({
         let out = out_ptr!(out);
         let mut o = ContextOptions::default();
@@ -47,7 +50,10 @@ pub unsafe extern "C" fn rbr_ctx_create_ex(opts: *const rbr_ctx_options, out: *m
                 return fail(Error::invalid("rbr_ctx_options.struct_size is too small"));
             }
             if opts.flags & !RBR_CTX_SHM_ANY_UID != 0 {
-                return fail(Error::invalid(format!("unknown context flags {:#x}", opts.flags)));
+                return fail(Error::invalid(format!(
+                    "unknown context flags {:#x}",
+                    opts.flags
+                )));
             }
             o.shm_allow_any_uid = opts.flags & RBR_CTX_SHM_ANY_UID != 0;
         }

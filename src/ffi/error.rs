@@ -145,7 +145,11 @@ pub(crate) fn null_arg(name: &str) -> rbr_status {
 }
 
 pub(crate) fn panicked() -> rbr_status {
-    record("internal error: a panic was caught at the C boundary".into(), 0, None);
+    record(
+        "internal error: a panic was caught at the C boundary".into(),
+        0,
+        None,
+    );
     RBR_ERR_PANIC
 }
 
@@ -204,7 +208,11 @@ pub extern "C" fn rbr_last_errno() -> i32 {
 /// # Safety
 /// `buf` must be writable for `cap` bytes; `len` must be writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rbr_last_reject_data(buf: *mut c_void, cap: usize, len: *mut usize) -> rbr_status {
+pub unsafe extern "C" fn rbr_last_reject_data(
+    buf: *mut c_void,
+    cap: usize,
+    len: *mut usize,
+) -> rbr_status {
     crate::ffi::ffi_body!({
         let len = crate::ffi::out_ptr!(len);
         if cap > 0 && buf.is_null() {

@@ -6,7 +6,9 @@ use crate::ffi::conn::{finish, options, rbr_conn, rbr_conn_options};
 use crate::ffi::cq::rbr_cq;
 use crate::ffi::ctx::rbr_ctx;
 use crate::ffi::error::{RBR_OK, fail, rbr_status, status};
-use crate::ffi::{arg_mut, arg_ref, arg_str, bytes_arg, ffi_body, ffi_body_or, out_ptr, timeout_arg};
+use crate::ffi::{
+    arg_mut, arg_ref, arg_str, bytes_arg, ffi_body, ffi_body_or, out_ptr, timeout_arg,
+};
 use crate::{ConnRequest, Error, Listener};
 
 /// A listening endpoint. Create with `rbr_listen`, free with `rbr_listener_destroy`.
@@ -103,7 +105,10 @@ pub unsafe extern "C" fn rbr_listener_get_request(
         match l.inner.get_request(timeout) {
             Ok(r) => {
                 let private_data = r.private_data().to_vec();
-                let req = rbr_request { inner: Some(r), private_data };
+                let req = rbr_request {
+                    inner: Some(r),
+                    private_data,
+                };
                 // SAFETY: non-NULL and writable (caller contract).
                 unsafe { out.write(Box::into_raw(Box::new(req))) };
                 RBR_OK
@@ -172,7 +177,11 @@ pub unsafe extern "C" fn rbr_request_accept(
 /// # Safety
 /// `r` live; `data` readable for `len` bytes (NULL allowed when `len` is 0).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rbr_request_reject(r: *mut rbr_request, data: *const c_void, len: usize) -> rbr_status {
+pub unsafe extern "C" fn rbr_request_reject(
+    r: *mut rbr_request,
+    data: *const c_void,
+    len: usize,
+) -> rbr_status {
     ffi_body!({
         let r = arg_mut!(r);
         let data = match bytes_arg(data, len) {

@@ -18,7 +18,9 @@ pub use error::rbr_status;
 /// `RBR_ERR_PANIC` (with a last-error message) instead of unwinding into C.
 macro_rules! ffi_body {
     ($body:block) => {{
-        match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(|| -> $crate::ffi::error::rbr_status { $body })) {
+        match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(
+            || -> $crate::ffi::error::rbr_status { $body },
+        )) {
             Ok(status) => status,
             Err(_) => $crate::ffi::error::panicked(),
         }
@@ -87,7 +89,9 @@ macro_rules! arg_str {
         // SAFETY: non-NULL, and the C contract is a NUL-terminated string.
         match unsafe { ::std::ffi::CStr::from_ptr(p) }.to_str() {
             Ok(s) => s,
-            Err(_) => return $crate::ffi::error::fail($crate::Error::invalid("string is not UTF-8")),
+            Err(_) => {
+                return $crate::ffi::error::fail($crate::Error::invalid("string is not UTF-8"));
+            }
         }
     }};
 }
@@ -97,12 +101,17 @@ pub(crate) fn timeout_arg(ms: i32) -> Result<Option<std::time::Duration>, rbr_st
     match ms {
         -1 => Ok(None),
         ms if ms >= 0 => Ok(Some(std::time::Duration::from_millis(ms as u64))),
-        ms => Err(error::fail(crate::Error::invalid(format!("timeout {ms} ms (use -1 for none)")))),
+        ms => Err(error::fail(crate::Error::invalid(format!(
+            "timeout {ms} ms (use -1 for none)"
+        )))),
     }
 }
 
 /// Views a C byte buffer (`NULL` allowed when `len` is 0).
-pub(crate) fn bytes_arg<'a>(p: *const std::ffi::c_void, len: usize) -> Result<&'a [u8], rbr_status> {
+pub(crate) fn bytes_arg<'a>(
+    p: *const std::ffi::c_void,
+    len: usize,
+) -> Result<&'a [u8], rbr_status> {
     if len == 0 {
         return Ok(&[]);
     }

@@ -56,7 +56,10 @@ pub unsafe extern "C" fn rbr_mr_register(
             return crate::ffi::error::null_arg("addr");
         }
         // SAFETY: the caller's contract above is exactly register_mr's.
-        finish(unsafe { ctx.inner.register_mr(addr.cast(), len, Access(access)) }, out)
+        finish(
+            unsafe { ctx.inner.register_mr(addr.cast(), len, Access(access)) },
+            out,
+        )
     })
 }
 
@@ -67,7 +70,12 @@ pub unsafe extern "C" fn rbr_mr_register(
 /// # Safety
 /// `ctx` live; `out` writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn rbr_mr_alloc(ctx: *mut rbr_ctx, len: usize, access: u32, out: *mut *mut rbr_mr) -> rbr_status {
+pub unsafe extern "C" fn rbr_mr_alloc(
+    ctx: *mut rbr_ctx,
+    len: usize,
+    access: u32,
+    out: *mut *mut rbr_mr,
+) -> rbr_status {
     ffi_body!({
         let ctx = arg_ref!(ctx);
         let out = out_ptr!(out);

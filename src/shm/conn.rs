@@ -19,7 +19,10 @@ use crate::sys::EventFd;
 
 /// Where a send's bytes come from.
 pub(crate) enum SendSrc {
-    Region { mr: Arc<MemoryRegion>, offset: usize },
+    Region {
+        mr: Arc<MemoryRegion>,
+        offset: usize,
+    },
     Inline(Box<[u8]>),
 }
 
@@ -75,7 +78,14 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn complete(&self, wr_id: u64, opcode: Opcode, status: WcStatus, byte_len: u32, imm: Option<u32>) {
+    pub(crate) fn complete(
+        &self,
+        wr_id: u64,
+        opcode: Opcode,
+        status: WcStatus,
+        byte_len: u32,
+        imm: Option<u32>,
+    ) {
         self.cq.push(Completion {
             wr_id,
             conn_id: self.info.id,
@@ -92,7 +102,9 @@ impl Shared {
         // SeqCst fence: orders our queue push before the read of `engine_sleeping`, pairing with
         // the engine's store of `engine_sleeping` before it re-checks the queues (Dekker).
         fence(Ordering::SeqCst);
-        if self.engine_sleeping.load(Ordering::SeqCst) && self.engine_sleeping.swap(false, Ordering::SeqCst) {
+        if self.engine_sleeping.load(Ordering::SeqCst)
+            && self.engine_sleeping.swap(false, Ordering::SeqCst)
+        {
             self.wake.signal();
         }
     }
@@ -102,7 +114,11 @@ impl Shared {
     fn post(&self, push: impl FnOnce() -> Result<()>) -> Result<()> {
         // SeqCst: `posting` and `closed` form a Dekker pair with the engine's teardown.
         self.posting.fetch_add(1, Ordering::SeqCst);
-        let r = if self.closed.load(Ordering::SeqCst) { Err(Error::Disconnected) } else { push() };
+        let r = if self.closed.load(Ordering::SeqCst) {
+            Err(Error::Disconnected)
+        } else {
+            push()
+        };
         self.posting.fetch_sub(1, Ordering::SeqCst);
         if r.is_ok() {
             self.kick();
@@ -131,7 +147,9 @@ pub(crate) struct Conn {
 
 impl std::fmt::Debug for Conn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("shm::Conn").field("info", &self.sh.info).finish()
+        f.debug_struct("shm::Conn")
+            .field("info", &self.sh.info)
+            .finish()
     }
 }
 
@@ -173,7 +191,11 @@ impl Conn {
             .name(format!("rbr-shm-{}", info.id))
             .spawn(move || engine.run())
             .map_err(Error::Thread)?;
-        Ok(Conn { sh, thread: Some(thread), private_data: peer_private_data })
+        Ok(Conn {
+            sh,
+            thread: Some(thread),
+            private_data: peer_private_data,
+        })
     }
 
     pub(crate) fn info(&self) -> ConnInfo {
@@ -208,7 +230,10 @@ impl Conn {
             wr_id,
             signaled: flags.signaled(),
             len,
-            src: SendSrc::Region { mr: mr.clone(), offset },
+            src: SendSrc::Region {
+                mr: mr.clone(),
+                offset,
+            },
         };
         self.push_send(wr)
     }
@@ -242,13 +267,24 @@ impl Conn {
         })
     }
 
-    pub(crate) fn post_recv(&self, mr: &Arc<MemoryRegion>, offset: usize, len: usize, wr_id: u64) -> Result<()> {
+    pub(crate) fn post_recv(
+        &self,
+        mr: &Arc<MemoryRegion>,
+        offset: usize,
+        len: usize,
+        wr_id: u64,
+    ) -> Result<()> {
         self.check_mr(mr, offset, len)?;
         if !mr.access().contains(Access::LOCAL_WRITE) {
             return Err(Error::Access("receiving needs LOCAL_WRITE"));
         }
         let sh = &self.sh;
-        let wr = RecvWr { wr_id, mr: mr.clone(), offset, len };
+        let wr = RecvWr {
+            wr_id,
+            mr: mr.clone(),
+            offset,
+            len,
+        };
         sh.post(|| {
             claim(&sh.rq_used, sh.info.recv_queue_depth, "receive")?;
             if sh.rq.push(wr).is_err() {

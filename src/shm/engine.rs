@@ -97,7 +97,7 @@ impl Engine {
             sock,
             tx,
             rx,
-            max_chunk: cap / 4,
+            max_chunk: (cap / 4).min(64 * 1024),
             seg,
             pending: VecDeque::new(),
             copied: 0,
@@ -116,7 +116,8 @@ impl Engine {
 
     /// Runs until the connection ends, then completes everything and reports the disconnect.
     pub(crate) fn run(mut self) {
-        let end = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.main_loop())) {
+        let end = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.main_loop()))
+        {
             Ok(end) => end,
             Err(_) => End::Protocol,
         };
@@ -148,7 +149,10 @@ impl Engine {
     }
 
     fn fail_protocol(&self, _e: Error) -> End {
-        self.seg.ctrl(self.side).fatal.store(FATAL_PROTOCOL << 48, Ordering::SeqCst);
+        self.seg
+            .ctrl(self.side)
+            .fatal
+            .store(FATAL_PROTOCOL << 48, Ordering::SeqCst);
         End::Protocol
     }
 
@@ -165,7 +169,10 @@ impl Engine {
         }
         if ring_peer {
             // Release: the peer reading this count may send into the receives it counts.
-            self.seg.ctrl(self.side).recv_posted.store(self.recvs_posted, Ordering::Release);
+            self.seg
+                .ctrl(self.side)
+                .recv_posted
+                .store(self.recvs_posted, Ordering::Release);
         }
         while let Some(s) = self.sh.sq.pop() {
             self.pending.push_back(s);
@@ -200,7 +207,11 @@ impl Engine {
     fn transmit(&mut self) -> Result<bool> {
         let mut moved = false;
         // Acquire: pairs with the peer's Release of its receive count.
-        let credits = self.seg.ctrl(1 - self.side).recv_posted.load(Ordering::Acquire);
+        let credits = self
+            .seg
+            .ctrl(1 - self.side)
+            .recv_posted
+            .load(Ordering::Acquire);
         self.seen_credits = credits;
         self.seen_head = self.tx.head()?;
         while let Some(wr) = self.pending.front() {
@@ -215,7 +226,8 @@ impl Engine {
             // SAFETY: `wr.ptr()` is valid for `wr.len` bytes while the work request lives (the
             // region is held by it; inline data is owned by it), and copied + want <= len.
             let wrote = unsafe {
-                self.tx.write(wr.ptr().add(self.copied), want, first, ends, None, wr.len)?
+                self.tx
+                    .write(wr.ptr().add(self.copied), want, first, ends, None, wr.len)?
             };
             let Some(n) = wrote else { break };
             moved = true;
@@ -225,7 +237,11 @@ impl Engine {
             self.copied += n;
             if self.copied == wr.len {
                 let wr = self.pending.pop_front().expect("front exists");
-                self.inflight.push_back(InFlight { end: self.tx.tail(), seq: self.msgs_started - 1, wr });
+                self.inflight.push_back(InFlight {
+                    end: self.tx.tail(),
+                    seq: self.msgs_started - 1,
+                    wr,
+                });
                 self.copied = 0;
             }
         }
@@ -257,7 +273,8 @@ impl Engine {
     }
 
     fn finish_recv(&self, wr: RecvWr, status: WcStatus, len: usize, imm: Option<u32>) {
-        self.sh.complete(wr.wr_id, Opcode::Recv, status, len as u32, imm);
+        self.sh
+            .complete(wr.wr_id, Opcode::Recv, status, len as u32, imm);
         drop(wr);
         // Release: as for sends.
         self.sh.rq_used.fetch_sub(1, Ordering::Release);
@@ -287,7 +304,10 @@ impl Engine {
             if rec.total > wr.len {
                 let wr = self.recvs.pop_front().expect("front exists");
                 let seq = self.msgs_received;
-                self.seg.ctrl(self.side).fatal.store(FATAL_LENGTH << 48 | seq, Ordering::SeqCst);
+                self.seg
+                    .ctrl(self.side)
+                    .fatal
+                    .store(FATAL_LENGTH << 48 | seq, Ordering::SeqCst);
                 self.finish_recv(wr, WcStatus::LocalLength, rec.total, None);
                 return Err(ReceiveError::Length);
             }
@@ -297,7 +317,10 @@ impl Engine {
         if self.filled + rec.len > rec.total.min(wr.len) {
             return Err(proto("message longer than announced"));
         }
-        let dst = wr.mr.slice_ptr(wr.offset + self.filled, rec.len).map_err(ReceiveError::Protocol)?;
+        let dst = wr
+            .mr
+            .slice_ptr(wr.offset + self.filled, rec.len)
+            .map_err(ReceiveError::Protocol)?;
         // SAFETY: `dst` was bounds-checked against the receive's region (valid while the work
         // request holds it) and `rec.payload` against the ring (checked by `peek`).
         unsafe { std::ptr::copy_nonoverlapping(rec.payload, dst, rec.len) };
@@ -322,7 +345,10 @@ impl Engine {
         // `sleeping`, pairing with its store of `sleeping` before its final re-check (Dekker).
         fence(Ordering::SeqCst);
         if peer.sleeping.load(Ordering::SeqCst) == 1
-            && peer.sleeping.compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+            && peer
+                .sleeping
+                .compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
         {
             self.send_packet(WAKE);
         }
@@ -359,8 +385,13 @@ impl Engine {
         if !self.pending.is_empty() {
             // A stalled sender waits for credits or ring space: did either change since the
             // last attempt?
-            let credits = self.seg.ctrl(1 - self.side).recv_posted.load(Ordering::Acquire);
-            if credits != self.seen_credits || self.tx.head().map_or(true, |h| h != self.seen_head) {
+            let credits = self
+                .seg
+                .ctrl(1 - self.side)
+                .recv_posted
+                .load(Ordering::Acquire);
+            if credits != self.seen_credits || self.tx.head().map_or(true, |h| h != self.seen_head)
+            {
                 return true;
             }
         }
@@ -374,10 +405,22 @@ impl Engine {
         // SeqCst fence: the stores above come before the re-check below (Dekker with
         // `ring_peer` and `Shared::kick`).
         fence(Ordering::SeqCst);
-        let timeout = if self.has_work() { Duration::ZERO } else { MAX_SLEEP };
+        let timeout = if self.has_work() {
+            Duration::ZERO
+        } else {
+            MAX_SLEEP
+        };
         let mut fds = [
-            libc::pollfd { fd: self.sock.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: self.sh.wake.raw(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd {
+                fd: self.sock.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.sh.wake.raw(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
         let polled = sys::poll(&mut fds, Some(timeout));
         self.seg.ctrl(self.side).sleeping.store(0, Ordering::SeqCst);
@@ -400,10 +443,19 @@ impl Engine {
         loop {
             // SAFETY: receives into a live local buffer of the given length.
             let n = unsafe {
-                libc::recv(self.sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT)
+                libc::recv(
+                    self.sock.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
             };
             match n {
-                0 => return Err(End::Peer { clean: self.peer_said_bye }),
+                0 => {
+                    return Err(End::Peer {
+                        clean: self.peer_said_bye,
+                    });
+                }
                 n if n > 0 => {
                     if buf[..n as usize].contains(&BYE) {
                         self.peer_said_bye = true;
@@ -454,9 +506,14 @@ impl Engine {
 
         // Which of our sends the peer refused, if it failed the connection.
         let peer_fatal = self.seg.ctrl(1 - self.side).fatal.load(Ordering::SeqCst);
-        let refused_seq = (peer_fatal >> 48 == FATAL_LENGTH).then_some(peer_fatal & ((1 << 48) - 1));
+        let refused_seq =
+            (peer_fatal >> 48 == FATAL_LENGTH).then_some(peer_fatal & ((1 << 48) - 1));
         while let Some(f) = self.inflight.pop_front() {
-            let status = if Some(f.seq) == refused_seq { WcStatus::RemoteError } else { WcStatus::Flushed };
+            let status = if Some(f.seq) == refused_seq {
+                WcStatus::RemoteError
+            } else {
+                WcStatus::Flushed
+            };
             self.finish_send(f.wr, status);
         }
         while let Some(wr) = self.pending.pop_front() {

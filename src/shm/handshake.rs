@@ -76,7 +76,11 @@ fn decode(buf: &[u8]) -> Result<Msg> {
 fn socket() -> io::Result<OwnedFd> {
     // SAFETY: plain syscall; a non-negative result is a new descriptor we own.
     let fd = cvt(unsafe {
-        libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0)
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+        )
     })?;
     // SAFETY: fresh descriptor owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -102,7 +106,13 @@ fn peer_uid(fd: RawFd) -> io::Result<u32> {
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: pointers to live locals with their true sizes.
     cvt(unsafe {
-        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &mut len)
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &mut len,
+        )
     })?;
     Ok(cred.uid)
 }
@@ -114,7 +124,10 @@ fn my_uid() -> u32 {
 
 /// Sends one message, with `fd` attached if given.
 fn send_msg(sock: RawFd, msg: &[u8], fd: Option<RawFd>) -> io::Result<()> {
-    let mut iov = libc::iovec { iov_base: msg.as_ptr() as *mut _, iov_len: msg.len() };
+    let mut iov = libc::iovec {
+        iov_base: msg.as_ptr() as *mut _,
+        iov_len: msg.len(),
+    };
     let mut cbuf = [0u64; 4]; // CMSG_SPACE(sizeof(int)) rounded up, 8-aligned
     // SAFETY: msghdr is plain data; zero is a valid "no name, no control" value.
     let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -142,7 +155,10 @@ fn send_msg(sock: RawFd, msg: &[u8], fd: Option<RawFd>) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     if n as usize != msg.len() {
-        return Err(io::Error::new(io::ErrorKind::WriteZero, "short handshake send"));
+        return Err(io::Error::new(
+            io::ErrorKind::WriteZero,
+            "short handshake send",
+        ));
     }
     Ok(())
 }
@@ -153,7 +169,10 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, O
         return Ok(None);
     }
     let mut buf = [0u8; MSG_MAX + 1];
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
     let mut cbuf = [0u64; 8];
     // SAFETY: msghdr is plain data; zero is a valid starting value.
     let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -174,7 +193,8 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, O
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                let count = ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                let count =
+                    ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
                 for i in 0..count {
                     fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
                 }
@@ -183,7 +203,9 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, O
         }
     }
     if n == 0 {
-        return Err(Error::Connect(io::Error::from(io::ErrorKind::ConnectionReset)));
+        return Err(Error::Connect(io::Error::from(
+            io::ErrorKind::ConnectionReset,
+        )));
     }
     if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || fds.len() > 1 {
         return Err(Error::Protocol("handshake: oversized message".into()));
@@ -263,7 +285,11 @@ impl Listener {
             _ => return Ok(None),
         };
         if msg.version != VERSION {
-            let _ = send_msg(sock.as_raw_fd(), &encode(REJECT_VERSION, VERSION.into(), 0, &[]), None);
+            let _ = send_msg(
+                sock.as_raw_fd(),
+                &encode(REJECT_VERSION, VERSION.into(), 0, &[]),
+                None,
+            );
             return Ok(None);
         }
         let uid_ok = match peer_uid(sock.as_raw_fd()) {
@@ -271,10 +297,18 @@ impl Listener {
             Err(_) => false,
         };
         if !uid_ok {
-            let _ = send_msg(sock.as_raw_fd(), &encode(REJECT_PERMISSION, 0, 0, &[]), None);
+            let _ = send_msg(
+                sock.as_raw_fd(),
+                &encode(REJECT_PERMISSION, 0, 0, &[]),
+                None,
+            );
             return Ok(None);
         }
-        Ok(Some(Request { sock: Some(sock), private_data: msg.data, ctx: self.ctx.clone() }))
+        Ok(Some(Request {
+            sock: Some(sock),
+            private_data: msg.data,
+            ctx: self.ctx.clone(),
+        }))
     }
 }
 
@@ -292,7 +326,10 @@ impl Request {
     }
 
     pub(crate) fn accept(mut self, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Conn> {
-        let sock = self.sock.take().expect("an unanswered request has its socket");
+        let sock = self
+            .sock
+            .take()
+            .expect("an unanswered request has its socket");
         let (seg, fd) = Segment::create(DEFAULT_RING_CAP)?;
         let reply = encode(ACCEPT, seg.cap() as u32, 0, &opts.private_data);
         send_msg(sock.as_raw_fd(), &reply, Some(fd.as_raw_fd())).map_err(|e| {
@@ -308,7 +345,10 @@ impl Request {
     }
 
     pub(crate) fn reject(mut self, private_data: &[u8]) -> Result<()> {
-        let sock = self.sock.take().expect("an unanswered request has its socket");
+        let sock = self
+            .sock
+            .take()
+            .expect("an unanswered request has its socket");
         send_msg(sock.as_raw_fd(), &encode(REJECT, 0, 0, private_data), None).map_err(Error::Accept)
     }
 }
@@ -381,7 +421,11 @@ pub(crate) fn connect(
         REJECT_PERMISSION => {
             return Err(Error::Permission("the listener refuses this user".into()));
         }
-        k => return Err(Error::Protocol(format!("handshake: unexpected message kind {k}"))),
+        k => {
+            return Err(Error::Protocol(format!(
+                "handshake: unexpected message kind {k}"
+            )));
+        }
     }
     let fd = fd.ok_or_else(|| Error::Protocol("handshake: accept without a segment".into()))?;
     let seg = Segment::open(&fd)?;

@@ -66,8 +66,19 @@ impl Producer {
     /// # Safety
     /// The words and `data..data+cap` must stay mapped for the life of the producer, and this
     /// must be the only producer of the ring.
-    pub(crate) unsafe fn new(tail: &AtomicU64, head: &AtomicU64, data: *mut u8, cap: usize) -> Self {
-        Producer { tail_word: tail, head_word: head, data, cap, tail: 0 }
+    pub(crate) unsafe fn new(
+        tail: &AtomicU64,
+        head: &AtomicU64,
+        data: *mut u8,
+        cap: usize,
+    ) -> Self {
+        Producer {
+            tail_word: tail,
+            head_word: head,
+            data,
+            cap,
+            tail: 0,
+        }
     }
 
     fn head_word(&self) -> &AtomicU64 {
@@ -158,7 +169,9 @@ impl Producer {
         let words = [len as u32, flags, imm, total as u32];
         // SAFETY: at + HDR <= cap (at is 16-aligned and cap a multiple of 16), and the space is
         // free. Unaligned-safe byte copy of the 16 header bytes.
-        unsafe { std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), self.data.add(at), HDR) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), self.data.add(at), HDR)
+        };
     }
 
     /// Our tail: the ring position just past everything written so far.
@@ -170,8 +183,19 @@ impl Producer {
 impl Consumer {
     /// # Safety
     /// As for [`Producer::new`], for the one consumer of the ring.
-    pub(crate) unsafe fn new(tail: &AtomicU64, head: &AtomicU64, data: *const u8, cap: usize) -> Self {
-        Consumer { tail_word: tail, head_word: head, data, cap, head: 0 }
+    pub(crate) unsafe fn new(
+        tail: &AtomicU64,
+        head: &AtomicU64,
+        data: *const u8,
+        cap: usize,
+    ) -> Self {
+        Consumer {
+            tail_word: tail,
+            head_word: head,
+            data,
+            cap,
+            head: 0,
+        }
     }
 
     /// The producer's published tail, checked against our head.
@@ -204,7 +228,11 @@ impl Consumer {
             // SAFETY: at + HDR <= cap (16-aligned position in a ring whose size is a multiple of
             // 16) and the bytes are behind the published tail.
             unsafe {
-                std::ptr::copy_nonoverlapping(self.data.add(at), words.as_mut_ptr().cast::<u8>(), HDR)
+                std::ptr::copy_nonoverlapping(
+                    self.data.add(at),
+                    words.as_mut_ptr().cast::<u8>(),
+                    HDR,
+                )
             };
             let [len, flags, imm, total] = words;
             let (len, total) = (len as usize, total as usize);

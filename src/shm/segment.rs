@@ -70,7 +70,9 @@ impl Segment {
     /// the caller passes to the peer and then closes.
     pub(crate) fn create(cap: usize) -> Result<(Segment, OwnedFd)> {
         if !(MIN_CAP..=MAX_CAP).contains(&cap) || cap % 4096 != 0 {
-            return Err(Error::invalid(format!("ring size {cap} not a multiple of 4096 in range")));
+            return Err(Error::invalid(format!(
+                "ring size {cap} not a multiple of 4096 in range"
+            )));
         }
         let len = DATA + 2 * cap;
         // SAFETY: the name is a NUL-terminated literal and the flags are valid.
@@ -124,7 +126,7 @@ impl Segment {
         if len < DATA + 2 * MIN_CAP {
             return Err(proto("too small"));
         }
-        let seg = Segment::map(fd, len, 0)?;
+        let mut seg = Segment::map(fd, len, 0)?;
         // SAFETY: the mapping holds at least DATA bytes; offsets are aligned for their types.
         let (magic, version, cap) = unsafe {
             (
@@ -137,12 +139,15 @@ impl Segment {
             return Err(proto("bad magic"));
         }
         if version != VERSION {
-            return Err(Error::Protocol(format!("shared segment version {version}, want {VERSION}")));
+            return Err(Error::Protocol(format!(
+                "shared segment version {version}, want {VERSION}"
+            )));
         }
         if !(MIN_CAP..=MAX_CAP).contains(&cap) || cap % 4096 != 0 || DATA + 2 * cap != len {
             return Err(proto("ring size does not match the segment"));
         }
-        Ok(Segment { cap, ..seg })
+        seg.cap = cap;
+        Ok(seg)
     }
 
     fn map(fd: &OwnedFd, len: usize, cap: usize) -> Result<Segment> {
@@ -161,7 +166,11 @@ impl Segment {
         if p == libc::MAP_FAILED {
             return Err(Error::SharedMemory(io::Error::last_os_error()));
         }
-        Ok(Segment { base: NonNull::new(p.cast()).expect("mmap succeeded"), len, cap })
+        Ok(Segment {
+            base: NonNull::new(p.cast()).expect("mmap succeeded"),
+            len,
+            cap,
+        })
     }
 
     /// Bytes per ring.
@@ -185,7 +194,11 @@ impl Segment {
     /// The control words `side` writes.
     pub(crate) fn ctrl(&self, side: usize) -> Ctrl<'_> {
         let b = CTRL + side * CTRL_STRIDE;
-        Ctrl { sleeping: self.u32_at(b), recv_posted: self.u64_at(b + 128), fatal: self.u64_at(b + 256) }
+        Ctrl {
+            sleeping: self.u32_at(b),
+            recv_posted: self.u64_at(b + 128),
+            fatal: self.u64_at(b + 256),
+        }
     }
 
     /// `(tail, head)` cursors of ring `dir`.

@@ -1,0 +1,88 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rdmabridge::{Completion, CompletionQueue, ConnOptions, Connection, Context};
+
+/// A shared-memory address no other test (or test run) uses.
+pub fn unique_addr(tag: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "shm://test-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The next completion, failing the test if none arrives within 10 s.
+pub fn next(cq: &CompletionQueue) -> Completion {
+    loop {
+        if let Some(c) = cq.poll() {
+            return c;
+        }
+        assert!(
+            cq.wait(Some(Duration::from_secs(10))).unwrap(),
+            "no completion within 10 s"
+        );
+    }
+}
+
+/// A connected pair in this process: (client, server), each on its own completion queue.
+pub fn pair(
+    ctx: &Context,
+    copts: &ConnOptions,
+    sopts: &ConnOptions,
+) -> (
+    Connection,
+    Arc<CompletionQueue>,
+    Connection,
+    Arc<CompletionQueue>,
+) {
+    let addr = unique_addr("pair");
+    let l = ctx.listen(&addr, 4).unwrap();
+    let ccq = CompletionQueue::new().unwrap();
+    let scq = CompletionQueue::new().unwrap();
+    let (client, server) = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            l.get_request(Some(Duration::from_secs(10)))
+                .unwrap()
+                .accept(&scq, sopts)
+                .unwrap()
+        });
+        let c = ctx.connect(&addr, &ccq, copts).unwrap();
+        (c, h.join().unwrap())
+    });
+    (client, ccq, server, scq)
+}
+
+/// Message pattern shared with rbr-echo and the C examples.
+pub fn pattern(k: u64, size: usize) -> Vec<u8> {
+    (0..size)
+        .map(|i| (k.wrapping_mul(131) as usize + i * 7 + 1) as u8)
+        .collect()
+}
+
+/// Open descriptors of this process.
+pub fn fd_count() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Mappings of this process.
+pub fn map_count() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .count()
+}
+
+/// Mappings of the library's own shared memory (segments and allocated regions).
+pub fn our_map_count() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("memfd:rdmabridge"))
+        .count()
+}
