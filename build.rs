@@ -35,8 +35,7 @@ fn main() {
     }
     if env::var("RDMABRIDGE_UPDATE_HEADER").as_deref() == Ok("1") {
         let dest = crate_dir.join("include").join("rdmabridge.h");
-        fs::create_dir_all(dest.parent().expect("include/ has a parent"))
-            .expect("create include/");
+        fs::create_dir_all(dest.parent().expect("include/ has a parent")).expect("create include/");
         fs::copy(&generated, &dest).expect("write include/rdmabridge.h");
     }
 }

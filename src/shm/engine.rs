@@ -216,10 +216,8 @@ impl Engine {
         self.seen_head = self.tx.head()?;
         while let Some(wr) = self.pending.front() {
             let first = self.copied == 0;
-            if first {
-                if self.msgs_started >= credits {
-                    break;
-                }
+            if first && self.msgs_started >= credits {
+                break;
             }
             let want = (wr.len - self.copied).min(self.max_chunk);
             let ends = self.copied + want == wr.len;

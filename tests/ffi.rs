@@ -1,0 +1,365 @@
+//! The C surface, driven from Rust: every check a C caller relies on.
+
+mod common;
+
+use std::ffi::{CStr, c_void};
+use std::ptr::{null, null_mut};
+
+use common::unique_addr;
+use rdmabridge::ffi::conn::*;
+use rdmabridge::ffi::cq::*;
+use rdmabridge::ffi::ctx::*;
+use rdmabridge::ffi::error::*;
+use rdmabridge::ffi::listener::*;
+use rdmabridge::ffi::mr::*;
+
+fn cstr(p: *const std::ffi::c_char) -> String {
+    // SAFETY: the library returns NUL-terminated strings that outlive this call.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+#[test]
+fn header_is_fresh() {
+    let generated = include_str!(concat!(env!("OUT_DIR"), "/rdmabridge.h"));
+    let committed =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/rdmabridge.h"))
+            .unwrap();
+    assert!(
+        generated == committed,
+        "include/rdmabridge.h is stale: run scripts/regen-header.sh"
+    );
+    for banned in ["ibv_", "rdma_cm", "struct rdma_"] {
+        assert!(!committed.contains(banned), "header mentions {banned}");
+    }
+}
+
+#[test]
+fn every_status_has_a_distinct_name() {
+    let mut names = std::collections::HashSet::new();
+    for s in -23..=1 {
+        let n = cstr(rbr_status_str(s));
+        assert!(n.starts_with("RBR_"), "{s}: {n}");
+        assert!(names.insert(n));
+    }
+    assert_eq!(cstr(rbr_status_str(-999)), "unknown status");
+    assert_eq!(
+        cstr(rbr_status_str(RBR_ERR_TIMEOUT)),
+        "RBR_ERR_TIMEOUT: timed out"
+    );
+}
+
+#[test]
+fn null_arguments_return_rbr_err_null_and_write_nothing() {
+    // SAFETY: every pointer passed is NULL or valid; the functions must reject the NULLs.
+    unsafe {
+        assert_eq!(rbr_ctx_create(null_mut()), RBR_ERR_NULL);
+        assert!(cstr(rbr_last_error()).contains("NULL"));
+        assert_eq!(rbr_cq_create(null_mut()), RBR_ERR_NULL);
+        let mut ctx = null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let mut cq = null_mut();
+        assert_eq!(rbr_cq_create(&mut cq), RBR_OK);
+        let sentinel: *mut rbr_listener = std::ptr::dangling_mut();
+        let mut l = sentinel; // must stay untouched
+        assert_eq!(rbr_listen(ctx, null(), 4, &mut l), RBR_ERR_NULL);
+        assert_eq!(
+            rbr_listen(null_mut(), c"shm://x".as_ptr(), 4, &mut l),
+            RBR_ERR_NULL
+        );
+        assert_eq!(l, sentinel, "out-parameter written on failure");
+        let mut conn: *mut rbr_conn = null_mut();
+        assert_eq!(
+            rbr_connect(ctx, c"shm://x".as_ptr(), null_mut(), null(), &mut conn),
+            RBR_ERR_NULL
+        );
+        assert_eq!(
+            rbr_conn_post_send(null_mut(), null(), 0, 0, 0, 0),
+            RBR_ERR_NULL
+        );
+        assert_eq!(
+            rbr_conn_post_recv(null_mut(), null(), 0, 0, 0),
+            RBR_ERR_NULL
+        );
+        assert_eq!(rbr_cq_wait(null_mut(), 0), RBR_ERR_NULL);
+        let mut n = 0usize;
+        assert_eq!(rbr_cq_poll(cq, null_mut(), 1, &mut n), RBR_ERR_NULL);
+        let mut mr = null_mut();
+        assert_eq!(
+            rbr_mr_register(ctx, null_mut(), 10, 0, &mut mr),
+            RBR_ERR_NULL
+        );
+        assert!(mr.is_null());
+        assert!(rbr_mr_addr(null()).is_null());
+        assert_eq!(rbr_mr_len(null()), 0);
+        assert_eq!(rbr_conn_id(null()), 0);
+        // Destroying NULL is fine.
+        rbr_conn_destroy(null_mut());
+        rbr_mr_destroy(null_mut());
+        rbr_request_destroy(null_mut());
+        rbr_listener_destroy(null_mut());
+        rbr_cq_destroy(cq);
+        rbr_ctx_destroy(ctx);
+    }
+}
+
+#[test]
+fn bad_values_are_invalid() {
+    // SAFETY: all pointers are valid or NULL as each call allows.
+    unsafe {
+        let mut ctx = null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let mut cq = null_mut();
+        assert_eq!(rbr_cq_create(&mut cq), RBR_OK);
+        assert_eq!(rbr_cq_wait(cq, -2), RBR_ERR_INVALID);
+        assert_eq!(rbr_cq_wait(cq, 0), RBR_ERR_TIMEOUT);
+        let mut c = std::mem::zeroed::<rbr_completion>();
+        let mut n = 7usize;
+        assert_eq!(rbr_cq_poll(cq, &mut c, 1, &mut n), RBR_EMPTY);
+        assert_eq!(n, 0);
+        assert_eq!(rbr_cq_poll(cq, &mut c, 0, &mut n), RBR_ERR_INVALID);
+        let mut l = null_mut();
+        assert_eq!(
+            rbr_listen(ctx, c"tcp://h:1".as_ptr(), 4, &mut l),
+            RBR_ERR_ADDRESS
+        );
+        assert_eq!(
+            rbr_listen(ctx, c"shm://".as_ptr(), 4, &mut l),
+            RBR_ERR_ADDRESS
+        );
+        let mut opts = std::mem::zeroed::<rbr_conn_options>();
+        rbr_conn_options_init(&mut opts);
+        assert_eq!(opts.send_queue_depth, 128);
+        let mut conn = null_mut();
+        let addr = std::ffi::CString::new(unique_addr("ffi-bad")).unwrap();
+        for bad in [
+            rbr_conn_options {
+                struct_size: 4,
+                ..opts
+            },
+            rbr_conn_options {
+                send_queue_depth: 0,
+                ..opts
+            },
+            rbr_conn_options {
+                recv_queue_depth: 20000,
+                ..opts
+            },
+            rbr_conn_options {
+                timeout_ms: -7,
+                ..opts
+            },
+            rbr_conn_options {
+                private_data_len: 49,
+                private_data: [0u8; 49].as_ptr().cast(),
+                ..opts
+            },
+        ] {
+            assert_eq!(
+                rbr_connect(ctx, addr.as_ptr(), cq, &bad, &mut conn),
+                RBR_ERR_INVALID
+            );
+        }
+        let nulldata = rbr_conn_options {
+            private_data_len: 3,
+            ..opts
+        };
+        assert_eq!(
+            rbr_connect(ctx, addr.as_ptr(), cq, &nulldata, &mut conn),
+            RBR_ERR_NULL
+        );
+        assert_eq!(
+            rbr_connect(ctx, addr.as_ptr(), cq, &opts, &mut conn),
+            RBR_ERR_REFUSED
+        );
+        assert!(conn.is_null());
+        let mut mr = null_mut();
+        assert_eq!(
+            rbr_mr_alloc(ctx, 0, RBR_ACCESS_LOCAL_WRITE, &mut mr),
+            RBR_ERR_INVALID
+        );
+        assert_eq!(rbr_mr_alloc(ctx, 16, 0x100, &mut mr), RBR_ERR_INVALID);
+        assert_eq!(
+            rbr_mr_alloc(ctx, 16, RBR_ACCESS_REMOTE_WRITE, &mut mr),
+            RBR_ERR_INVALID
+        );
+        assert!(mr.is_null());
+        let mut buf = [0u8; 32];
+        assert_eq!(
+            rbr_mr_register(
+                ctx,
+                buf.as_mut_ptr().cast(),
+                32,
+                RBR_ACCESS_LOCAL_WRITE,
+                &mut mr
+            ),
+            RBR_OK
+        );
+        assert_eq!(rbr_mr_addr(mr), buf.as_mut_ptr().cast::<c_void>());
+        assert_eq!(rbr_mr_len(mr), 32);
+        rbr_mr_destroy(mr);
+        rbr_cq_destroy(cq);
+        rbr_ctx_destroy(ctx);
+    }
+}
+
+/// A full exchange through the C functions: reject with private data, then accept, send,
+/// receive, disconnect; the request can be answered once only.
+#[test]
+fn c_surface_round_trip() {
+    // SAFETY: all pointers are valid handles or live locals.
+    unsafe {
+        let mut ctx = null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let (mut scq, mut ccq) = (null_mut(), null_mut());
+        assert_eq!(rbr_cq_create(&mut scq), RBR_OK);
+        assert_eq!(rbr_cq_create(&mut ccq), RBR_OK);
+        let addr = std::ffi::CString::new(unique_addr("ffi")).unwrap();
+        let mut l = null_mut();
+        assert_eq!(rbr_listen(ctx, addr.as_ptr(), 4, &mut l), RBR_OK);
+        let mut lfd = -1;
+        assert_eq!(rbr_listener_fd(l, &mut lfd), RBR_OK);
+        assert!(lfd >= 0);
+        let (ctx_u, l_u, scq_u) = (ctx as usize, l as usize, scq as usize);
+
+        let server = std::thread::spawn(move || {
+            let (ctx, l, scq) = (
+                ctx_u as *mut rbr_ctx,
+                l_u as *mut rbr_listener,
+                scq_u as *mut rbr_cq,
+            );
+            let mut r = null_mut();
+            assert_eq!(rbr_listener_get_request(l, 10_000, &mut r), RBR_OK);
+            let (mut d, mut n) = (null(), 0usize);
+            assert_eq!(rbr_request_private_data(r, &mut d, &mut n), RBR_OK);
+            assert_eq!(std::slice::from_raw_parts(d.cast::<u8>(), n), b"first");
+            assert_eq!(rbr_request_reject(r, b"go away".as_ptr().cast(), 7), RBR_OK);
+            assert_eq!(rbr_request_reject(r, null(), 0), RBR_ERR_STATE);
+            rbr_request_destroy(r);
+
+            let mut r = null_mut();
+            assert_eq!(rbr_listener_get_request(l, 10_000, &mut r), RBR_OK);
+            let mut opts = std::mem::zeroed();
+            rbr_conn_options_init(&mut opts);
+            opts.private_data = b"ok".as_ptr().cast();
+            opts.private_data_len = 2;
+            opts.context = 0x5eed as *mut c_void;
+            let mut conn = null_mut();
+            let bad = rbr_conn_options {
+                max_inline: 5000,
+                ..opts
+            };
+            assert_eq!(rbr_request_accept(r, scq, &bad, &mut conn), RBR_ERR_INVALID);
+            assert_eq!(
+                rbr_request_accept(r, scq, &opts, &mut conn),
+                RBR_OK,
+                "bad options left the request usable"
+            );
+            let mut again = null_mut();
+            assert_eq!(rbr_request_accept(r, scq, &opts, &mut again), RBR_ERR_STATE);
+            rbr_request_destroy(r);
+            let mut mr = null_mut();
+            assert_eq!(
+                rbr_mr_alloc(ctx, 64, RBR_ACCESS_LOCAL_WRITE, &mut mr),
+                RBR_OK
+            );
+            assert_eq!(rbr_conn_post_recv(conn, mr, 0, 64, 42), RBR_OK);
+            let mut c = std::mem::zeroed::<rbr_completion>();
+            let mut n = 0;
+            assert_eq!(rbr_cq_wait(scq, 10_000), RBR_OK);
+            assert_eq!(rbr_cq_poll(scq, &mut c, 1, &mut n), RBR_OK);
+            assert_eq!(
+                (n, c.opcode, c.status, c.wr_id, c.byte_len),
+                (1, RBR_OP_RECV, RBR_WC_SUCCESS, 42, 5)
+            );
+            assert_eq!(c.conn_context as usize, 0x5eed);
+            assert_eq!(c.conn_id, rbr_conn_id(conn));
+            assert_eq!(
+                std::slice::from_raw_parts(rbr_mr_addr(mr).cast::<u8>(), 5),
+                b"hello"
+            );
+            assert_eq!(rbr_cq_wait(scq, 10_000), RBR_OK);
+            assert_eq!(rbr_cq_poll(scq, &mut c, 1, &mut n), RBR_OK);
+            assert_eq!((c.opcode, c.status), (RBR_OP_DISCONNECTED, RBR_WC_SUCCESS));
+            rbr_mr_destroy(mr);
+            rbr_conn_destroy(conn);
+        });
+
+        let mut opts = std::mem::zeroed();
+        rbr_conn_options_init(&mut opts);
+        opts.private_data = b"first".as_ptr().cast();
+        opts.private_data_len = 5;
+        let mut conn = null_mut();
+        assert_eq!(
+            rbr_connect(ctx, addr.as_ptr(), ccq, &opts, &mut conn),
+            RBR_ERR_REJECTED
+        );
+        let mut len = 0;
+        assert_eq!(rbr_last_reject_data(null_mut(), 0, &mut len), RBR_OK);
+        assert_eq!(len, 7);
+        let mut buf = [0u8; 16];
+        assert_eq!(
+            rbr_last_reject_data(buf.as_mut_ptr().cast(), buf.len(), &mut len),
+            RBR_OK
+        );
+        assert_eq!(&buf[..len], b"go away");
+
+        opts.private_data_len = 0;
+        assert_eq!(
+            rbr_connect(ctx, addr.as_ptr(), ccq, &opts, &mut conn),
+            RBR_OK
+        );
+        let (mut d, mut n) = (null(), 0usize);
+        assert_eq!(rbr_conn_private_data(conn, &mut d, &mut n), RBR_OK);
+        assert_eq!(std::slice::from_raw_parts(d.cast::<u8>(), n), b"ok");
+        let mut info = std::mem::zeroed::<rbr_conn_info>();
+        assert_eq!(
+            rbr_conn_get_info(conn, &mut info),
+            RBR_ERR_INVALID,
+            "struct_size unset"
+        );
+        info.struct_size = std::mem::size_of::<rbr_conn_info>() as u32;
+        assert_eq!(rbr_conn_get_info(conn, &mut info), RBR_OK);
+        assert_eq!(
+            (info.transport, info.send_queue_depth, info.max_inline),
+            (RBR_TRANSPORT_SHM, 128, 64)
+        );
+        assert_eq!(
+            rbr_conn_post_send_inline(conn, b"hello".as_ptr().cast(), 5, 1, RBR_SEND_SIGNALED),
+            RBR_OK
+        );
+        let mut c = std::mem::zeroed::<rbr_completion>();
+        assert_eq!(rbr_cq_wait(ccq, 10_000), RBR_OK);
+        let mut got = 0;
+        assert_eq!(rbr_cq_poll(ccq, &mut c, 1, &mut got), RBR_OK);
+        assert_eq!(
+            (c.opcode, c.status, c.wr_id),
+            (RBR_OP_SEND, RBR_WC_SUCCESS, 1)
+        );
+        assert_eq!(rbr_conn_disconnect(conn), RBR_OK);
+        assert_eq!(rbr_conn_disconnect(conn), RBR_OK);
+        server.join().unwrap();
+        rbr_conn_destroy(conn);
+        rbr_listener_destroy(l);
+        rbr_cq_destroy(scq);
+        rbr_cq_destroy(ccq);
+        rbr_ctx_destroy(ctx);
+    }
+}
+
+#[test]
+fn verbs_address_without_device_is_a_clear_status() {
+    // SAFETY: valid handles and strings.
+    unsafe {
+        let mut ctx = null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let mut l = null_mut();
+        let s = rbr_listen(ctx, c"rdma://198.18.0.1:7471".as_ptr(), 4, &mut l);
+        assert!(
+            s == RBR_ERR_NO_DEVICE || s == RBR_ERR_UNSUPPORTED,
+            "{}",
+            cstr(rbr_status_str(s))
+        );
+        assert!(l.is_null());
+        rbr_ctx_destroy(ctx);
+    }
+}
