@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every test: formatting, lints, header freshness, the Rust test suites, and the C examples
+# (built with -Werror, ASan and UBSan) under ctest. Installs what it needs first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+echo "== cargo fmt --check"
+cargo fmt --check
+echo "== cargo clippy --all-targets -- -D warnings"
+cargo clippy --all-targets --quiet -- -D warnings
+echo "== header freshness"
+RDMABRIDGE_UPDATE_HEADER=1 cargo build --release --quiet
+git diff --exit-code -- include/rdmabridge.h || {
+  echo "include/rdmabridge.h is stale: run scripts/regen-header.sh and commit it" >&2
+  exit 1
+}
+echo "== cargo test (release)"
+cargo test --release
+echo "== C examples (Debug: ASan + UBSan) under ctest"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Debug >/dev/null
+cmake --build build -j2
+ctest --test-dir build --output-on-failure
