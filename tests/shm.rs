@@ -446,3 +446,118 @@ fn completion_fd_is_readable_exactly_while_completions_are_queued() {
     assert!(!readable(cq.fd()), "readable with nothing queued");
     assert!(!cq.wait(Some(Duration::from_millis(20))).unwrap());
 }
+
+/// A peer running as another user is turned away (peer credentials), and the listener keeps
+/// serving. Needs root to run the peer as `nobody`; the project's test command runs as root.
+#[test]
+fn peer_of_another_user_is_refused() {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid cannot fail.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "this test runs as root (see README)"
+    );
+    let ctx = Context::new().unwrap();
+    let addr = unique_addr("uid");
+    let l = ctx.listen(&addr, 4).unwrap();
+    let out = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            Command::new(ECHO)
+                .args(["client", &addr, "1", "1"])
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap()
+        });
+        // The foreign peer never becomes a request.
+        assert!(matches!(
+            l.get_request(Some(Duration::from_secs(3))),
+            Err(Error::Timeout(_))
+        ));
+        h.join().unwrap()
+    });
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("permission denied"), "{err}");
+}
+
+/// Connects a raw seqpacket socket to a listener's abstract address and sends `msg`; returns
+/// the reply (if one came within 2 s).
+fn raw_hello(addr: &str, msg: &[u8]) -> Option<Vec<u8>> {
+    let name = addr.strip_prefix("shm://").unwrap();
+    // SAFETY: plain libc socket calls on locals; every buffer is live and sized.
+    unsafe {
+        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET, 0);
+        assert!(fd >= 0);
+        let mut sa: libc::sockaddr_un = std::mem::zeroed();
+        sa.sun_family = libc::AF_UNIX as _;
+        let path = format!("rdmabridge/{name}");
+        for (i, b) in path.bytes().enumerate() {
+            sa.sun_path[i + 1] = b as _;
+        }
+        let len = (2 + 1 + path.len()) as libc::socklen_t;
+        assert_eq!(libc::connect(fd, (&raw const sa).cast(), len), 0);
+        libc::send(fd, msg.as_ptr().cast(), msg.len(), 0);
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let mut reply = None;
+        if libc::poll(&mut p, 1, 2000) == 1 {
+            let mut buf = [0u8; 256];
+            let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
+            if n > 0 {
+                reply = Some(buf[..n as usize].to_vec());
+            }
+        }
+        libc::close(fd);
+        reply
+    }
+}
+
+/// Garbage and a future protocol version are turned away; the listener keeps serving.
+#[test]
+fn listener_survives_garbage_and_refuses_other_versions() {
+    let ctx = Context::new().unwrap();
+    let addr = unique_addr("hostile");
+    let l = ctx.listen(&addr, 8).unwrap();
+    std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let req = l.get_request(Some(Duration::from_secs(10))).unwrap();
+            assert_eq!(req.private_data(), b"real");
+            req.accept(&CompletionQueue::new().unwrap(), &ConnOptions::default())
+                .unwrap()
+        });
+        assert_eq!(
+            raw_hello(&addr, b"GET / HTTP/1.0"),
+            None,
+            "garbage gets no answer"
+        );
+        let mut v2 = Vec::new();
+        v2.extend_from_slice(&0x3152_4252u32.to_le_bytes());
+        v2.extend_from_slice(&2u16.to_le_bytes()); // version 2
+        v2.extend_from_slice(&1u16.to_le_bytes()); // hello
+        v2.extend_from_slice(&[0; 10]);
+        let reply = raw_hello(&addr, &v2).expect("a version mismatch is answered");
+        assert_eq!(
+            u16::from_le_bytes([reply[6], reply[7]]),
+            4,
+            "reply kind: version mismatch"
+        );
+        assert_eq!(
+            u32::from_le_bytes(reply[8..12].try_into().unwrap()),
+            1,
+            "names our version"
+        );
+        let cq = CompletionQueue::new().unwrap();
+        let opts = ConnOptions {
+            private_data: b"real".to_vec(),
+            ..Default::default()
+        };
+        let c = ctx.connect(&addr, &cq, &opts).unwrap();
+        drop(h.join().unwrap());
+        drop(c);
+    });
+}
