@@ -561,3 +561,30 @@ fn listener_survives_garbage_and_refuses_other_versions() {
         drop(c);
     });
 }
+
+/// A queue slot is free as soon as its completion can be polled: a full receive queue takes a
+/// new receive right after each completion, every time.
+#[test]
+fn slot_is_free_once_its_completion_is_seen() {
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions {
+        send_queue_depth: 4,
+        recv_queue_depth: 4,
+        ..Default::default()
+    };
+    let (c, ccq, s, scq) = pair(&ctx, &opts, &opts);
+    let mr = ctx.alloc_mr(4 * 64, Access::LOCAL_WRITE).unwrap();
+    for i in 0..4 {
+        s.post_recv(&mr, i * 64, 64, i as u64).unwrap();
+    }
+    for k in 0..2000u64 {
+        c.post_send_inline(&k.to_le_bytes(), k, SendFlags::SIGNALED)
+            .unwrap();
+        let r = next(&scq);
+        assert_eq!((r.opcode, r.status), (Opcode::Recv, WcStatus::Success));
+        s.post_recv(&mr, r.wr_id as usize * 64, 64, r.wr_id)
+            .expect("slot freed with its completion");
+        let sc = next(&ccq);
+        assert_eq!(sc.wr_id, k);
+    }
+}

@@ -262,20 +262,19 @@ impl Engine {
     }
 
     fn finish_send(&self, wr: SendWr, status: WcStatus) {
+        // The slot is free before the completion is queued: a caller that reaps it may post
+        // again at once, as with a verbs queue pair.
+        self.sh.sq_used.fetch_sub(1, Ordering::Relaxed);
         if wr.signaled || status != WcStatus::Success {
             self.sh.complete(wr.wr_id, Opcode::Send, status, 0, None);
         }
-        drop(wr);
-        // Release: the slot is free only after the completion is queued.
-        self.sh.sq_used.fetch_sub(1, Ordering::Release);
     }
 
     fn finish_recv(&self, wr: RecvWr, status: WcStatus, len: usize, imm: Option<u32>) {
+        // As for sends: free the slot first.
+        self.sh.rq_used.fetch_sub(1, Ordering::Relaxed);
         self.sh
             .complete(wr.wr_id, Opcode::Recv, status, len as u32, imm);
-        drop(wr);
-        // Release: as for sends.
-        self.sh.rq_used.fetch_sub(1, Ordering::Release);
     }
 
     /// Moves records from the incoming ring into posted receives.
