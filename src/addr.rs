@@ -2,7 +2,8 @@
 //!
 //! - `shm://NAME`: shared memory, for peers on this host.
 //! - `rdma://HOST:PORT`: the verbs transport.
-//! - `HOST:PORT`: chosen automatically: shared memory when HOST is this machine, verbs otherwise.
+//! - `HOST:PORT`: chosen automatically: shared memory for loopback and `localhost`, and for
+//!   other addresses of this machine when it has no RDMA device; verbs otherwise.
 //!   `RBR_TRANSPORT=shm|verbs|auto` overrides the choice.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -52,13 +53,11 @@ pub(crate) fn resolve_with(addr: &str, forced: Option<&str>) -> Result<Endpoint>
     match forced.unwrap_or("auto") {
         "shm" => Ok(shm),
         "verbs" => Ok(Endpoint::Verbs { host, port }),
-        "auto" | "" => {
-            if is_local(&host) {
-                Ok(shm)
-            } else {
-                Ok(Endpoint::Verbs { host, port })
-            }
-        }
+        "auto" | "" => match locality(&host) {
+            Locality::Loopback => Ok(shm),
+            Locality::ThisMachine if !crate::verbs::device_present() => Ok(shm),
+            _ => Ok(Endpoint::Verbs { host, port }),
+        },
         other => Err(bad(
             addr,
             format!("RBR_TRANSPORT={other:?} is not shm, verbs or auto"),
@@ -104,19 +103,28 @@ fn host_port(addr: &str, s: &str) -> Result<(String, u16)> {
     Ok((host.to_owned(), port))
 }
 
-/// Whether `host` names this machine: loopback, the unspecified address, `localhost`, or an
-/// address on one of its interfaces.
-fn is_local(host: &str) -> bool {
+enum Locality {
+    /// Loopback, `localhost` or the unspecified address: no RDMA device reaches it.
+    Loopback,
+    /// An address of one of this machine's interfaces.
+    ThisMachine,
+    Elsewhere,
+}
+
+fn locality(host: &str) -> Locality {
     if host.eq_ignore_ascii_case("localhost") {
-        return true;
+        return Locality::Loopback;
     }
     let Ok(ip) = host.parse::<IpAddr>() else {
-        return false;
+        return Locality::Elsewhere;
     };
     if ip.is_loopback() || ip.is_unspecified() {
-        return true;
+        Locality::Loopback
+    } else if interface_addrs().contains(&ip) {
+        Locality::ThisMachine
+    } else {
+        Locality::Elsewhere
     }
-    interface_addrs().contains(&ip)
 }
 
 fn interface_addrs() -> Vec<IpAddr> {

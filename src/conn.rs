@@ -129,28 +129,85 @@ pub enum Transport {
     Verbs,
 }
 
+/// Dispatches a call to the transport behind an object.
+macro_rules! dispatch {
+    ($self:expr, $imp:ident => $e:expr) => {
+        match $self {
+            Imp::Shm($imp) => $e,
+            #[cfg(feature = "verbs")]
+            Imp::Verbs($imp) => $e,
+            #[cfg(not(feature = "verbs"))]
+            Imp::Never(n, _) => match *n {},
+        }
+    };
+}
+
+#[derive(Debug)]
+enum Imp<S, V> {
+    Shm(S),
+    #[cfg(feature = "verbs")]
+    Verbs(V),
+    #[cfg(not(feature = "verbs"))]
+    #[allow(dead_code)]
+    Never(std::convert::Infallible, std::marker::PhantomData<V>),
+}
+
+#[cfg(feature = "verbs")]
+type VerbsListener = crate::verbs::Listener;
+#[cfg(feature = "verbs")]
+type VerbsRequest = crate::verbs::Request;
+#[cfg(feature = "verbs")]
+type VerbsConn = crate::verbs::Conn;
+#[cfg(not(feature = "verbs"))]
+type VerbsListener = ();
+#[cfg(not(feature = "verbs"))]
+type VerbsRequest = ();
+#[cfg(not(feature = "verbs"))]
+type VerbsConn = ();
+
 /// A listening endpoint. Thread-safe.
 #[derive(Debug)]
 pub struct Listener {
-    imp: shm::Listener,
+    imp: Imp<shm::Listener, VerbsListener>,
 }
 
 impl Listener {
     pub(crate) fn from_shm(imp: shm::Listener) -> Self {
-        Listener { imp }
+        Listener { imp: Imp::Shm(imp) }
+    }
+
+    #[cfg(feature = "verbs")]
+    pub(crate) fn from_verbs(imp: crate::verbs::Listener) -> Self {
+        Listener {
+            imp: Imp::Verbs(imp),
+        }
     }
 
     /// Takes the next connection request, waiting up to `timeout` (`None` = forever).
     pub fn get_request(&self, timeout: Option<Duration>) -> Result<ConnRequest> {
-        Ok(ConnRequest {
-            imp: self.imp.get_request(timeout)?,
-        })
+        match &self.imp {
+            Imp::Shm(l) => Ok(ConnRequest {
+                imp: Imp::Shm(l.get_request(timeout)?),
+            }),
+            #[cfg(feature = "verbs")]
+            Imp::Verbs(l) => Ok(ConnRequest {
+                imp: Imp::Verbs(l.get_request(timeout)?),
+            }),
+            #[cfg(not(feature = "verbs"))]
+            Imp::Never(n, _) => match *n {},
+        }
     }
 
     /// A descriptor that is readable while a connection request may be waiting
     /// (level-triggered). Owned by the listener; do not read it or close it.
     pub fn fd(&self) -> RawFd {
-        self.imp.fd()
+        match &self.imp {
+            Imp::Shm(l) => l.fd(),
+            #[cfg(feature = "verbs")]
+            Imp::Verbs(l) => l.fd(),
+            #[cfg(not(feature = "verbs"))]
+            Imp::Never(n, _) => match *n {},
+        }
     }
 }
 
@@ -158,27 +215,48 @@ impl Listener {
 /// [`reject`](Self::reject); dropping it unanswered rejects it without private data.
 #[derive(Debug)]
 pub struct ConnRequest {
-    imp: shm::Request,
+    imp: Imp<shm::Request, VerbsRequest>,
 }
 
 impl ConnRequest {
-    /// The private data the peer sent with its request.
+    /// The private data the peer sent with its request. (A plain librdmacm peer's private data
+    /// arrives as the transport delivers it, which may be padded with zeros.)
     pub fn private_data(&self) -> &[u8] {
-        self.imp.private_data()
+        match &self.imp {
+            Imp::Shm(r) => r.private_data(),
+            #[cfg(feature = "verbs")]
+            Imp::Verbs(r) => r.private_data(),
+            #[cfg(not(feature = "verbs"))]
+            Imp::Never(n, _) => match *n {},
+        }
     }
 
     /// Accepts the request; the connection's completions go to `cq`.
     pub fn accept(self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
         opts.validate()?;
-        Ok(Connection {
-            imp: self.imp.accept(cq.clone(), opts)?,
-        })
+        match self.imp {
+            Imp::Shm(r) => Ok(Connection {
+                imp: Imp::Shm(r.accept(cq.clone(), opts)?),
+            }),
+            #[cfg(feature = "verbs")]
+            Imp::Verbs(r) => Ok(Connection {
+                imp: Imp::Verbs(r.accept(cq.clone(), opts)?),
+            }),
+            #[cfg(not(feature = "verbs"))]
+            Imp::Never(n, _) => match n {},
+        }
     }
 
     /// Rejects the request, sending `private_data` (at most [`PRIVATE_DATA_MAX`] bytes).
     pub fn reject(self, private_data: &[u8]) -> Result<()> {
         check_private_data(private_data)?;
-        self.imp.reject(private_data)
+        match self.imp {
+            Imp::Shm(r) => r.reject(private_data),
+            #[cfg(feature = "verbs")]
+            Imp::Verbs(r) => r.reject(private_data),
+            #[cfg(not(feature = "verbs"))]
+            Imp::Never(n, _) => match n {},
+        }
     }
 }
 
@@ -189,27 +267,34 @@ impl ConnRequest {
 /// [`crate::Opcode::Disconnected`] record, and releases everything, in bounded time.
 #[derive(Debug)]
 pub struct Connection {
-    imp: shm::Conn,
+    imp: Imp<shm::Conn, VerbsConn>,
 }
 
 impl Connection {
     pub(crate) fn from_shm(imp: shm::Conn) -> Self {
-        Connection { imp }
+        Connection { imp: Imp::Shm(imp) }
+    }
+
+    #[cfg(feature = "verbs")]
+    pub(crate) fn from_verbs(imp: crate::verbs::Conn) -> Self {
+        Connection {
+            imp: Imp::Verbs(imp),
+        }
     }
 
     /// The connection's id, echoed in its completions.
     pub fn id(&self) -> u64 {
-        self.imp.info().id
+        self.info().id
     }
 
     /// What was granted.
     pub fn info(&self) -> ConnInfo {
-        self.imp.info()
+        dispatch!(&self.imp, c => c.info())
     }
 
     /// The private data the peer sent when it accepted (client) or requested (server).
     pub fn private_data(&self) -> &[u8] {
-        self.imp.private_data()
+        dispatch!(&self.imp, c => c.private_data())
     }
 
     /// Sends `len` bytes at `offset` of `mr`. The bytes must not change until the send
@@ -222,12 +307,12 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
-        self.imp.post_send(mr, offset, len, wr_id, flags)
+        dispatch!(&self.imp, c => c.post_send(mr, offset, len, wr_id, flags))
     }
 
     /// Sends `data`, copied before this returns (at most the granted `max_inline` bytes).
     pub fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
-        self.imp.post_send_inline(data, wr_id, flags)
+        dispatch!(&self.imp, c => c.post_send_inline(data, wr_id, flags))
     }
 
     /// Posts a receive of up to `len` bytes into `mr` at `offset` (needs
@@ -239,12 +324,12 @@ impl Connection {
         len: usize,
         wr_id: u64,
     ) -> Result<()> {
-        self.imp.post_recv(mr, offset, len, wr_id)
+        dispatch!(&self.imp, c => c.post_recv(mr, offset, len, wr_id))
     }
 
     /// Starts an orderly disconnect. Outstanding work completes (flushed), then a
     /// [`crate::Opcode::Disconnected`] record arrives on the completion queue. Idempotent.
     pub fn disconnect(&self) {
-        self.imp.disconnect()
+        dispatch!(&self.imp, c => c.disconnect())
     }
 }

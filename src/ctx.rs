@@ -19,6 +19,9 @@ pub struct ContextOptions {
 #[derive(Debug)]
 pub(crate) struct ContextInner {
     pub(crate) opts: ContextOptions,
+    /// Verbs protection domains, one per device, made on first use.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) verbs: crate::verbs::Domain,
 }
 
 /// The parent of listeners, connections and memory regions.
@@ -39,7 +42,10 @@ impl Context {
     /// A context with the given options.
     pub fn with_options(opts: ContextOptions) -> Result<Self> {
         Ok(Context {
-            inner: Arc::new(ContextInner { opts }),
+            inner: Arc::new(ContextInner {
+                opts,
+                verbs: Default::default(),
+            }),
         })
     }
 
@@ -51,7 +57,7 @@ impl Context {
                 &name,
                 backlog,
             )?)),
-            Endpoint::Verbs { .. } => Err(verbs_unavailable()),
+            Endpoint::Verbs { host, port } => verbs_listen(self, &host, port, backlog),
         }
     }
 
@@ -70,7 +76,7 @@ impl Context {
                 cq.clone(),
                 opts,
             )?)),
-            Endpoint::Verbs { .. } => Err(verbs_unavailable()),
+            Endpoint::Verbs { host, port } => verbs_connect(self, &host, port, cq, opts),
         }
     }
 
@@ -96,11 +102,51 @@ impl Context {
     }
 }
 
-/// The status for an endpoint that needs the verbs transport, which this release does not carry
-/// yet: no device at all is the more useful answer when that is the case.
-fn verbs_unavailable() -> Error {
+#[cfg(feature = "verbs")]
+fn verbs_listen(ctx: &Context, host: &str, port: u16, backlog: u32) -> Result<Listener> {
     if !crate::verbs::device_present() {
-        return Error::NoDevice;
+        return Err(Error::NoDevice);
     }
-    Error::Unsupported("the verbs transport is not available in this release".into())
+    Ok(Listener::from_verbs(crate::verbs::Listener::bind(
+        ctx.inner.clone(),
+        host,
+        port,
+        backlog,
+    )?))
+}
+
+#[cfg(feature = "verbs")]
+fn verbs_connect(
+    ctx: &Context,
+    host: &str,
+    port: u16,
+    cq: &Arc<CompletionQueue>,
+    opts: &ConnOptions,
+) -> Result<Connection> {
+    if !crate::verbs::device_present() {
+        return Err(Error::NoDevice);
+    }
+    Ok(Connection::from_verbs(crate::verbs::connect(
+        ctx.inner.clone(),
+        host,
+        port,
+        cq.clone(),
+        opts,
+    )?))
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_listen(_: &Context, _: &str, _: u16, _: u32) -> Result<Listener> {
+    Err(Error::Unsupported("built without the verbs feature".into()))
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_connect(
+    _: &Context,
+    _: &str,
+    _: u16,
+    _: &Arc<CompletionQueue>,
+    _: &ConnOptions,
+) -> Result<Connection> {
+    Err(Error::Unsupported("built without the verbs feature".into()))
 }

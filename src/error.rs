@@ -40,6 +40,18 @@ pub enum Error {
     /// The verbs transport was asked for and this machine has no RDMA device.
     #[error("no RDMA device on this machine")]
     NoDevice,
+    /// The peer cannot be reached (no route, or it does not answer).
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+    /// No route to the peer could be resolved.
+    #[error("route resolution failed: {0}")]
+    Route(String),
+    /// Establishing the connection failed after it started.
+    #[error("connection establishment failed: {0}")]
+    ConnectFailed(String),
+    /// The RDMA device went away.
+    #[error("the RDMA device was removed")]
+    DeviceRemoved,
     /// Nobody listens at the address.
     #[error("connection refused: nobody listens at {0}")]
     Refused(String),

@@ -27,9 +27,9 @@
 //!
 //! # Addresses
 //! `shm://NAME` (shared memory on this host), `rdma://HOST:PORT` (verbs), or `HOST:PORT`
-//! (shared memory when HOST is this machine, verbs otherwise; `RBR_TRANSPORT=shm|verbs|auto`
-//! overrides). This release carries the shared-memory transport; verbs endpoints report
-//! [`Error::NoDevice`] or [`Error::Unsupported`].
+//! (shared memory for loopback, and for this machine's own addresses when it has no RDMA
+//! device; verbs otherwise; `RBR_TRANSPORT=shm|verbs|auto` overrides). A verbs endpoint on a
+//! machine without an RDMA device reports [`Error::NoDevice`].
 //!
 //! # Semantics
 //! A connection behaves like an RC queue pair: messages are reliable and in order; a send waits

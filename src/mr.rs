@@ -59,6 +59,9 @@ pub struct MemoryRegion {
     access: Access,
     id: u64,
     owned: Option<Owned>,
+    /// Registrations with verbs protection domains, made on first use by a connection.
+    /// Declared before `_ctx` and released before the memory (see `Drop`).
+    regs: crate::verbs::Registrations,
     _ctx: Arc<ContextInner>,
 }
 
@@ -89,6 +92,7 @@ impl MemoryRegion {
             access,
             id: NEXT_MR_ID.fetch_add(1, Ordering::Relaxed),
             owned: None,
+            regs: Default::default(),
             _ctx: ctx,
         }))
     }
@@ -124,6 +128,7 @@ impl MemoryRegion {
             access,
             id: NEXT_MR_ID.fetch_add(1, Ordering::Relaxed),
             owned: Some(Owned { _fd: fd }),
+            regs: Default::default(),
             _ctx: ctx,
         }))
     }
@@ -188,6 +193,12 @@ impl MemoryRegion {
         }
     }
 
+    /// The local key of this region in `pd`, registering it there on first use.
+    #[cfg(feature = "verbs")]
+    pub(crate) fn verbs_lkey(&self, pd: &Arc<crate::verbs::Pd>) -> Result<u32> {
+        self.regs.lkey(pd, self.ptr.as_ptr(), self.len, self.access)
+    }
+
     pub(crate) fn same_context(&self, ctx: &Arc<ContextInner>) -> bool {
         Arc::ptr_eq(&self._ctx, ctx)
     }
@@ -195,6 +206,8 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
+        // Deregister from every device before the memory can go away.
+        drop(std::mem::take(&mut self.regs));
         if self.owned.is_some() {
             // SAFETY: ptr/len are exactly what mmap returned in `alloc`; the last Arc is gone,
             // so no work request or caller reference can still use the mapping.

@@ -1,5 +1,17 @@
-//! The verbs transport (librdmacm + libibverbs). This release only probes for devices; the
-//! connection flow comes next.
+//! The verbs transport: real RDMA through librdmacm and libibverbs (InfiniBand, RoCE,
+//! soft-RoCE), on reliable-connected queue pairs.
+
+#[cfg(feature = "verbs")]
+mod cm;
+#[cfg(feature = "verbs")]
+mod conn;
+#[cfg(feature = "verbs")]
+mod res;
+
+#[cfg(feature = "verbs")]
+pub(crate) use conn::{Conn, Listener, Request, connect};
+#[cfg(feature = "verbs")]
+pub(crate) use res::{Domain, Pd, Registrations};
 
 /// Whether this machine has at least one RDMA device.
 #[cfg(feature = "verbs")]
@@ -22,3 +34,16 @@ pub(crate) fn device_present() -> bool {
 pub(crate) fn device_present() -> bool {
     false
 }
+
+/// Stand-ins without the `verbs` feature, so the rest of the crate needs no `cfg`.
+#[cfg(not(feature = "verbs"))]
+mod absent {
+    /// No protection domains without verbs.
+    #[derive(Debug, Default)]
+    pub(crate) struct Domain;
+    /// No registrations without verbs.
+    #[derive(Debug, Default)]
+    pub(crate) struct Registrations;
+}
+#[cfg(not(feature = "verbs"))]
+pub(crate) use absent::{Domain, Registrations};

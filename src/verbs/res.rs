@@ -1,0 +1,178 @@
+//! Verbs resources, each owning its raw pointer and holding an `Arc` of its parent so drop
+//! order cannot be wrong: protection domains (one per device per context), memory-region
+//! registrations, completion channels and completion queues.
+
+use std::io;
+use std::sync::{Arc, Mutex};
+
+use rdma_sys as sys;
+
+use crate::error::{Error, Result};
+use crate::mr::Access;
+
+/// A protection domain on one device.
+pub(crate) struct Pd {
+    pub(crate) raw: *mut sys::ibv_pd,
+    pub(crate) device: *mut sys::ibv_context,
+}
+
+// SAFETY: a PD is an immutable handle to a kernel object; verbs calls taking it are thread-safe.
+unsafe impl Send for Pd {}
+// SAFETY: as above.
+unsafe impl Sync for Pd {}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        // SAFETY: every registration and QP holds an Arc of this PD, so none is left; the
+        // device context is kept open by librdmacm for the life of the process.
+        unsafe { sys::ibv_dealloc_pd(self.raw) };
+    }
+}
+
+/// The verbs state of a context: one protection domain per device, made on first use.
+#[derive(Default)]
+pub(crate) struct Domain {
+    pds: Mutex<Vec<Arc<Pd>>>,
+}
+
+impl std::fmt::Debug for Domain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("verbs::Domain")
+    }
+}
+
+impl Domain {
+    pub(crate) fn pd(&self, device: *mut sys::ibv_context) -> Result<Arc<Pd>> {
+        let mut pds = self.pds.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(pd) = pds.iter().find(|p| p.device == device) {
+            return Ok(pd.clone());
+        }
+        // SAFETY: `device` is a live device context from a CM id.
+        let raw = unsafe { sys::ibv_alloc_pd(device) };
+        if raw.is_null() {
+            return Err(Error::MemoryRegion(io::Error::last_os_error()));
+        }
+        let pd = Arc::new(Pd { raw, device });
+        pds.push(pd.clone());
+        Ok(pd)
+    }
+}
+
+/// A memory region's registrations, one per protection domain it was used with.
+#[derive(Default)]
+pub(crate) struct Registrations {
+    regs: Mutex<Vec<(Arc<Pd>, *mut sys::ibv_mr)>>,
+}
+
+// SAFETY: the raw MR pointers are only read (lkey/rkey) and deregistered under the lock.
+unsafe impl Send for Registrations {}
+// SAFETY: as above.
+unsafe impl Sync for Registrations {}
+
+impl std::fmt::Debug for Registrations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("verbs::Registrations")
+    }
+}
+
+impl Registrations {
+    /// The local key of `addr..addr+len` in `pd`, registering it on first use.
+    pub(crate) fn lkey(
+        &self,
+        pd: &Arc<Pd>,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<u32> {
+        let mut regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, mr)) = regs.iter().find(|(p, _)| Arc::ptr_eq(p, pd)) {
+            // SAFETY: registrations stay live until `self` is dropped.
+            return Ok(unsafe { (**mr).lkey });
+        }
+        let mut flags = 0;
+        if access.contains(Access::LOCAL_WRITE) {
+            flags |= sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        }
+        if access.contains(Access::REMOTE_WRITE) {
+            flags |= sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        }
+        if access.contains(Access::REMOTE_READ) {
+            flags |= sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        }
+        if access.contains(Access::REMOTE_ATOMIC) {
+            flags |= sys::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+        }
+        // SAFETY: the region's memory is valid for `len` bytes while it lives (its own
+        // contract), and the registration is dropped before the memory is released.
+        let mr = unsafe { sys::ibv_reg_mr(pd.raw, addr.cast(), len, flags as i32) };
+        if mr.is_null() {
+            return Err(Error::MemoryRegion(io::Error::last_os_error()));
+        }
+        regs.push((pd.clone(), mr));
+        // SAFETY: just registered.
+        Ok(unsafe { (*mr).lkey })
+    }
+}
+
+impl Drop for Registrations {
+    fn drop(&mut self) {
+        let regs = self.regs.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (_pd, mr) in regs.drain(..) {
+            // SAFETY: registered above, deregistered once; no posted work uses it any more
+            // (work requests hold the region alive until they complete).
+            unsafe { sys::ibv_dereg_mr(mr) };
+        }
+    }
+}
+
+/// A completion channel: the fd a CQ's notifications arrive on.
+pub(crate) struct CompChannel(pub(crate) *mut sys::ibv_comp_channel);
+
+// SAFETY: owned by one connection and used from its engine thread only after creation.
+unsafe impl Send for CompChannel {}
+
+impl Drop for CompChannel {
+    fn drop(&mut self) {
+        // SAFETY: the CQ using it (which holds an Arc-free borrow through its owner) is
+        // destroyed first by the owner's field order.
+        unsafe { sys::ibv_destroy_comp_channel(self.0) };
+    }
+}
+
+/// A completion queue bound to a completion channel.
+pub(crate) struct Cq {
+    pub(crate) raw: *mut sys::ibv_cq,
+    /// CQ events taken with ibv_get_cq_event and not yet acked.
+    pub(crate) unacked: u32,
+}
+
+// SAFETY: as for CompChannel.
+unsafe impl Send for Cq {}
+
+impl Cq {
+    pub(crate) fn new(device: *mut sys::ibv_context, ch: &CompChannel, depth: u32) -> Result<Cq> {
+        // SAFETY: live device and channel; NULL with errno on failure.
+        let raw =
+            unsafe { sys::ibv_create_cq(device, depth as i32, std::ptr::null_mut(), ch.0, 0) };
+        if raw.is_null() {
+            return Err(Error::CompletionQueue(io::Error::last_os_error()));
+        }
+        Ok(Cq { raw, unacked: 0 })
+    }
+
+    pub(crate) fn ack(&mut self) {
+        if self.unacked > 0 {
+            // SAFETY: acks exactly the events taken from this CQ.
+            unsafe { sys::ibv_ack_cq_events(self.raw, self.unacked) };
+            self.unacked = 0;
+        }
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        self.ack();
+        // SAFETY: every CQ event was acked just above, and the QP using it is gone.
+        unsafe { sys::ibv_destroy_cq(self.raw) };
+    }
+}
