@@ -7,14 +7,39 @@ use std::time::Duration;
 
 use rdmabridge::{Completion, CompletionQueue, ConnOptions, Connection, Context};
 
+pub mod suite;
+
+/// The transport a test runs over.
+pub enum Net {
+    /// Shared memory.
+    Shm,
+    /// Verbs, listening on this IP address (an RDMA device's address: soft-RoCE in the VM).
+    Verbs(String),
+}
+
+impl Net {
+    /// Verbs on the address the VM harness exports as RBR_TEST_ADDR.
+    pub fn verbs_from_env() -> Net {
+        let ip = std::env::var("RBR_TEST_ADDR")
+            .expect("RBR_TEST_ADDR is unset: run the verbs tests through scripts/vm-test.sh");
+        Net::Verbs(ip)
+    }
+
+    /// An address no other test (or test run) uses.
+    pub fn addr(&self, tag: &str) -> String {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id() as u64;
+        match self {
+            Net::Shm => format!("shm://test-{tag}-{pid}-{n}"),
+            Net::Verbs(ip) => format!("rdma://{ip}:{}", 20000 + (pid * 97 + n) % 40000),
+        }
+    }
+}
+
 /// A shared-memory address no other test (or test run) uses.
 pub fn unique_addr(tag: &str) -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "shm://test-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+    Net::Shm.addr(tag)
 }
 
 /// The next completion, failing the test if none arrives within 10 s.
@@ -32,6 +57,7 @@ pub fn next(cq: &CompletionQueue) -> Completion {
 
 /// A connected pair in this process: (client, server), each on its own completion queue.
 pub fn pair(
+    net: &Net,
     ctx: &Context,
     copts: &ConnOptions,
     sopts: &ConnOptions,
@@ -41,7 +67,7 @@ pub fn pair(
     Connection,
     Arc<CompletionQueue>,
 ) {
-    let addr = unique_addr("pair");
+    let addr = net.addr("pair");
     let l = ctx.listen(&addr, 4).unwrap();
     let ccq = CompletionQueue::new().unwrap();
     let scq = CompletionQueue::new().unwrap();

@@ -1,0 +1,303 @@
+/*
+ * Helpers shared by the rdmabridge C examples (see common.h).
+ */
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
+
+#include "common.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static const char *ex_progname = "rbr-example";
+
+void ex_set_progname(const char *argv0)
+{
+    const char *slash;
+
+    if (argv0 == NULL || argv0[0] == '\0')
+        return;
+    slash = strrchr(argv0, '/');
+    ex_progname = slash != NULL ? slash + 1 : argv0;
+}
+
+void ex_error(const char *fmt, ...)
+{
+    va_list ap;
+
+    fprintf(stderr, "%s: ", ex_progname);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+}
+
+int ex_check(rbr_status st, const char *what)
+{
+    const char *name;
+    const char *detail;
+
+    if (st >= 0)
+        return 0;
+    name = rbr_status_str(st);
+    detail = rbr_last_error();
+    ex_error("%s failed: %s (%d): %s", what, name != NULL ? name : "?",
+             (int)st, detail != NULL ? detail : "");
+    return -1;
+}
+
+void ex_die_on_status(rbr_status st, const char *what)
+{
+    if (ex_check(st, what) != 0)
+        exit(EXIT_FAILURE);
+}
+
+/*
+ * The pattern repeats every 256 bytes (7 is odd, so i * 7 mod 256 has
+ * period 256).  Fill and verify therefore build one block of up to
+ * EX_BLOCK bytes (a multiple of 256) and then copy / compare whole blocks,
+ * which stays fast for megabyte messages even in unoptimized sanitizer
+ * builds.
+ */
+#define EX_BLOCK 4096u
+
+static size_t ex_make_block(uint8_t *block, size_t len, uint64_t k)
+{
+    size_t n = len < EX_BLOCK ? len : EX_BLOCK;
+    uint8_t v = (uint8_t)(k * 131u + 1u);
+    size_t i;
+
+    for (i = 0; i < n; i++) {
+        block[i] = v;
+        v = (uint8_t)(v + 7u);
+    }
+    return n;
+}
+
+void ex_fill_pattern(void *buf, size_t len, uint64_t k)
+{
+    uint8_t block[EX_BLOCK];
+    uint8_t *p = buf;
+    size_t n = ex_make_block(block, len, k);
+    size_t off;
+
+    for (off = 0; off < len; off += n) {
+        size_t chunk = len - off < n ? len - off : n;
+
+        memcpy(p + off, block, chunk);
+    }
+}
+
+int ex_verify_pattern(const void *buf, size_t len, uint64_t k)
+{
+    uint8_t block[EX_BLOCK];
+    const uint8_t *p = buf;
+    size_t n = ex_make_block(block, len, k);
+    size_t off;
+
+    for (off = 0; off < len; off += n) {
+        size_t chunk = len - off < n ? len - off : n;
+        size_t i;
+
+        if (memcmp(p + off, block, chunk) == 0)
+            continue;
+        for (i = 0; i < chunk; i++) {
+            if (p[off + i] != block[i]) {
+                ex_error("message %llu: byte %zu is 0x%02x, expected 0x%02x",
+                         (unsigned long long)k, off + i,
+                         (unsigned)p[off + i], (unsigned)block[i]);
+                break;
+            }
+        }
+        return -1;
+    }
+    return 0;
+}
+
+uint64_t ex_now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+rbr_status ex_wait_completions(rbr_cq *cq, rbr_completion *out, size_t max,
+                               size_t *n, int32_t timeout_ms)
+{
+    uint64_t deadline = 0;
+    rbr_status st;
+
+    if (timeout_ms >= 0)
+        deadline = ex_now_ns() + (uint64_t)timeout_ms * 1000000u;
+
+    for (;;) {
+        size_t got = 0;
+        int32_t wait_ms = -1;
+
+        st = rbr_cq_poll(cq, out, max, &got);
+        if (st == RBR_OK) {
+            if (got == 0 || got > max) {
+                ex_error("rbr_cq_poll returned RBR_OK with n = %zu (max %zu)",
+                         got, max);
+                return RBR_ERR_PROTOCOL;
+            }
+            *n = got;
+            return RBR_OK;
+        }
+        if (st != RBR_EMPTY)
+            return st;
+
+        if (timeout_ms >= 0) {
+            uint64_t now = ex_now_ns();
+            uint64_t left;
+
+            if (now >= deadline)
+                return RBR_ERR_TIMEOUT;
+            left = deadline - now;
+            /* Round up so that a timed-out wait really passes the deadline. */
+            wait_ms = (int32_t)((left + 999999u) / 1000000u);
+        }
+        st = rbr_cq_wait(cq, wait_ms);
+        if (st != RBR_OK && st != RBR_ERR_TIMEOUT)
+            return st;
+        /* On RBR_OK or a timeout, poll again; the deadline check decides. */
+    }
+}
+
+rbr_status ex_wait_one(rbr_cq *cq, rbr_completion *out, int32_t timeout_ms)
+{
+    size_t n = 0;
+
+    return ex_wait_completions(cq, out, 1, &n, timeout_ms);
+}
+
+const char *ex_opcode_str(uint32_t opcode)
+{
+    switch (opcode) {
+    case RBR_OP_SEND:
+        return "SEND";
+    case RBR_OP_RECV:
+        return "RECV";
+    case RBR_OP_DISCONNECTED:
+        return "DISCONNECTED";
+    default:
+        return "OTHER";
+    }
+}
+
+const char *ex_wc_status_str(int32_t status)
+{
+    switch (status) {
+    case RBR_WC_SUCCESS:
+        return "SUCCESS";
+    case RBR_WC_FLUSHED:
+        return "FLUSHED";
+    case RBR_WC_LOCAL_LENGTH:
+        return "LOCAL_LENGTH";
+    case RBR_WC_REMOTE_ERROR:
+        return "REMOTE_ERROR";
+    case RBR_WC_TRANSPORT:
+        return "TRANSPORT";
+    case RBR_WC_LOCAL_PROTECTION:
+        return "LOCAL_PROTECTION";
+    case RBR_WC_REMOTE_ACCESS:
+        return "REMOTE_ACCESS";
+    case RBR_WC_GENERAL:
+        return "GENERAL";
+    default:
+        return "UNKNOWN";
+    }
+}
+
+size_t ex_slot_stride(size_t size)
+{
+    const size_t line = 64;
+
+    if (size == 0)
+        return line;
+    return (size + line - 1) / line * line;
+}
+
+void ex_report_completion(const char *what, const rbr_completion *c)
+{
+    ex_error("%s: %s completion (opcode %u) wr_id=%llu byte_len=%u "
+             "status %s (%d)",
+             what, ex_opcode_str(c->opcode), (unsigned)c->opcode,
+             (unsigned long long)c->wr_id, (unsigned)c->byte_len,
+             ex_wc_status_str(c->status), (int)c->status);
+}
+
+static int ex_cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a;
+    uint64_t y = *(const uint64_t *)b;
+
+    return (x > y) - (x < y);
+}
+
+uint64_t ex_percentile(uint64_t *v, size_t n, double p)
+{
+    size_t rank;
+
+    if (n == 0)
+        return 0;
+    qsort(v, n, sizeof v[0], ex_cmp_u64);
+    if (p <= 0.0)
+        return v[0];
+    if (p >= 100.0)
+        return v[n - 1];
+    /* Nearest rank: the smallest value with at least p% of values <= it. */
+    rank = (size_t)((p / 100.0) * (double)n);
+    if ((double)rank < (p / 100.0) * (double)n)
+        rank++;
+    if (rank == 0)
+        rank = 1;
+    return v[rank - 1];
+}
+
+int ex_parse_size(const char *s, uint64_t *out)
+{
+    char *end = NULL;
+    unsigned long long v;
+    uint64_t mult = 1;
+
+    if (s == NULL || *s < '0' || *s > '9')
+        return -1;
+    errno = 0;
+    v = strtoull(s, &end, 10);
+    if (end == s || errno == ERANGE)
+        return -1;
+    switch (*end) {
+    case '\0':
+        break;
+    case 'k':
+    case 'K':
+        mult = 1024u;
+        end++;
+        break;
+    case 'm':
+    case 'M':
+        mult = 1024u * 1024u;
+        end++;
+        break;
+    case 'g':
+    case 'G':
+        mult = 1024u * 1024u * 1024u;
+        end++;
+        break;
+    default:
+        return -1;
+    }
+    if (*end != '\0')
+        return -1;
+    if (v > UINT64_MAX / mult)
+        return -1;
+    *out = (uint64_t)v * mult;
+    return 0;
+}

@@ -1,0 +1,96 @@
+/*
+ * Helpers shared by the rdmabridge C examples: status reporting, the test
+ * message pattern, a monotonic clock, waiting for completions with a timeout,
+ * and percentiles.  Nothing here is part of the library's API.
+ */
+#ifndef RBR_EXAMPLES_COMMON_H
+#define RBR_EXAMPLES_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "rdmabridge.h"
+
+/* Default address of the demo pair, shared by server and client. */
+#define EX_DEFAULT_ADDR "shm://rdmabridge-demo"
+/* Private data the server answers with; the client checks it. */
+#define EX_SERVER_HELLO "rbr-server"
+#define EX_CLIENT_HELLO "rbr-client"
+
+/*
+ * If st is an error (negative), print "what: NAME (code): last error" to
+ * stderr and return -1; otherwise return 0.  Use with a goto chain:
+ *     if (ex_check(rbr_ctx_create(&ctx), "rbr_ctx_create")) goto out;
+ */
+int ex_check(rbr_status st, const char *what);
+
+/* Like ex_check, but exits the process with status 1 on error. */
+void ex_die_on_status(rbr_status st, const char *what);
+
+/* Shorthand for ex_check(expr, #expr). */
+#define EX_CHECK(expr) ex_check((expr), #expr)
+
+/* Prints the message to stderr, prefixed with the program name. */
+void ex_error(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+
+/* Program name used as the prefix of every diagnostic; set from argv[0]. */
+void ex_set_progname(const char *argv0);
+
+/*
+ * Message pattern: byte i of message number k (0-based, counted per
+ * direction) is (uint8_t)(k * 131 + i * 7 + 1).
+ */
+void ex_fill_pattern(void *buf, size_t len, uint64_t k);
+
+/*
+ * Returns 0 if buf holds message k, else -1 after printing the first
+ * mismatching byte.
+ */
+int ex_verify_pattern(const void *buf, size_t len, uint64_t k);
+
+/* CLOCK_MONOTONIC in nanoseconds. */
+uint64_t ex_now_ns(void);
+
+/*
+ * Waits up to timeout_ms (-1 = forever) for at least one completion on cq,
+ * by polling and, when the queue is empty, blocking in rbr_cq_wait.  Returns
+ * RBR_OK with 1..max completions in out[] and their number in *n, or
+ * RBR_ERR_TIMEOUT, or another error status.
+ */
+rbr_status ex_wait_completions(rbr_cq *cq, rbr_completion *out, size_t max,
+                               size_t *n, int32_t timeout_ms);
+
+/* ex_wait_completions for exactly one completion. */
+rbr_status ex_wait_one(rbr_cq *cq, rbr_completion *out, int32_t timeout_ms);
+
+/* Readable names for completion opcodes and statuses (never NULL). */
+const char *ex_opcode_str(uint32_t opcode);
+const char *ex_wc_status_str(int32_t status);
+
+/*
+ * Nearest-rank percentile p (0..100) of the n values in v; sorts v in place.
+ * Returns 0 for n == 0.
+ */
+uint64_t ex_percentile(uint64_t *v, size_t n, double p);
+
+/*
+ * Distance between consecutive message slots of `size` bytes carved out of
+ * one memory region: size rounded up to a cache line, and at least one line,
+ * so that size 0 still gets a non-empty region.
+ */
+size_t ex_slot_stride(size_t size);
+
+/* Prints "what: OPCODE completion wr_id=.. status NAME (n)" to stderr. */
+void ex_report_completion(const char *what, const rbr_completion *c);
+
+/*
+ * Parses a non-negative decimal integer (optionally with a K/M/G binary
+ * suffix) into *out.  Returns 0 on success, -1 on malformed input.
+ */
+int ex_parse_size(const char *s, uint64_t *out);
+
+#endif /* RBR_EXAMPLES_COMMON_H */

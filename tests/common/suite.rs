@@ -1,0 +1,495 @@
+//! The transport-independent integration tests: every one runs over shm (tests/shm.rs) and
+//! over verbs on soft-RoCE (tests/verbs.rs), unchanged but for the address.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::*;
+use rdmabridge::{
+    Access, CompletionQueue, ConnOptions, Context, Error, Opcode, SendFlags, WcStatus,
+};
+
+const ECHO: &str = env!("CARGO_BIN_EXE_rbr-echo");
+
+/// Two processes exchange 10,000 verified messages each way at every size from 1 B to 1 MiB.
+pub fn processes_exchange_verified_messages_at_all_sizes(net: &Net) {
+    for size in [0usize, 1, 64, 4096, 65536, 1 << 20] {
+        let addr = net.addr("proc");
+        let mut server = Command::new(ECHO)
+            .args(["server", &addr, "10000", &size.to_string()])
+            .spawn()
+            .unwrap();
+        let client = Command::new(ECHO)
+            .args(["client", &addr, "10000", &size.to_string()])
+            .status()
+            .unwrap();
+        let server = server.wait().unwrap();
+        assert!(client.success(), "client failed at size {size}");
+        assert!(server.success(), "server failed at size {size}");
+    }
+}
+
+pub fn connect_to_name_nobody_listens_on_is_refused_at_once(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let cq = CompletionQueue::new().unwrap();
+    let t = Instant::now();
+    let r = ctx.connect(&net.addr("nobody"), &cq, &ConnOptions::default());
+    assert!(matches!(r, Err(Error::Refused(_))), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(1));
+}
+
+pub fn connect_to_silent_listener_times_out_within_its_timeout(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let cq = CompletionQueue::new().unwrap();
+    let addr = net.addr("silent");
+    let _l = ctx.listen(&addr, 4).unwrap(); // never takes the request
+    let opts = ConnOptions {
+        timeout: Some(Duration::from_millis(300)),
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let r = ctx.connect(&addr, &cq, &opts);
+    let took = t.elapsed();
+    assert!(matches!(r, Err(Error::Timeout(_))), "{r:?}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(1300),
+        "{took:?}"
+    );
+}
+
+pub fn second_listener_on_same_name_is_addr_in_use(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let addr = net.addr("dup");
+    let _l = ctx.listen(&addr, 4).unwrap();
+    assert!(matches!(ctx.listen(&addr, 4), Err(Error::AddrInUse(_))));
+}
+
+pub fn reject_carries_private_data_both_ways(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let cq = CompletionQueue::new().unwrap();
+    let addr = net.addr("reject");
+    let l = ctx.listen(&addr, 4).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let req = l.get_request(Some(Duration::from_secs(10))).unwrap();
+            assert_eq!(req.private_data(), b"may I?");
+            req.reject(b"no, busy").unwrap();
+        });
+        let opts = ConnOptions {
+            private_data: b"may I?".to_vec(),
+            ..Default::default()
+        };
+        match ctx.connect(&addr, &cq, &opts) {
+            Err(Error::Rejected(d)) => assert_eq!(d, b"no, busy"),
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+    });
+}
+
+pub fn accept_private_data_reaches_the_client(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let copts = ConnOptions {
+        private_data: b"hello".to_vec(),
+        ..Default::default()
+    };
+    let sopts = ConnOptions {
+        private_data: b"welcome".to_vec(),
+        ..Default::default()
+    };
+    let (c, _ccq, s, _scq) = pair(net, &ctx, &copts, &sopts);
+    assert_eq!(c.private_data(), b"welcome");
+    assert_eq!(s.private_data(), b"hello");
+}
+
+pub fn oversized_private_data_is_invalid_and_nothing_is_sent(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let cq = CompletionQueue::new().unwrap();
+    let addr = net.addr("bigpd");
+    let l = ctx.listen(&addr, 4).unwrap();
+    let opts = ConnOptions {
+        private_data: vec![0; 49],
+        ..Default::default()
+    };
+    assert!(matches!(
+        ctx.connect(&addr, &cq, &opts),
+        Err(Error::InvalidArgument(_))
+    ));
+    // Nothing reached the listener.
+    assert!(matches!(
+        l.get_request(Some(Duration::from_millis(50))),
+        Err(Error::Timeout(_))
+    ));
+}
+
+/// A peer killed with SIGKILL mid-stream: the survivor gets flush completions for all its
+/// outstanding work and a disconnect event within 1 s, and tears down cleanly.
+pub fn peer_killed_mid_stream_is_reported_within_one_second(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let cq = CompletionQueue::new().unwrap();
+    let addr = net.addr("kill");
+    let l = ctx.listen(&addr, 4).unwrap();
+    let mut child = Command::new(ECHO)
+        .args(["flood", &addr, "4096"])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let conn = l
+        .get_request(Some(Duration::from_secs(10)))
+        .unwrap()
+        .accept(&cq, &ConnOptions::default())
+        .unwrap();
+    let mr = ctx.alloc_mr(64 * 4096, Access::LOCAL_WRITE).unwrap();
+    for i in 0..64 {
+        conn.post_recv(&mr, i * 4096, 4096, i as u64).unwrap();
+    }
+    // Sends the flooder will never take (it posted 32 receives): some stay outstanding.
+    for i in 0..40 {
+        conn.post_send(&mr, 0, 4096, 1000 + i, SendFlags::SIGNALED)
+            .unwrap();
+    }
+    // Let the stream run: receives complete and are re-posted.
+    let mut received = 0;
+    let (mut recv_out, mut send_out) = (64u64, 40u64);
+    // Each receive that completes below is posted again, so 64 stay outstanding.
+    while received < 500 {
+        let c = next(&cq);
+        assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        match c.opcode {
+            Opcode::Recv => {
+                received += 1;
+                conn.post_recv(&mr, (c.wr_id as usize) * 4096, 4096, c.wr_id)
+                    .unwrap();
+            }
+            Opcode::Send => send_out -= 1,
+            Opcode::Disconnected => panic!("disconnected early"),
+            _ => unreachable!(),
+        }
+    }
+    child.kill().unwrap();
+    let killed = Instant::now();
+    child.wait().unwrap();
+    let (mut flushed_recv, mut flushed_send) = (0, 0);
+    loop {
+        let c = next(&cq);
+        match (c.opcode, c.status) {
+            (Opcode::Recv, WcStatus::Success) => recv_out -= 1, // delivered before the kill
+            (Opcode::Send, WcStatus::Success) => send_out -= 1,
+            (Opcode::Recv, WcStatus::Flushed) => flushed_recv += 1,
+            (Opcode::Send, WcStatus::Flushed) => flushed_send += 1,
+            (Opcode::Disconnected, s) => {
+                assert_eq!(
+                    s,
+                    WcStatus::Transport,
+                    "a killed peer is not an orderly close"
+                );
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(
+        killed.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        killed.elapsed()
+    );
+    assert_eq!(
+        flushed_recv, recv_out,
+        "every outstanding receive is flushed"
+    );
+    assert_eq!(flushed_send, send_out, "every outstanding send is flushed");
+    assert!(send_out > 0, "the test meant to leave sends outstanding");
+    assert!(cq.poll().is_none(), "nothing after the disconnect event");
+    assert!(matches!(
+        conn.post_send(&mr, 0, 1, 1, SendFlags::SIGNALED),
+        Err(Error::Disconnected)
+    ));
+    drop(conn);
+    drop(l);
+}
+
+/// A receiver that posts receives slowly never loses a message: credits hold the sender back.
+pub fn slow_receiver_holds_sender_back_and_loses_nothing(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions {
+        send_queue_depth: 300,
+        ..Default::default()
+    };
+    let (c, ccq, s, scq) = pair(net, &ctx, &opts, &ConnOptions::default());
+    let n = 300usize;
+    let smr = ctx.alloc_mr(n * 100, Access::LOCAL_WRITE).unwrap();
+    for k in 0..n {
+        smr.write(k * 100, &pattern(k as u64, 100)).unwrap();
+        c.post_send(&smr, k * 100, 100, k as u64, SendFlags::SIGNALED)
+            .unwrap();
+    }
+    let rmr = ctx.alloc_mr(100, Access::LOCAL_WRITE).unwrap();
+    let mut buf = vec![0u8; 100];
+    for k in 0..n {
+        // No send can complete before a receive exists for it.
+        let mut done = 0;
+        while let Some(sc) = ccq.poll() {
+            assert_eq!(sc.status, WcStatus::Success);
+            done += 1;
+        }
+        assert_eq!(
+            done,
+            if k == 0 { 0 } else { 1 },
+            "sends completed ahead of receives"
+        );
+        s.post_recv(&rmr, 0, 100, k as u64).unwrap();
+        let r = next(&scq);
+        assert_eq!(
+            (r.opcode, r.status, r.wr_id, r.byte_len),
+            (Opcode::Recv, WcStatus::Success, k as u64, 100)
+        );
+        rmr.read(0, &mut buf).unwrap();
+        assert_eq!(buf, pattern(k as u64, 100), "message {k}");
+        // Wait for the matching send completion before the next receive.
+        if k + 1 < n {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while ccq.is_empty() {
+                assert!(Instant::now() < deadline);
+                std::thread::yield_now();
+            }
+        }
+        if k > 0 && k % 50 == 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+pub fn receive_too_small_fails_both_sides_with_length_errors(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let (c, ccq, s, scq) = pair(net, &ctx, &ConnOptions::default(), &ConnOptions::default());
+    let mr = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    s.post_recv(&mr, 0, 10, 1).unwrap();
+    s.post_recv(&mr, 100, 100, 2).unwrap();
+    c.post_send(&mr, 0, 11, 5, SendFlags::SIGNALED).unwrap();
+    let r = next(&scq);
+    assert_eq!(
+        (r.opcode, r.status, r.wr_id),
+        (Opcode::Recv, WcStatus::LocalLength, 1)
+    );
+    let r = next(&scq);
+    assert_eq!(
+        (r.opcode, r.status, r.wr_id),
+        (Opcode::Recv, WcStatus::Flushed, 2)
+    );
+    assert_eq!(next(&scq).opcode, Opcode::Disconnected);
+    let sc = next(&ccq);
+    assert_eq!(
+        (sc.opcode, sc.status, sc.wr_id),
+        (Opcode::Send, WcStatus::RemoteError, 5)
+    );
+    let d = next(&ccq);
+    assert_eq!(
+        (d.opcode, d.status),
+        (Opcode::Disconnected, WcStatus::RemoteError)
+    );
+}
+
+pub fn bad_posts_return_clear_errors_and_post_nothing(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions {
+        send_queue_depth: 2,
+        recv_queue_depth: 2,
+        max_inline: 16,
+        ..Default::default()
+    };
+    let (c, ccq, s, scq) = pair(net, &ctx, &opts, &opts);
+    let mr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    let ro = ctx.alloc_mr(64, Access::default()).unwrap();
+    let other = Context::new()
+        .unwrap()
+        .alloc_mr(64, Access::LOCAL_WRITE)
+        .unwrap();
+    assert!(matches!(
+        c.post_send(&mr, 60, 5, 1, SendFlags::SIGNALED),
+        Err(Error::Range { .. })
+    ));
+    assert!(matches!(
+        c.post_send(&mr, usize::MAX, 2, 1, SendFlags::SIGNALED),
+        Err(Error::Range { .. })
+    ));
+    assert!(matches!(
+        c.post_send(&mr, 0, 1, 1, SendFlags(0x80)),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        c.post_send(&other, 0, 1, 1, SendFlags::SIGNALED),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(s.post_recv(&ro, 0, 8, 1), Err(Error::Access(_))));
+    assert!(matches!(
+        c.post_send_inline(&[0; 17], 1, SendFlags::SIGNALED),
+        Err(Error::InvalidArgument(_))
+    ));
+    // Two receives fill the receive queue; the third is refused.
+    s.post_recv(&mr, 0, 8, 1).unwrap();
+    s.post_recv(&mr, 8, 8, 2).unwrap();
+    assert!(matches!(
+        s.post_recv(&mr, 16, 8, 3),
+        Err(Error::QueueFull(_))
+    ));
+    // Nothing was posted by the refused calls: exactly two messages go through.
+    c.post_send_inline(b"inline!", 10, SendFlags::SIGNALED)
+        .unwrap();
+    c.post_send(&mr, 32, 4, 11, SendFlags(0)).unwrap(); // unsignaled: no completion
+    let a = next(&scq);
+    let b = next(&scq);
+    assert_eq!((a.wr_id, a.byte_len, b.wr_id, b.byte_len), (1, 7, 2, 4));
+    let mut got = [0u8; 7];
+    mr.read(0, &mut got).unwrap();
+    assert_eq!(&got, b"inline!");
+    assert_eq!(next(&ccq).wr_id, 10);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(ccq.poll().is_none(), "an unsignaled send reported success");
+    assert!(scq.poll().is_none(), "a refused post produced a completion");
+}
+
+pub fn disconnect_flushes_and_reports_on_both_sides(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let (c, ccq, s, scq) = pair(net, &ctx, &ConnOptions::default(), &ConnOptions::default());
+    let mr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    c.post_recv(&mr, 0, 8, 1).unwrap();
+    c.post_send(&mr, 8, 8, 2, SendFlags::SIGNALED).unwrap(); // the server posts no receive
+    c.disconnect();
+    let mut seen = Vec::new();
+    loop {
+        let e = next(&ccq);
+        seen.push((e.opcode, e.status, e.wr_id));
+        if e.opcode == Opcode::Disconnected {
+            break;
+        }
+    }
+    seen.sort_by_key(|x| x.2);
+    assert_eq!(
+        seen,
+        vec![
+            (Opcode::Disconnected, WcStatus::Success, 0),
+            (Opcode::Recv, WcStatus::Flushed, 1),
+            (Opcode::Send, WcStatus::Flushed, 2)
+        ]
+    );
+    let e = next(&scq);
+    assert_eq!(
+        (e.opcode, e.status),
+        (Opcode::Disconnected, WcStatus::Success)
+    );
+    assert!(matches!(
+        s.post_recv(&mr, 0, 8, 1),
+        Err(Error::Disconnected)
+    ));
+    assert!(matches!(
+        c.post_recv(&mr, 0, 8, 1),
+        Err(Error::Disconnected)
+    ));
+}
+
+pub fn completion_fd_is_readable_exactly_while_completions_are_queued(net: &Net) {
+    let readable = |fd| {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd, zero timeout.
+        unsafe { libc::poll(&mut p, 1, 0) == 1 }
+    };
+    let ctx = Context::new().unwrap();
+    let cq = CompletionQueue::new().unwrap();
+    let addr = net.addr("fd");
+    let l = ctx.listen(&addr, 4).unwrap();
+    let scq = CompletionQueue::new().unwrap();
+    let (c, s) = std::thread::scope(|t| {
+        let h = t.spawn(|| {
+            l.get_request(Some(Duration::from_secs(10)))
+                .unwrap()
+                .accept(&scq, &ConnOptions::default())
+                .unwrap()
+        });
+        (
+            ctx.connect(&addr, &cq, &ConnOptions::default()).unwrap(),
+            h.join().unwrap(),
+        )
+    });
+    let mr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    assert!(!readable(cq.fd()));
+    for i in 0..3 {
+        s.post_recv(&mr, 0, 64, i).unwrap();
+        c.post_send(&mr, 0, 8, i, SendFlags::SIGNALED).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while cq.len() < 3 {
+        assert!(Instant::now() < deadline);
+        std::thread::yield_now();
+    }
+    assert!(readable(cq.fd()));
+    cq.poll().unwrap();
+    cq.poll().unwrap();
+    assert!(readable(cq.fd()), "still one queued");
+    cq.poll().unwrap();
+    assert!(!readable(cq.fd()), "readable with nothing queued");
+    assert!(!cq.wait(Some(Duration::from_millis(20))).unwrap());
+}
+
+/// A queue slot is free as soon as its completion can be polled: a full receive queue takes a
+/// new receive right after each completion, every time.
+pub fn slot_is_free_once_its_completion_is_seen(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions {
+        send_queue_depth: 4,
+        recv_queue_depth: 4,
+        ..Default::default()
+    };
+    let (c, ccq, s, scq) = pair(net, &ctx, &opts, &opts);
+    let mr = ctx.alloc_mr(4 * 64, Access::LOCAL_WRITE).unwrap();
+    for i in 0..4 {
+        s.post_recv(&mr, i * 64, 64, i as u64).unwrap();
+    }
+    for k in 0..2000u64 {
+        c.post_send_inline(&k.to_le_bytes(), k, SendFlags::SIGNALED)
+            .unwrap();
+        let r = next(&scq);
+        assert_eq!((r.opcode, r.status), (Opcode::Recv, WcStatus::Success));
+        s.post_recv(&mr, r.wr_id as usize * 64, 64, r.wr_id)
+            .expect("slot freed with its completion");
+        let sc = next(&ccq);
+        assert_eq!(sc.wr_id, k);
+    }
+}
+
+/// 200 connect / transfer / close cycles: descriptors and mappings return to where they were.
+pub fn connect_close_cycles_leak_nothing(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let cycle = |ctx: &Context| {
+        let (c, ccq, s, scq) = pair(net, ctx, &ConnOptions::default(), &ConnOptions::default());
+        let mr = ctx.alloc_mr(8192, Access::LOCAL_WRITE).unwrap();
+        s.post_recv(&mr, 4096, 4096, 7).unwrap();
+        mr.write(0, &pattern(3, 4096)).unwrap();
+        c.post_send(&mr, 0, 4096, 9, SendFlags::SIGNALED).unwrap();
+        let r = next(&scq);
+        assert_eq!(
+            (r.opcode, r.status, r.byte_len, r.wr_id),
+            (Opcode::Recv, WcStatus::Success, 4096, 7)
+        );
+        let sc = next(&ccq);
+        assert_eq!((sc.opcode, sc.wr_id), (Opcode::Send, 9));
+        drop(c);
+        drop(s);
+    };
+    for _ in 0..50 {
+        cycle(&ctx); // warm up glibc's thread-stack cache and malloc arenas
+    }
+    let (fds, maps, ours) = (fd_count(), map_count(), our_map_count());
+    for _ in 0..200 {
+        cycle(&ctx);
+    }
+    assert_eq!(fd_count(), fds, "descriptors leaked");
+    assert_eq!(
+        our_map_count(),
+        ours,
+        "shared segments or regions left mapped"
+    );
+    assert_eq!(map_count(), maps, "mappings leaked");
+}
