@@ -12,19 +12,38 @@
  * posted come back flushed first) and tears everything down in reverse
  * order.
  *
- * Usage: rbr_client [-a ADDR] [-n COUNT] [-s SIZE] [-w WINDOW] [-v] [-q]
+ * With -P it talks to a plain peer, a server that knows nothing of
+ * rbr_server's message pattern, private data or two phases - such as
+ * rdma_server from rdmacm-utils, which receives one 16-byte message, sends
+ * one 16-byte message back (not an echo) and disconnects:
+ *     rdma_server -p 7471
+ *     rbr_client -P -a rdma://198.18.0.1:7471 -n 1 -s 16
+ * The client then runs only the ping-pong phase, ignores the server's
+ * private data and the replies' content (each reply must still be SIZE
+ * bytes long), and accepts that the server may disconnect first: the
+ * RBR_OP_DISCONNECTED record may come before or after its own
+ * rbr_conn_disconnect, but exactly one must come, with RBR_WC_SUCCESS.
+ *
+ * Usage: rbr_client [-a ADDR] [-n COUNT] [-s SIZE] [-w WINDOW] [-v] [-q] [-P]
  *   -a ADDR    server address (default shm://rdmabridge-demo)
  *   -n COUNT   messages per phase (default 10000)
  *   -s SIZE    message size in bytes, 0 allowed, K/M suffixes (default 64)
  *   -w WINDOW  messages in flight in phase 2 (default 32; at most the
- *              default queue depth, which the server uses for receives)
+ *              default queue depth, which the server uses for receives);
+ *              also the number of receives kept posted
  *   -v         fill every message with the test pattern and verify every
  *              echo (give -v to the server too, or to neither: without it
- *              the payload is not written, so timings exclude the fill)
+ *              the payload is not written, so timings exclude the fill;
+ *              not with -P)
  *   -q         quiet: print only errors
+ *   -P         plain peer: ping-pong only, content and private data not
+ *              checked, the server may disconnect first
  *
  * Messages are numbered 0..2*COUNT-1 across both phases, in each direction.
- * Exit status 0 only if every echo arrived (and verified, with -v).
+ * Exit status 0 only if every echo arrived (and verified, with -v); with -P,
+ * only if COUNT replies of SIZE bytes arrived, every send succeeded, the
+ * receives still posted came back flushed and exactly one
+ * RBR_OP_DISCONNECTED record with RBR_WC_SUCCESS followed them.
  */
 #ifndef _POSIX_C_SOURCE
 #define _POSIX_C_SOURCE 200809L
@@ -49,6 +68,7 @@ struct client_opts {
     uint32_t window;
     int verify;
     int quiet;
+    int plain;   /* -P: the server is a plain peer */
 };
 
 struct client_state {
@@ -62,6 +82,7 @@ struct client_state {
     uint8_t *recv_base;
     size_t stride;
     uint32_t slots;        /* send slots = receive slots = window */
+    uint64_t total;        /* echoes expected: 2 * count, or count with -P */
     uint64_t next_send;    /* pattern number of the next message sent */
     uint64_t next_echo;    /* pattern number of the next echo expected */
     uint64_t recv_posted;  /* receives posted in total */
@@ -72,13 +93,18 @@ struct client_state {
 static void usage(const char *argv0)
 {
     fprintf(stderr,
-            "usage: %s [-a ADDR] [-n COUNT] [-s SIZE] [-w WINDOW] [-v] [-q]\n"
+            "usage: %s [-a ADDR] [-n COUNT] [-s SIZE] [-w WINDOW] [-v] [-q] "
+            "[-P]\n"
             "  -a ADDR    server address (default %s)\n"
             "  -n COUNT   messages per phase (default 10000)\n"
             "  -s SIZE    message size in bytes (default 64)\n"
             "  -w WINDOW  messages in flight while streaming (default 32)\n"
             "  -v         write and verify the test pattern\n"
-            "  -q         quiet\n",
+            "  -q         quiet\n"
+            "  -P         plain peer (e.g. rdma_server): ping-pong only, do\n"
+            "             not check the replies' content or the server's\n"
+            "             private data, let the server disconnect first\n"
+            "             (not with -v)\n",
             argv0, EX_DEFAULT_ADDR);
 }
 
@@ -93,7 +119,8 @@ static int parse_opts(int argc, char **argv, struct client_opts *o)
     o->window = 32;
     o->verify = 0;
     o->quiet = 0;
-    while ((ch = getopt(argc, argv, "a:n:s:w:vqh")) != -1) {
+    o->plain = 0;
+    while ((ch = getopt(argc, argv, "a:n:s:w:vqPh")) != -1) {
         switch (ch) {
         case 'a':
             o->addr = optarg;
@@ -126,6 +153,9 @@ static int parse_opts(int argc, char **argv, struct client_opts *o)
         case 'q':
             o->quiet = 1;
             break;
+        case 'P':
+            o->plain = 1;
+            break;
         default:
             usage(argv[0]);
             return -1;
@@ -133,6 +163,11 @@ static int parse_opts(int argc, char **argv, struct client_opts *o)
     }
     if (optind != argc) {
         usage(argv[0]);
+        return -1;
+    }
+    if (o->plain && o->verify) {
+        ex_error("-v and -P exclude each other: a plain server does not "
+                 "echo the test pattern");
         return -1;
     }
     return 0;
@@ -185,7 +220,7 @@ static int check_completion(const struct client_state *s,
     if (c->status == RBR_WC_FLUSHED) {
         ex_error("connection went down after %llu of %llu echoes",
                  (unsigned long long)s->next_echo,
-                 (unsigned long long)(2 * s->o->count));
+                 (unsigned long long)s->total);
         ex_report_completion("work request flushed", c);
         return -1;
     }
@@ -215,8 +250,14 @@ static int handle_send(struct client_state *s, const rbr_completion *c)
     return 0;
 }
 
-/* An echo arrived: check it against the next expected message number and
- * give its buffer back to the connection. */
+/*
+ * An echo arrived: check it against the next expected message number and
+ * give its buffer back to the connection.  With -P the buffer goes back only
+ * until one receive more than the expected replies has been posted (that one
+ * catches a surplus reply), and never after the last reply: a plain server
+ * disconnects right after it, and a receive posted then would fail with
+ * RBR_ERR_DISCONNECTED.
+ */
 static int handle_echo(struct client_state *s, const rbr_completion *c)
 {
     uint32_t slot = (uint32_t)c->wr_id;
@@ -236,13 +277,16 @@ static int handle_echo(struct client_state *s, const rbr_completion *c)
                           c->byte_len, s->next_echo))
         return -1;
     s->next_echo++;
+    if (s->o->plain &&
+        (s->recv_posted > s->total || s->next_echo == s->total))
+        return 0;
     return post_recv_slot(s, slot);
 }
 
-static int wait_batch(struct client_state *s, rbr_completion *wc, size_t *n)
+static int wait_batch(struct client_state *s, rbr_completion *wc, size_t max,
+                      size_t *n)
 {
-    rbr_status st = ex_wait_completions(s->cq, wc, POLL_BATCH, n,
-                                        ECHO_TIMEOUT_MS);
+    rbr_status st = ex_wait_completions(s->cq, wc, max, n, ECHO_TIMEOUT_MS);
 
     if (st == RBR_ERR_TIMEOUT) {
         ex_error("no completion for %d ms: sent %llu, echoes %llu",
@@ -253,10 +297,16 @@ static int wait_batch(struct client_state *s, rbr_completion *wc, size_t *n)
     return ex_check(st, "waiting for completions");
 }
 
-/* Phase 1: one message in flight; per-round-trip times go to rtt[]. */
+/*
+ * Phase 1: one message in flight; per-round-trip times go to rtt[].  With -P
+ * completions are taken one at a time: a plain server disconnects right after
+ * its last reply, so the flushed receives and RBR_OP_DISCONNECTED may queue
+ * up behind that reply, and they are disconnect()'s to take.
+ */
 static int ping_pong(struct client_state *s, uint64_t *rtt)
 {
     rbr_completion wc[POLL_BATCH];
+    size_t batch = s->o->plain ? 1 : POLL_BATCH;
     uint64_t i;
 
     for (i = 0; i < s->o->count; i++) {
@@ -273,7 +323,7 @@ static int ping_pong(struct client_state *s, uint64_t *rtt)
             size_t n = 0;
             size_t j;
 
-            if (wait_batch(s, wc, &n))
+            if (wait_batch(s, wc, batch, &n))
                 return -1;
             for (j = 0; j < n; j++) {
                 if (check_completion(s, &wc[j]))
@@ -309,7 +359,7 @@ static int stream(struct client_state *s)
                s->next_send - s->next_echo < s->slots)
             if (send_next(s))
                 return -1;
-        if (wait_batch(s, wc, &n))
+        if (wait_batch(s, wc, POLL_BATCH, &n))
             return -1;
         for (j = 0; j < n; j++) {
             if (check_completion(s, &wc[j]))
@@ -327,7 +377,11 @@ static int stream(struct client_state *s)
 
 /*
  * Disconnects and waits for RBR_OP_DISCONNECTED.  The receives still posted
- * must come back flushed before it; nothing else may arrive.
+ * must come back flushed before it; nothing else may arrive.  A plain server
+ * (-P) disconnects by itself after its last reply, so the record and the
+ * flushed receives may already be queued, or be on their way, when
+ * rbr_conn_disconnect is called; the call then does nothing and the loop
+ * below takes them all the same.
  */
 static int disconnect(struct client_state *s)
 {
@@ -386,6 +440,23 @@ static int disconnect(struct client_state *s)
     return 0;
 }
 
+/* Fails if any completion is still queued (after RBR_OP_DISCONNECTED). */
+static int expect_no_more(const struct client_state *s)
+{
+    rbr_completion wc[POLL_BATCH];
+    size_t n = 0;
+    size_t i;
+    rbr_status st = rbr_cq_poll(s->cq, wc, POLL_BATCH, &n);
+
+    if (st == RBR_EMPTY)
+        return 0;
+    if (ex_check(st, "rbr_cq_poll"))
+        return -1;
+    for (i = 0; i < n; i++)
+        ex_report_completion("completion after RBR_OP_DISCONNECTED", &wc[i]);
+    return -1;
+}
+
 int main(int argc, char **argv)
 {
     struct client_opts o;
@@ -415,6 +486,7 @@ int main(int argc, char **argv)
     memset(&s, 0, sizeof s);
     s.o = &o;
     s.slots = o.window;
+    s.total = o.plain ? o.count : 2 * o.count;
     s.stride = ex_slot_stride(o.size);
 
     rbr_conn_options_init(&copts);
@@ -488,8 +560,10 @@ int main(int argc, char **argv)
 
     if (EX_CHECK(rbr_conn_private_data(conn, &pdata, &pdata_len)))
         goto out_conn;
-    if (pdata_len != strlen(EX_SERVER_HELLO) || pdata == NULL ||
-        memcmp(pdata, EX_SERVER_HELLO, pdata_len) != 0) {
+    /* A plain server answers with whatever it likes, or nothing. */
+    if (!o.plain &&
+        (pdata_len != strlen(EX_SERVER_HELLO) || pdata == NULL ||
+         memcmp(pdata, EX_SERVER_HELLO, pdata_len) != 0)) {
         ex_error("server answered with %zu bytes of private data, "
                  "expected \"%s\"", pdata_len, EX_SERVER_HELLO);
         goto out_conn;
@@ -512,12 +586,12 @@ int main(int argc, char **argv)
                (double)p99 / 2000.0);
     }
 
-    /* Phase 2: streaming. */
+    /* Phase 2: streaming; a plain server knows only ping-pong. */
     t0 = ex_now_ns();
-    if (stream(&s))
+    if (!o.plain && stream(&s))
         goto out_conn;
     t1 = ex_now_ns();
-    if (!o.quiet && o.count > 0) {
+    if (!o.plain && !o.quiet && o.count > 0) {
         double secs = (double)(t1 - t0) / 1e9;
         double bytes = (double)o.count * (double)o.size;
 
@@ -530,8 +604,19 @@ int main(int argc, char **argv)
 
     if (disconnect(&s))
         goto out_conn;
+    if (o.plain) {
+        /* Destroying the connection waits for it to finish, so everything it
+         * will ever queue is queued now: exactly one RBR_OP_DISCONNECTED
+         * means the queue is empty. */
+        rbr_conn_destroy(conn);
+        conn = NULL;
+        s.conn = NULL;
+        if (expect_no_more(&s))
+            goto out_conn;
+    }
     if (!o.quiet)
-        printf("%llu echoes received%s\n", (unsigned long long)s.next_echo,
+        printf("%llu %s received%s\n", (unsigned long long)s.next_echo,
+               o.plain ? "replies" : "echoes",
                o.verify ? ", all verified" : "");
     rc = EXIT_SUCCESS;
 

@@ -10,19 +10,32 @@
  * flushes the receives still posted - before tearing everything down in
  * reverse order.
  *
- * Usage: rbr_server [-a ADDR] [-n COUNT] [-s SIZE] [-v] [-q]
+ * With -P it serves a plain peer, a client that knows nothing of rbr_client's
+ * message pattern, private data or two phases - such as rdma_client from
+ * rdmacm-utils, which sends one 16-byte message, waits for one 16-byte
+ * message back and disconnects:
+ *     rbr_server -P -a rdma://198.18.0.1:7471 -n 1 -s 16
+ *     rdma_client -s 198.18.0.1 -p 7471
+ * The server then expects COUNT messages in all (one phase, not 2*COUNT),
+ * ignores the client's private data and the messages' content, echoes each
+ * message back, and waits for the client's disconnect as usual.
+ *
+ * Usage: rbr_server [-a ADDR] [-n COUNT] [-s SIZE] [-v] [-q] [-P]
  *   -a ADDR   address to listen on (default shm://rdmabridge-demo)
- *   -n COUNT  messages per client phase; the server echoes 2*COUNT (10000)
+ *   -n COUNT  messages per client phase; the server echoes 2*COUNT (10000),
+ *             or COUNT with -P
  *   -s SIZE   message size in bytes, 0 allowed, K/M suffixes (64)
- *   -v        verify the pattern of every received message
+ *   -v        verify the pattern of every received message (not with -P)
  *   -q        quiet: print only the "listening on" line and errors
+ *   -P        plain peer: one phase of COUNT messages, content not checked
  *
  * The line "listening on ADDR" is printed (and flushed) once the listener
  * exists, so that scripts know when the client may connect.
- * Exit status 0 only if exactly 2*COUNT messages were received, all of the
- * expected size (and pattern, with -v), every echo completed successfully,
- * the client disconnected in order, and the only completions that did not
- * succeed were the receives still posted at the disconnect (flushed).
+ * Exit status 0 only if exactly 2*COUNT (with -P: COUNT) messages were
+ * received, all of the expected size (and pattern, with -v), every echo
+ * completed successfully, the client disconnected in order, and the only
+ * completions that did not succeed were the receives still posted at the
+ * disconnect (flushed).
  */
 #ifndef _POSIX_C_SOURCE
 #define _POSIX_C_SOURCE 200809L
@@ -46,6 +59,7 @@ struct server_opts {
     size_t size;
     int verify;
     int quiet;
+    int plain;   /* -P: the client is a plain peer */
 };
 
 /* Everything the echo loop needs about the connection and its buffers. */
@@ -61,7 +75,7 @@ struct echo_state {
     size_t stride;
     uint32_t recv_depth;
     uint32_t send_depth;
-    uint64_t total;        /* messages to echo: 2 * count */
+    uint64_t total;        /* messages to echo: 2 * count, or count with -P */
     uint64_t received;     /* successful receive completions */
     uint64_t echoed;       /* sends posted */
     uint64_t sent_done;    /* successful send completions */
@@ -76,12 +90,15 @@ struct echo_state {
 static void usage(const char *argv0)
 {
     fprintf(stderr,
-            "usage: %s [-a ADDR] [-n COUNT] [-s SIZE] [-v] [-q]\n"
+            "usage: %s [-a ADDR] [-n COUNT] [-s SIZE] [-v] [-q] [-P]\n"
             "  -a ADDR   listen address (default %s)\n"
             "  -n COUNT  messages per client phase (default 10000)\n"
             "  -s SIZE   message size in bytes (default 64)\n"
             "  -v        verify every message\n"
-            "  -q        quiet\n",
+            "  -q        quiet\n"
+            "  -P        plain peer (e.g. rdma_client): expect COUNT\n"
+            "            messages in one phase, do not check their content\n"
+            "            or the client's private data (not with -v)\n",
             argv0, EX_DEFAULT_ADDR);
 }
 
@@ -95,7 +112,8 @@ static int parse_opts(int argc, char **argv, struct server_opts *o)
     o->size = 64;
     o->verify = 0;
     o->quiet = 0;
-    while ((ch = getopt(argc, argv, "a:n:s:vqh")) != -1) {
+    o->plain = 0;
+    while ((ch = getopt(argc, argv, "a:n:s:vqPh")) != -1) {
         switch (ch) {
         case 'a':
             o->addr = optarg;
@@ -121,6 +139,9 @@ static int parse_opts(int argc, char **argv, struct server_opts *o)
         case 'q':
             o->quiet = 1;
             break;
+        case 'P':
+            o->plain = 1;
+            break;
         default:
             usage(argv[0]);
             return -1;
@@ -128,6 +149,11 @@ static int parse_opts(int argc, char **argv, struct server_opts *o)
     }
     if (optind != argc) {
         usage(argv[0]);
+        return -1;
+    }
+    if (o->plain && o->verify) {
+        ex_error("-v and -P exclude each other: a plain client does not "
+                 "send the test pattern");
         return -1;
     }
     return 0;
@@ -144,8 +170,14 @@ static int post_recv_slot(struct echo_state *s, uint32_t slot)
     return 0;
 }
 
-/* Copies the message in receive slot `rslot` into a free send slot, sends
- * it, and gives the receive slot back to the connection. */
+/*
+ * Copies the message in receive slot `rslot` into a free send slot, sends
+ * it, and gives the receive slot back to the connection.  With -P the slot
+ * goes back only until one receive more than the expected messages has been
+ * posted (that one catches a surplus message), and never after the last echo:
+ * a plain client may disconnect as soon as it has its last echo, and a
+ * receive posted after that would fail with RBR_ERR_DISCONNECTED.
+ */
 static int echo_slot(struct echo_state *s, uint32_t rslot, size_t len)
 {
     uint32_t sslot = s->free_send[--s->n_free_send];
@@ -158,6 +190,8 @@ static int echo_slot(struct echo_state *s, uint32_t rslot, size_t len)
                  "rbr_conn_post_send"))
         return -1;
     s->echoed++;
+    if (s->o->plain && (s->recv_posted > s->total || s->echoed == s->total))
+        return 0;
     return post_recv_slot(s, rslot);
 }
 
@@ -242,7 +276,7 @@ static int check_completion(const struct echo_state *s, const rbr_completion *c)
     return 0;
 }
 
-/* Receives and echoes until all 2*count echoes are posted. */
+/* Receives and echoes until all `total` echoes are posted. */
 static int echo_loop(struct echo_state *s)
 {
     rbr_completion wc[POLL_BATCH];
@@ -390,7 +424,7 @@ int main(int argc, char **argv)
 
     memset(&s, 0, sizeof s);
     s.o = &o;
-    s.total = 2 * o.count;
+    s.total = o.plain ? o.count : 2 * o.count;
     s.stride = ex_slot_stride(o.size);
 
     rbr_conn_options_init(&copts);
@@ -434,6 +468,7 @@ int main(int argc, char **argv)
         goto out_listener;
     if (EX_CHECK(rbr_request_private_data(req, &pdata, &pdata_len)))
         goto out_request;
+    /* Only reported: a plain client sends whatever it likes, or nothing. */
     if (!o.quiet)
         printf("connection request with %zu bytes of private data\n",
                pdata_len);
@@ -496,7 +531,8 @@ int main(int argc, char **argv)
     if (!o.quiet)
         printf("echoed %llu messages of %zu bytes%s\n",
                (unsigned long long)s.echoed, o.size,
-               o.verify ? ", all verified" : "");
+               o.verify ? ", all verified"
+                        : o.plain ? " to a plain client" : "");
     rc = EXIT_SUCCESS;
 
 out_conn:

@@ -18,6 +18,10 @@ use rdmabridge::{
 };
 
 const WINDOW: usize = 32;
+/// The server keeps twice the client's window of receives, so however its echoes are delayed
+/// at least WINDOW receives stay posted and a client send never waits on the peer (over verbs a
+/// send that finds no receive is retried by the hardware after a receiver-not-ready delay).
+const SERVER_SLOTS: usize = 2 * WINDOW;
 const SEND_BIT: u64 = 1 << 63;
 const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -84,8 +88,8 @@ fn server(addr: &str, count: u64, size: usize) -> Result<(), String> {
         .map_err(|e| e.to_string())?
         .accept(&cq, &opts())
         .map_err(|e| e.to_string())?;
-    let mr = slot_mr(&ctx, WINDOW, size)?;
-    for s in 0..WINDOW {
+    let mr = slot_mr(&ctx, SERVER_SLOTS, size)?;
+    for s in 0..SERVER_SLOTS {
         conn.post_recv(&mr, s * size, size, s as u64)
             .map_err(|e| e.to_string())?;
     }

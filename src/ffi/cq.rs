@@ -20,8 +20,10 @@ pub const RBR_OP_SEND: u32 = 1;
 pub const RBR_OP_RECV: u32 = 2;
 /// Opcode (connection event): the connection is down; every work request it had has
 /// completed before this record, and none follows it. `status` is RBR_WC_SUCCESS for an
-/// orderly close by either side, RBR_WC_TRANSPORT when the peer vanished (killed, link lost),
-/// or the error that failed the connection.
+/// orderly close by either side (over verbs this includes a peer process that was killed: its
+/// kernel closes the connection), RBR_WC_TRANSPORT when the peer vanished without a close (shm:
+/// killed; verbs: host or link lost, noticed when outstanding work exhausts its retries), or
+/// the error that failed the connection.
 pub const RBR_OP_DISCONNECTED: u32 = 16;
 
 /// Completion status: success.

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs inside the soft-RoCE VM (scripts/vm-test.sh boots it): every verbs test, in one boot.
+#   1. the Rust suite over verbs (tests/verbs.rs, run with --ignored)
+#   2. the C examples talking to each other over verbs, every message verified
+#   3. the C examples against the stock librdmacm peers: our server serving rdma_client, our
+#      client talking to rdma_server
+# Usage (in the guest): scripts/vm-suite.sh VERBS_TEST_BINARY C_BUILD_DIR
+# Prints one line per step and a closing "N passed, N failed"; exits non-zero if any failed.
+set -u
+verbs_bin=$1 build=$2
+ip=${RBR_TEST_ADDR:?RBR_TEST_ADDR is unset: run me through scripts/vm-test.sh}
+cd "$(dirname "$0")/.."
+passed=0 failed=0
+step() { # NAME COMMAND...
+  local name=$1; shift
+  echo "=== $name"
+  if "$@"; then echo "=== $name: ok"; passed=$((passed + 1)); else echo "=== $name: FAILED ($?)"; failed=$((failed + 1)); fi
+}
+
+stock_client() { # our server, stock rdma_client
+  local port=7471
+  timeout 60 "$build/rbr_server" -P -a "rdma://$ip:$port" -n 1 -s 16 & local s=$!
+  for _ in $(seq 50); do ss -l 2>/dev/null | grep -q ":$port" && break; sleep 0.2; done
+  sleep 1
+  timeout 30 rdma_client -s "$ip" -p "$port"; local c=$?
+  wait "$s"; local r=$?
+  echo "rdma_client exit $c, rbr_server exit $r"
+  [ "$c" -eq 0 ] && [ "$r" -eq 0 ]
+}
+
+stock_server() { # stock rdma_server, our client
+  local port=7472
+  timeout 60 rdma_server -p "$port" & local s=$!
+  sleep 2
+  timeout 30 "$build/rbr_client" -P -a "rdma://$ip:$port" -n 1 -s 16; local c=$?
+  wait "$s"; local r=$?
+  echo "rbr_client exit $c, rdma_server exit $r"
+  [ "$c" -eq 0 ] && [ "$r" -eq 0 ]
+}
+
+step "rust suite over verbs" "$verbs_bin" --ignored --test-threads=1
+for size in 1 4096 1048576; do
+  n=2000; [ "$size" -ge 1048576 ] && n=200
+  step "C examples over verbs, $n x $size B" \
+    c_examples/run_pair.sh "$build/rbr_server" "$build/rbr_client" -a "rdma://$ip:$((7480 + ${#size}))" -n "$n" -s "$size" -v
+done
+step "C server with the stock rdma_client" stock_client
+step "C client with the stock rdma_server" stock_server
+echo "vm-suite: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]

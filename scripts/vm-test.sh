@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs every test that needs real RDMA, on soft-RoCE inside qemu VMs (see shared/SOFTROCE.md):
+# the verbs suite, the C examples over verbs and against the stock librdmacm peers (one VM),
+# then the two-host tests (two VMs joined over a host loopback port).
+# Needs: scripts/setup-vm.sh (packages), a release build, and the C examples built in BUILD_DIR.
+# Usage: scripts/vm-test.sh [BUILD_DIR]   (default: build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=$(realpath "${1:-build}")
+bash scripts/setup-vm.sh
+bin=$(cargo test --release --test verbs --no-run --message-format=json 2>/dev/null |
+  sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+[ -x "$bin" ] || { echo "vm-test: could not build the verbs test binary" >&2; exit 1; }
+[ -x "$build/rbr_server" ] || { echo "vm-test: no C examples in $build (cmake --build first)" >&2; exit 1; }
+echo "== one VM: verbs suite, C examples, stock peers"
+scripts/vm-run.sh --timeout 1800 -- scripts/vm-suite.sh "$bin" "$build"
