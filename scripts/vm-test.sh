@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build=$(realpath "${1:-build}")
 bash scripts/setup-vm.sh
+cargo build --release --quiet
 bin=$(cargo test --release --test verbs --no-run --message-format=json 2>/dev/null |
   sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
 [ -x "$bin" ] || { echo "vm-test: could not build the verbs test binary" >&2; exit 1; }

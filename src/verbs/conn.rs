@@ -757,7 +757,12 @@ fn map_status(s: u32) -> WcStatus {
         IBV_WC_RETRY_EXC_ERR | IBV_WC_RNR_RETRY_EXC_ERR | IBV_WC_RESP_TIMEOUT_ERR => {
             WcStatus::Transport
         }
-        _ => WcStatus::General,
+        _ => {
+            if std::env::var_os("RBR_DEBUG_WC").is_some() {
+                eprintln!("rdmabridge: unmapped work completion status {s}");
+            }
+            WcStatus::General
+        }
     }
 }
 
@@ -875,7 +880,13 @@ impl Engine {
                 break;
             }
             for wc in &wcs[..n as usize] {
-                let status = map_status(wc.status);
+                let mut status = map_status(wc.status);
+                // soft-RoCE (rxe) reports a receive too small for its message as a local QP
+                // operation error rather than a length error; on a receive that is what it means.
+                if wc.wr_id & RECV_BIT != 0 && wc.status == sys::ibv_wc_status::IBV_WC_LOC_QP_OP_ERR
+                {
+                    status = WcStatus::LocalLength;
+                }
                 if status != WcStatus::Success && status != WcStatus::Flushed && fail.is_none() {
                     fail = Some(status);
                 }
