@@ -21,3 +21,5 @@ echo "== C examples (Debug: ASan + UBSan) under ctest"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build -j2
 ctest --test-dir build --output-on-failure
+echo "== real RDMA: soft-RoCE in a qemu VM"
+bash scripts/vm-test.sh build

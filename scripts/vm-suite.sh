@@ -19,11 +19,12 @@ step() { # NAME COMMAND...
 
 stock_client() { # our server, stock rdma_client
   local port=7471
-  timeout 60 "$build/rbr_server" -P -a "rdma://$ip:$port" -n 1 -s 16 & local s=$!
-  for _ in $(seq 50); do ss -l 2>/dev/null | grep -q ":$port" && break; sleep 0.2; done
-  sleep 1
+  local log=/tmp/stock_client.log
+  timeout 60 "$build/rbr_server" -P -a "rdma://$ip:$port" -n 1 -s 16 >"$log" 2>&1 & local s=$!
+  for _ in $(seq 100); do grep -q '^listening on' "$log" && break; sleep 0.2; done
   timeout 30 rdma_client -s "$ip" -p "$port"; local c=$?
   wait "$s"; local r=$?
+  cat "$log"
   echo "rdma_client exit $c, rbr_server exit $r"
   [ "$c" -eq 0 ] && [ "$r" -eq 0 ]
 }
