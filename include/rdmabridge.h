@@ -209,6 +209,16 @@ typedef struct rbr_conn_options {
    * Echoed as `conn_context` in every completion of the connection.
    */
   void *context;
+  /**
+   * Verbs: resends of an unacknowledged packet before the connection fails (0..=7).
+   * Default 7. Ignored by shm.
+   */
+  uint8_t retry_count;
+  /**
+   * Verbs: retries of a send that found no receive posted (0..=7; 7 = without limit, so a
+   * send waits for the peer's receive as over shm). Default 7. Ignored by shm.
+   */
+  uint8_t rnr_retry_count;
 } rbr_conn_options;
 
 /**

@@ -40,6 +40,13 @@ pub struct ConnOptions {
     pub private_data: Vec<u8>,
     /// Echoed in every completion of the connection.
     pub context: usize,
+    /// Verbs: how often the device resends a packet the peer did not acknowledge before the
+    /// connection fails (0..=7). Default 7. Ignored by shm.
+    pub retry_count: u8,
+    /// Verbs: how often a send that found no receive posted is retried (0..=7; 7 = without
+    /// limit, so a send waits for the peer's receive as it does over shm). Default 7.
+    /// Ignored by shm.
+    pub rnr_retry_count: u8,
 }
 
 impl Default for ConnOptions {
@@ -51,6 +58,8 @@ impl Default for ConnOptions {
             timeout: Some(Duration::from_secs(5)),
             private_data: Vec::new(),
             context: 0,
+            retry_count: 7,
+            rnr_retry_count: 7,
         }
     }
 }
@@ -67,6 +76,9 @@ impl ConnOptions {
                     "{name} queue depth {v} not in 1..={QUEUE_DEPTH_MAX}"
                 )));
             }
+        }
+        if self.retry_count > 7 || self.rnr_retry_count > 7 {
+            return Err(Error::invalid("retry counts go from 0 to 7"));
         }
         if self.max_inline > INLINE_MAX {
             return Err(Error::invalid(format!(

@@ -149,6 +149,10 @@ fn bad_values_are_invalid() {
                 ..opts
             },
             rbr_conn_options {
+                rnr_retry_count: 8,
+                ..opts
+            },
+            rbr_conn_options {
                 private_data_len: 49,
                 private_data: [0u8; 49].as_ptr().cast(),
                 ..opts

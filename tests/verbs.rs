@@ -33,3 +33,23 @@ suite_over_verbs!(
     slot_is_free_once_its_completion_is_seen,
     connect_close_cycles_leak_nothing,
 );
+
+/// A connect to an address no route reaches fails with its own status, within the timeout.
+/// (198.18.99.0/24 is on no interface of the VM, so nothing is ever sent.)
+#[test]
+#[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+fn connect_to_unroutable_address_is_unreachable_within_timeout() {
+    use rdmabridge::{CompletionQueue, ConnOptions, Context, Error};
+    use std::time::{Duration, Instant};
+    let _ = Net::verbs_from_env(); // only meaningful inside the VM
+    let ctx = Context::new().unwrap();
+    let cq = CompletionQueue::new().unwrap();
+    let opts = ConnOptions {
+        timeout: Some(Duration::from_secs(2)),
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let r = ctx.connect("rdma://198.18.99.1:7471", &cq, &opts);
+    assert!(matches!(r, Err(Error::Unreachable(_))), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+}

@@ -51,6 +51,12 @@ pub struct rbr_conn_options {
     pub private_data_len: usize,
     /// Echoed as `conn_context` in every completion of the connection.
     pub context: *mut c_void,
+    /// Verbs: resends of an unacknowledged packet before the connection fails (0..=7).
+    /// Default 7. Ignored by shm.
+    pub retry_count: u8,
+    /// Verbs: retries of a send that found no receive posted (0..=7; 7 = without limit, so a
+    /// send waits for the peer's receive as over shm). Default 7. Ignored by shm.
+    pub rnr_retry_count: u8,
 }
 
 /// What a connection was granted; filled by `rbr_conn_get_info`. Set `struct_size` first.
@@ -94,6 +100,8 @@ pub unsafe extern "C" fn rbr_conn_options_init(opts: *mut rbr_conn_options) {
                 private_data: std::ptr::null(),
                 private_data_len: 0,
                 context: std::ptr::null_mut(),
+                retry_count: d.retry_count,
+                rnr_retry_count: d.rnr_retry_count,
             })
         };
     })
@@ -122,6 +130,8 @@ pub(crate) fn options(opts: *const rbr_conn_options) -> Result<ConnOptions, rbr_
         timeout,
         private_data: bytes_arg(o.private_data, o.private_data_len)?.to_vec(),
         context: o.context as usize,
+        retry_count: o.retry_count,
+        rnr_retry_count: o.rnr_retry_count,
     };
     r.validate().map_err(fail)?;
     Ok(r)

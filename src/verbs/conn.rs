@@ -199,16 +199,16 @@ impl Resources {
         })
     }
 
-    fn conn_param(&self, data: &[u8]) -> sys::rdma_conn_param {
+    fn conn_param(&self, data: &[u8], opts: &ConnOptions) -> sys::rdma_conn_param {
         // SAFETY: rdma_conn_param is plain data; zero is a valid start.
         let mut p: sys::rdma_conn_param = unsafe { std::mem::zeroed() };
         p.private_data = data.as_ptr().cast();
         p.private_data_len = data.len() as u8;
         p.responder_resources = 1;
         p.initiator_depth = 1;
-        p.retry_count = 7;
+        p.retry_count = opts.retry_count;
         // 7 = retry forever while the peer has no receive posted: a send waits, never fails.
-        p.rnr_retry_count = 7;
+        p.rnr_retry_count = opts.rnr_retry_count;
         p
     }
 }
@@ -320,7 +320,7 @@ impl Request {
         } else {
             opts.private_data.clone()
         };
-        let mut param = res.conn_param(&data);
+        let mut param = res.conn_param(&data, opts);
         // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
         if unsafe { sys::rdma_accept(res.id.0, &mut param) } != 0 {
             return Err(Error::Accept(io::Error::last_os_error()));
@@ -413,7 +413,7 @@ pub(crate) fn connect(
     )?;
     let res = Resources::new(&ctx, id, ch, opts)?;
     let data = with_preamble(&opts.private_data);
-    let mut param = res.conn_param(&data);
+    let mut param = res.conn_param(&data, opts);
     // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
     if unsafe { sys::rdma_connect(res.id.0, &mut param) } != 0 {
         return Err(cm_err("rdma_connect")(io::Error::last_os_error()));
