@@ -219,6 +219,11 @@ typedef struct rbr_conn_options {
    * send waits for the peer's receive as over shm). Default 7. Ignored by shm.
    */
   uint8_t rnr_retry_count;
+  /**
+   * Verbs: ACK timeout exponent t, waiting 4.096 us * 2^t before a resend (0..=31).
+   * Default 16 (about 0.27 s). Ignored by shm.
+   */
+  uint8_t ack_timeout;
 } rbr_conn_options;
 
 /**

@@ -8,17 +8,20 @@
 # Prints both outputs; exits 0 only if both commands exit 0 (else the server's non-zero code,
 # then the client's; 124 timeout, 125 VM failed to boot).
 #
-# Usage: scripts/vm-run2.sh [--timeout SECS] -- SERVER_COMMAND... ::: CLIENT_COMMAND...
+# Usage: scripts/vm-run2.sh [--timeout SECS] [--kill-client-after SECS] -- SERVER_COMMAND... ::: CLIENT_COMMAND...
 #   --timeout SECS  limit for each VM (default 1200). 1G memory each; both share the 2 cores.
+#   --kill-client-after SECS  kill VM 2 outright (its qemu) SECS after its command started: a
+#                   host failure; the exit code is then the server's alone.
 # Example: scripts/vm-run2.sh -- rping -s -a 198.18.2.1 -C 3 ::: bash -c 'until rping -c -a 198.18.2.1 -C 3; do sleep 2; done'
 set -euo pipefail
 source "$(dirname "$0")/vm-lib.sh"
 
 usage() { echo "usage: $0 [--timeout SECS] -- SERVER_COMMAND... ::: CLIENT_COMMAND..." >&2; exit 2; }
-timeout=1200 server=() client=()
+timeout=1200 server=() client=() kill_after=""
 while [ $# -gt 0 ]; do
   case $1 in
     --timeout) timeout=$2; shift 2 ;;
+    --kill-client-after) kill_after=$2; shift 2 ;;
     --) shift; break ;;
     *) usage ;;
   esac
@@ -61,7 +64,16 @@ else
 fi
 
 rc1=0 rc2=0
+if [ -n "$kill_after" ] && [ ${#pids[@]} -gt 1 ]; then
+  for _ in $(seq "$((timeout * 10))"); do [ -e "$d2/t_cmd" ] || ! kill -0 "${pids[1]}" 2>/dev/null && break; sleep 0.1; done
+  sleep "$kill_after"
+  echo "vm-run2: killing VM 2 (client) outright at $(date +%T.%N)" >&2
+  kill -KILL -- "-${pids[1]}" 2>/dev/null || true
+  wait "${pids[1]}" 2>/dev/null || true
+  pids=("${pids[0]}")
+fi
 vm_finish "$d1" "${pids[0]}" "VM 1 (server)" "$timeout" || rc1=$?
-if [ ${#pids[@]} -gt 1 ]; then vm_finish "$d2" "${pids[1]}" "VM 2 (client)" "$timeout" || rc2=$?; else rc2=125; fi
+if [ -n "$kill_after" ]; then rc2=0
+elif [ ${#pids[@]} -gt 1 ]; then vm_finish "$d2" "${pids[1]}" "VM 2 (client)" "$timeout" || rc2=$?; else rc2=125; fi
 [ "$rc1" -ne 0 ] && exit "$rc1"
 exit "$rc2"

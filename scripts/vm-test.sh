@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test that needs real RDMA, on soft-RoCE inside qemu VMs (see shared/SOFTROCE.md):
 # the verbs suite, the C examples over verbs and against the stock librdmacm peers (one VM),
-# then the two-host tests (two VMs joined over a host loopback port).
+# then a two-host transfer (two VMs joined over a host loopback port).
 # Needs: scripts/setup-vm.sh (packages), a release build, and the C examples built in BUILD_DIR.
 # Usage: scripts/vm-test.sh [BUILD_DIR]   (default: build)
 set -euo pipefail
@@ -15,3 +15,7 @@ bin=$(cargo test --release --test verbs --no-run --message-format=json 2>/dev/nu
 [ -x "$build/rbr_server" ] || { echo "vm-test: no C examples in $build (cmake --build first)" >&2; exit 1; }
 echo "== one VM: verbs suite, C examples, stock peers"
 scripts/vm-run.sh --timeout 1800 -- scripts/vm-suite.sh "$bin" "$build"
+echo "== two VMs: a verified transfer between two hosts over soft-RoCE"
+scripts/vm-run2.sh --timeout 900 -- \
+  target/release/rbr-echo server rdma://198.18.2.1:7471 2000 65536 ::: \
+  target/release/rbr-echo client rdma://198.18.2.1:7471 2000 65536

@@ -47,6 +47,11 @@ pub struct ConnOptions {
     /// limit, so a send waits for the peer's receive as it does over shm). Default 7.
     /// Ignored by shm.
     pub rnr_retry_count: u8,
+    /// Verbs: how long the device waits for an acknowledgement before resending, as the
+    /// exponent `t` of 4.096 µs × 2^t (0..=31). Default 16 (about 0.27 s). With `retry_count`
+    /// it bounds how long a lost peer takes to notice: about (retry_count + 1) × that time.
+    /// Ignored by shm.
+    pub ack_timeout: u8,
 }
 
 impl Default for ConnOptions {
@@ -60,6 +65,7 @@ impl Default for ConnOptions {
             context: 0,
             retry_count: 7,
             rnr_retry_count: 7,
+            ack_timeout: 16,
         }
     }
 }
@@ -79,6 +85,9 @@ impl ConnOptions {
         }
         if self.retry_count > 7 || self.rnr_retry_count > 7 {
             return Err(Error::invalid("retry counts go from 0 to 7"));
+        }
+        if self.ack_timeout > 31 {
+            return Err(Error::invalid("ack_timeout goes from 0 to 31"));
         }
         if self.max_inline > INLINE_MAX {
             return Err(Error::invalid(format!(

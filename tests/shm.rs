@@ -34,6 +34,7 @@ suite_over_shm!(
     disconnect_flushes_and_reports_on_both_sides,
     completion_fd_is_readable_exactly_while_completions_are_queued,
     slot_is_free_once_its_completion_is_seen,
+    idle_connection_stays_up_and_reports_nothing,
 );
 
 /// A peer running as another user is turned away (peer credentials), and the listener keeps

@@ -31,6 +31,7 @@ suite_over_verbs!(
     disconnect_flushes_and_reports_on_both_sides,
     completion_fd_is_readable_exactly_while_completions_are_queued,
     slot_is_free_once_its_completion_is_seen,
+    idle_connection_stays_up_and_reports_nothing,
     connect_close_cycles_leak_nothing,
 );
 

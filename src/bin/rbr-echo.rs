@@ -31,9 +31,17 @@ fn pattern(k: u64, size: usize) -> Vec<u8> {
         .collect()
 }
 
+thread_local! {
+    /// When the last successful completion arrived, to say how long a failure took to surface.
+    static LAST_OK: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
 fn next(cq: &CompletionQueue) -> Result<Completion, String> {
     loop {
         if let Some(c) = cq.poll() {
+            if c.status == WcStatus::Success && c.opcode != Opcode::Disconnected {
+                LAST_OK.with(|t| t.set(Some(Instant::now())));
+            }
             return Ok(c);
         }
         if !cq.wait(Some(TIMEOUT)).map_err(|e| e.to_string())? {
@@ -44,7 +52,12 @@ fn next(cq: &CompletionQueue) -> Result<Completion, String> {
 
 fn ok(c: &Completion) -> Result<(), String> {
     if c.status != WcStatus::Success || c.opcode == Opcode::Disconnected {
-        return Err(format!("unexpected completion {c:?}"));
+        let quiet = LAST_OK
+            .with(|t| t.get())
+            .map_or(0, |t| t.elapsed().as_millis());
+        return Err(format!(
+            "unexpected completion {c:?}, {quiet} ms after the last successful one"
+        ));
     }
     Ok(())
 }
@@ -141,9 +154,12 @@ fn connect(ctx: &Context, cq: &Arc<CompletionQueue>, addr: &str) -> Result<Conne
     loop {
         match ctx.connect(addr, cq, &opts()) {
             Ok(c) => return Ok(c),
-            Err(rdmabridge::Error::Refused(_)) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(10))
-            }
+            // The peer may still be starting (or, across hosts, still booting).
+            Err(
+                rdmabridge::Error::Refused(_)
+                | rdmabridge::Error::Unreachable(_)
+                | rdmabridge::Error::Timeout(_),
+            ) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
             Err(e) => return Err(e.to_string()),
         }
     }

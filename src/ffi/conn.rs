@@ -57,6 +57,9 @@ pub struct rbr_conn_options {
     /// Verbs: retries of a send that found no receive posted (0..=7; 7 = without limit, so a
     /// send waits for the peer's receive as over shm). Default 7. Ignored by shm.
     pub rnr_retry_count: u8,
+    /// Verbs: ACK timeout exponent t, waiting 4.096 us * 2^t before a resend (0..=31).
+    /// Default 16 (about 0.27 s). Ignored by shm.
+    pub ack_timeout: u8,
 }
 
 /// What a connection was granted; filled by `rbr_conn_get_info`. Set `struct_size` first.
@@ -102,6 +105,7 @@ pub unsafe extern "C" fn rbr_conn_options_init(opts: *mut rbr_conn_options) {
                 context: std::ptr::null_mut(),
                 retry_count: d.retry_count,
                 rnr_retry_count: d.rnr_retry_count,
+                ack_timeout: d.ack_timeout,
             })
         };
     })
@@ -132,6 +136,7 @@ pub(crate) fn options(opts: *const rbr_conn_options) -> Result<ConnOptions, rbr_
         context: o.context as usize,
         retry_count: o.retry_count,
         rnr_retry_count: o.rnr_retry_count,
+        ack_timeout: o.ack_timeout,
     };
     r.validate().map_err(fail)?;
     Ok(r)

@@ -32,12 +32,20 @@ use crate::verbs::res::{CompChannel, Cq, Pd};
 const MAGIC: [u8; 4] = *b"RBRv";
 const PREAMBLE_VERSION: u8 = 1;
 const PREAMBLE: usize = 8;
+/// `rdma_set_option` level and name for the ACK timeout (rdma_cma.h; not in the bindings).
+const RDMA_OPTION_ID: i32 = 0;
+const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
 /// rdma_cm's reject reason when nobody listens on the port (IB_CM_REJ_INVALID_SERVICE_ID).
 const REJ_NO_LISTENER: i32 = 8;
 const RECV_BIT: u64 = 1 << 63;
 /// How long teardown waits for the device to flush outstanding work before reporting the
 /// rest as flushed itself.
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
+/// How long a connection to a library peer may sit with no send outstanding before the engine
+/// sends a keepalive (a zero-length RDMA write, which touches no memory). Its acknowledgement,
+/// or its failure after `retry_count` resends, is how a peer whose host or link is gone is
+/// noticed on an idle connection.
+const KEEPALIVE: Duration = Duration::from_secs(1);
 
 fn with_preamble(user: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(PREAMBLE + user.len());
@@ -172,7 +180,8 @@ impl Resources {
         attr.recv_cq = cq.raw;
         attr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
         attr.sq_sig_all = 0;
-        attr.cap.max_send_wr = opts.send_queue_depth;
+        // One slot more than asked for: the engine's keepalive must never take the caller's.
+        attr.cap.max_send_wr = opts.send_queue_depth + 1;
         attr.cap.max_recv_wr = opts.recv_queue_depth;
         attr.cap.max_send_sge = 1;
         attr.cap.max_recv_sge = 1;
@@ -197,6 +206,28 @@ impl Resources {
             id,
             ch,
         })
+    }
+
+    /// Sets the local ACK timeout the queue pair gets when it becomes ready to send: without
+    /// it some devices (soft-RoCE among them) wait for a lost peer's acknowledgement forever.
+    fn set_ack_timeout(&self, opts: &ConnOptions) -> Result<()> {
+        let t: u8 = opts.ack_timeout;
+        // SAFETY: live id; the option value is one readable byte.
+        let r = unsafe {
+            sys::rdma_set_option(
+                self.id.0,
+                RDMA_OPTION_ID,
+                RDMA_OPTION_ID_ACK_TIMEOUT,
+                (&raw const t).cast_mut().cast(),
+                1,
+            )
+        };
+        if r != 0 {
+            return Err(cm_err("rdma_set_option(ACK_TIMEOUT)")(
+                io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
     }
 
     fn conn_param(&self, data: &[u8], opts: &ConnOptions) -> sys::rdma_conn_param {
@@ -320,6 +351,7 @@ impl Request {
         } else {
             opts.private_data.clone()
         };
+        res.set_ack_timeout(opts)?;
         let mut param = res.conn_param(&data, opts);
         // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
         if unsafe { sys::rdma_accept(res.id.0, &mut param) } != 0 {
@@ -334,7 +366,7 @@ impl Request {
             "peer",
         )?;
         let pd = std::mem::take(&mut self.private_data);
-        Conn::start(self.ctx.clone(), cq, opts, res, pd)
+        Conn::start(self.ctx.clone(), cq, opts, res, pd, self.library_peer)
     }
 
     pub(crate) fn reject(mut self, private_data: &[u8]) -> Result<()> {
@@ -413,6 +445,7 @@ pub(crate) fn connect(
     )?;
     let res = Resources::new(&ctx, id, ch, opts)?;
     let data = with_preamble(&opts.private_data);
+    res.set_ack_timeout(opts)?;
     let mut param = res.conn_param(&data, opts);
     // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
     if unsafe { sys::rdma_connect(res.id.0, &mut param) } != 0 {
@@ -425,14 +458,16 @@ pub(crate) fn connect(
         "connecting",
         &target,
     )?;
-    let (_, peer_data) = parse_preamble(&ev.private_data);
-    Conn::start(ctx, cq, opts, res, peer_data)
+    let (library_peer, peer_data) = parse_preamble(&ev.private_data);
+    Conn::start(ctx, cq, opts, res, peer_data, library_peer)
 }
 
 struct SendEntry {
     seq: u64,
     wr_id: u64,
     signaled: bool,
+    /// A keepalive of the library's own: never reported, but its failure fails the connection.
+    internal: bool,
     _mr: Option<Arc<MemoryRegion>>,
 }
 
@@ -462,6 +497,8 @@ struct Shared {
     state: Mutex<PostState>,
     stop: AtomicBool,
     wake: EventFd,
+    /// The peer is a library peer (negotiated at connect), so keepalives are sent.
+    keepalive: bool,
 }
 
 // SAFETY: the QP pointer is used only under `state`'s lock while `closed` is false; libibverbs
@@ -517,10 +554,11 @@ impl Conn {
         opts: &ConnOptions,
         res: Resources,
         peer_data: Vec<u8>,
+        library_peer: bool,
     ) -> Result<Conn> {
         let info = ConnInfo {
             id: next_conn_id(),
-            send_queue_depth: res.caps.max_send_wr.min(opts.send_queue_depth),
+            send_queue_depth: (res.caps.max_send_wr - 1).min(opts.send_queue_depth),
             recv_queue_depth: res.caps.max_recv_wr.min(opts.recv_queue_depth),
             max_inline: res.caps.max_inline_data.min(opts.max_inline),
             transport: Transport::Verbs,
@@ -542,6 +580,7 @@ impl Conn {
             }),
             stop: AtomicBool::new(false),
             wake: EventFd::new().map_err(Error::Thread)?,
+            keepalive: library_peer,
         });
         let engine = Engine {
             sh: sh.clone(),
@@ -661,6 +700,7 @@ impl Conn {
             seq,
             wr_id,
             signaled: flags.signaled(),
+            internal: false,
             _mr: mr,
         });
         Ok(())
@@ -757,12 +797,7 @@ fn map_status(s: u32) -> WcStatus {
         IBV_WC_RETRY_EXC_ERR | IBV_WC_RNR_RETRY_EXC_ERR | IBV_WC_RESP_TIMEOUT_ERR => {
             WcStatus::Transport
         }
-        _ => {
-            if std::env::var_os("RBR_DEBUG_WC").is_some() {
-                eprintln!("rdmabridge: unmapped work completion status {s}");
-            }
-            WcStatus::General
-        }
+        _ => WcStatus::General,
     }
 }
 
@@ -823,8 +858,12 @@ impl Engine {
                     revents: 0,
                 },
             ];
-            if crate::sys::poll(&mut fds, Some(Duration::from_millis(1000))).is_err() {
-                return End::Failed(WcStatus::General);
+            let ready = match crate::sys::poll(&mut fds, Some(KEEPALIVE)) {
+                Ok(n) => n,
+                Err(_) => return End::Failed(WcStatus::General),
+            };
+            if ready == 0 && self.sh.keepalive {
+                self.send_keepalive();
             }
             if fds[2].revents != 0 {
                 self.sh.wake.clear();
@@ -843,6 +882,36 @@ impl Engine {
                     Err(_) => return End::Failed(WcStatus::General),
                 }
             }
+        }
+    }
+
+    /// Posts a keepalive when nothing is outstanding on the send queue (so the queue pair has
+    /// been idle for a whole KEEPALIVE period); a busy connection needs none.
+    fn send_keepalive(&self) {
+        let mut st = self.sh.lock();
+        if st.closed || !st.sends.is_empty() {
+            return;
+        }
+        let seq = st.next_seq;
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start (no SGE, remote address 0,
+        // rkey 0: a zero-length RDMA write checks neither).
+        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = seq;
+        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is live while `closed` is false (checked under the lock); the work
+        // request is a live local with no buffers.
+        let r = unsafe { sys::ibv_post_send(self.sh.qp, &mut wr, &mut bad) };
+        if r == 0 {
+            st.next_seq += 1;
+            st.sends.push_back(SendEntry {
+                seq,
+                wr_id: 0,
+                signaled: false,
+                internal: true,
+                _mr: None,
+            });
         }
     }
 
@@ -922,7 +991,7 @@ impl Engine {
                 } else {
                     WcStatus::Success
                 };
-                if e.signaled || s != WcStatus::Success {
+                if !e.internal && (e.signaled || s != WcStatus::Success) {
                     self.sh.complete(e.wr_id, Opcode::Send, s, 0, None);
                 }
             }
@@ -954,8 +1023,10 @@ impl Engine {
         {
             let mut st = self.sh.lock();
             while let Some(e) = st.sends.pop_front() {
-                self.sh
-                    .complete(e.wr_id, Opcode::Send, WcStatus::Flushed, 0, None);
+                if !e.internal {
+                    self.sh
+                        .complete(e.wr_id, Opcode::Send, WcStatus::Flushed, 0, None);
+                }
             }
             while let Some(e) = st.recvs.pop_front() {
                 self.sh

@@ -501,3 +501,30 @@ pub fn connect_close_cycles_leak_nothing(net: &Net) {
     );
     assert_eq!(map_count(), maps, "mappings leaked");
 }
+
+/// A connection left idle (over verbs the library then sends keepalives of its own) stays up,
+/// reports nothing of its own, and carries messages afterwards.
+pub fn idle_connection_stays_up_and_reports_nothing(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let (c, ccq, s, scq) = pair(net, &ctx, &ConnOptions::default(), &ConnOptions::default());
+    std::thread::sleep(Duration::from_millis(3500));
+    assert!(
+        ccq.poll().is_none() && scq.poll().is_none(),
+        "an idle connection reported something"
+    );
+    let mr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    s.post_recv(&mr, 0, 64, 1).unwrap();
+    c.post_send_inline(b"still here", 2, SendFlags::SIGNALED)
+        .unwrap();
+    let r = next(&scq);
+    assert_eq!(
+        (r.opcode, r.status, r.byte_len),
+        (Opcode::Recv, WcStatus::Success, 10)
+    );
+    let sc = next(&ccq);
+    assert_eq!(
+        (sc.opcode, sc.status, sc.wr_id),
+        (Opcode::Send, WcStatus::Success, 2)
+    );
+    assert!(ccq.poll().is_none() && scq.poll().is_none());
+}
