@@ -36,6 +36,10 @@ $(printf '%q ' "$@") >"\$R/output" 2>&1 </dev/null
 echo \$? >"\$R/rc"
 EOS
   local args=(--run "$kernel" --disable-kvm --user root --memory "$mem" --cpus 2 --rwdir "$d")
+  # The guest sees the host's / read-only but /tmp as an empty overlay: share the checkout
+  # explicitly, so a clone under /tmp (as CI's may be) is visible too.
+  local repo; repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  case $repo in /tmp|/tmp/*) args+=(--rwdir "$repo") ;; esac
   local rw; for rw in ${VM_RW[@]+"${VM_RW[@]}"}; do args+=(--rwdir "$rw"); done
   [ -z "$qopts" ] || args+=(--qemu-opts="$qopts")
   date +%s.%N >"$d/t_host"
