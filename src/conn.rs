@@ -99,6 +99,42 @@ impl ConnOptions {
     }
 }
 
+/// The checks every transport makes before posting a send: only known flags.
+pub(crate) fn check_send_flags(flags: SendFlags) -> Result<()> {
+    if flags.0 & !SendFlags::ALL.0 != 0 {
+        return Err(Error::invalid(format!("unknown send flags {:#x}", flags.0)));
+    }
+    Ok(())
+}
+
+/// The checks every transport makes on a region a work request names: it belongs to the
+/// connection's context, the range lies inside it, and its length fits a completion. Returns
+/// the start of the range.
+pub(crate) fn check_region(
+    mr: &MemoryRegion,
+    ctx: &Arc<crate::ctx::ContextInner>,
+    offset: usize,
+    len: usize,
+) -> Result<*mut u8> {
+    if !mr.same_context(ctx) {
+        return Err(Error::invalid("memory region belongs to another context"));
+    }
+    if len > u32::MAX as usize {
+        return Err(Error::invalid("message longer than 4 GiB - 1"));
+    }
+    mr.slice_ptr(offset, len)
+}
+
+/// An inline send must fit the granted inline size.
+pub(crate) fn check_inline(len: usize, max_inline: u32) -> Result<()> {
+    if len > max_inline as usize {
+        return Err(Error::invalid(format!(
+            "inline send of {len} bytes over max_inline {max_inline}"
+        )));
+    }
+    Ok(())
+}
+
 pub(crate) fn check_private_data(data: &[u8]) -> Result<()> {
     if data.len() > PRIVATE_DATA_MAX {
         return Err(Error::invalid(format!(

@@ -168,3 +168,32 @@ impl CompletionQueue {
         }
     }
 }
+
+/// Reports one connection's completions into its completion queue.
+#[derive(Debug)]
+pub(crate) struct Reporter {
+    pub(crate) cq: Arc<CompletionQueue>,
+    pub(crate) conn_id: u64,
+    pub(crate) context: usize,
+}
+
+impl Reporter {
+    pub(crate) fn complete(
+        &self,
+        wr_id: u64,
+        opcode: Opcode,
+        status: WcStatus,
+        byte_len: u32,
+        imm: Option<u32>,
+    ) {
+        self.cq.push(Completion {
+            wr_id,
+            conn_id: self.conn_id,
+            context: self.context,
+            opcode,
+            status,
+            byte_len,
+            imm,
+        });
+    }
+}

@@ -1,6 +1,5 @@
 //! Memory regions: caller memory registered with the library, or memory the library allocates.
 
-use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -108,22 +107,9 @@ impl MemoryRegion {
         let size = libc::off_t::try_from(len).map_err(|_| Error::invalid("length too large"))?;
         // SAFETY: plain syscall on a descriptor we own.
         cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), size) }).map_err(Error::MemoryRegion)?;
-        // SAFETY: maps `len` bytes of our own memfd; the result is checked against MAP_FAILED.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::MemoryRegion(io::Error::last_os_error()));
-        }
+        let ptr = crate::sys::map_shared(&fd, len).map_err(Error::MemoryRegion)?;
         Ok(Arc::new(MemoryRegion {
-            ptr: NonNull::new(p.cast()).expect("mmap never returns NULL on success"),
+            ptr,
             len,
             access,
             id: NEXT_MR_ID.fetch_add(1, Ordering::Relaxed),

@@ -18,6 +18,27 @@ pub(crate) fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
+/// Maps the first `len` bytes of `fd` shared and read-write. The caller unmaps them.
+pub(crate) fn map_shared(fd: &OwnedFd, len: usize) -> io::Result<std::ptr::NonNull<u8>> {
+    // SAFETY: a fresh mapping chosen by the kernel; nothing is overwritten, and the result is
+    // checked against MAP_FAILED. Accessing the mapping past the file's end is the caller's to
+    // rule out (memfds are sized, or sealed against shrinking, before mapping).
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(last_os_error());
+    }
+    Ok(std::ptr::NonNull::new(p.cast()).expect("mmap never returns NULL on success"))
+}
+
 /// A non-blocking eventfd used as a level-triggered readiness flag.
 #[derive(Debug)]
 pub(crate) struct EventFd(OwnedFd);

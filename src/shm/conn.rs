@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use crossbeam_queue::ArrayQueue;
 
 use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
-use crate::cq::{Completion, CompletionQueue, Opcode, WcStatus};
+use crate::cq::{CompletionQueue, Reporter};
 use crate::ctx::ContextInner;
 use crate::error::{Error, Result};
 use crate::mr::{Access, MemoryRegion};
@@ -56,8 +56,8 @@ pub(crate) struct RecvWr {
 /// State shared by the users of a connection and its progress thread.
 pub(crate) struct Shared {
     pub(crate) info: ConnInfo,
-    pub(crate) context: usize,
-    pub(crate) cq: Arc<CompletionQueue>,
+    /// Where this connection's completions go.
+    pub(crate) report: Reporter,
     pub(crate) ctx: Arc<ContextInner>,
     pub(crate) sq: ArrayQueue<SendWr>,
     pub(crate) rq: ArrayQueue<RecvWr>,
@@ -78,25 +78,6 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn complete(
-        &self,
-        wr_id: u64,
-        opcode: Opcode,
-        status: WcStatus,
-        byte_len: u32,
-        imm: Option<u32>,
-    ) {
-        self.cq.push(Completion {
-            wr_id,
-            conn_id: self.info.id,
-            context: self.context,
-            opcode,
-            status,
-            byte_len,
-            imm,
-        });
-    }
-
     /// Wakes the engine if it sleeps.
     pub(crate) fn kick(&self) {
         // SeqCst fence: orders our queue push before the read of `engine_sleeping`, pairing with
@@ -173,8 +154,11 @@ impl Conn {
         };
         let sh = Arc::new(Shared {
             info,
-            context: opts.context,
-            cq,
+            report: Reporter {
+                cq,
+                conn_id: info.id,
+                context: opts.context,
+            },
             ctx,
             sq: ArrayQueue::new(opts.send_queue_depth as usize),
             rq: ArrayQueue::new(opts.recv_queue_depth as usize),
@@ -206,16 +190,6 @@ impl Conn {
         &self.private_data
     }
 
-    fn check_mr(&self, mr: &MemoryRegion, offset: usize, len: usize) -> Result<()> {
-        if !mr.same_context(&self.sh.ctx) {
-            return Err(Error::invalid("memory region belongs to another context"));
-        }
-        if len > u32::MAX as usize {
-            return Err(Error::invalid("message longer than 4 GiB - 1"));
-        }
-        mr.slice_ptr(offset, len).map(|_| ())
-    }
-
     pub(crate) fn post_send(
         &self,
         mr: &Arc<MemoryRegion>,
@@ -224,8 +198,8 @@ impl Conn {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
-        check_flags(flags)?;
-        self.check_mr(mr, offset, len)?;
+        crate::conn::check_send_flags(flags)?;
+        crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
         let wr = SendWr {
             wr_id,
             signaled: flags.signaled(),
@@ -239,14 +213,8 @@ impl Conn {
     }
 
     pub(crate) fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
-        check_flags(flags)?;
-        if data.len() > self.sh.info.max_inline as usize {
-            return Err(Error::invalid(format!(
-                "inline send of {} bytes over max_inline {}",
-                data.len(),
-                self.sh.info.max_inline
-            )));
-        }
+        crate::conn::check_send_flags(flags)?;
+        crate::conn::check_inline(data.len(), self.sh.info.max_inline)?;
         let wr = SendWr {
             wr_id,
             signaled: flags.signaled(),
@@ -274,7 +242,7 @@ impl Conn {
         len: usize,
         wr_id: u64,
     ) -> Result<()> {
-        self.check_mr(mr, offset, len)?;
+        crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
         if !mr.access().contains(Access::LOCAL_WRITE) {
             return Err(Error::Access("receiving needs LOCAL_WRITE"));
         }
@@ -298,13 +266,6 @@ impl Conn {
         self.sh.stop.store(true, Ordering::SeqCst);
         self.sh.kick();
     }
-}
-
-fn check_flags(flags: SendFlags) -> Result<()> {
-    if flags.0 & !SendFlags::ALL.0 != 0 {
-        return Err(Error::invalid(format!("unknown send flags {:#x}", flags.0)));
-    }
-    Ok(())
 }
 
 impl Drop for Conn {

@@ -266,7 +266,9 @@ impl Engine {
         // again at once, as with a verbs queue pair.
         self.sh.sq_used.fetch_sub(1, Ordering::Relaxed);
         if wr.signaled || status != WcStatus::Success {
-            self.sh.complete(wr.wr_id, Opcode::Send, status, 0, None);
+            self.sh
+                .report
+                .complete(wr.wr_id, Opcode::Send, status, 0, None);
         }
     }
 
@@ -274,6 +276,7 @@ impl Engine {
         // As for sends: free the slot first.
         self.sh.rq_used.fetch_sub(1, Ordering::Relaxed);
         self.sh
+            .report
             .complete(wr.wr_id, Opcode::Recv, status, len as u32, imm);
     }
 
@@ -526,7 +529,9 @@ impl Engine {
             End::LocalLength => WcStatus::LocalLength,
             _ => WcStatus::General,
         };
-        self.sh.complete(0, Opcode::Disconnected, status, 0, None);
+        self.sh
+            .report
+            .complete(0, Opcode::Disconnected, status, 0, None);
     }
 }
 

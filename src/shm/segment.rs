@@ -14,7 +14,6 @@
 //! checked before use (see `ring.rs`), and the file is sealed against shrinking so the mapping
 //! can never fault.
 
-use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
@@ -151,26 +150,8 @@ impl Segment {
     }
 
     fn map(fd: &OwnedFd, len: usize, cap: usize) -> Result<Segment> {
-        // SAFETY: maps `len` bytes of a sealed memfd whose size is at least `len`; the result is
-        // checked against MAP_FAILED.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::SharedMemory(io::Error::last_os_error()));
-        }
-        Ok(Segment {
-            base: NonNull::new(p.cast()).expect("mmap succeeded"),
-            len,
-            cap,
-        })
+        let base = crate::sys::map_shared(fd, len).map_err(Error::SharedMemory)?;
+        Ok(Segment { base, len, cap })
     }
 
     /// Bytes per ring.

@@ -21,7 +21,7 @@ use rdma_sys as sys;
 use sys::rdma_cm_event_type::*;
 
 use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
-use crate::cq::{Completion, CompletionQueue, Opcode, WcStatus};
+use crate::cq::{CompletionQueue, Opcode, Reporter, WcStatus};
 use crate::ctx::ContextInner;
 use crate::error::{Error, Result};
 use crate::mr::{Access, MemoryRegion};
@@ -489,8 +489,8 @@ struct PostState {
 
 struct Shared {
     info: ConnInfo,
-    context: usize,
-    cq: Arc<CompletionQueue>,
+    /// Where this connection's completions go.
+    report: Reporter,
     ctx: Arc<ContextInner>,
     pd: Arc<Pd>,
     qp: *mut sys::ibv_qp,
@@ -508,25 +508,6 @@ unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
 impl Shared {
-    fn complete(
-        &self,
-        wr_id: u64,
-        opcode: Opcode,
-        status: WcStatus,
-        byte_len: u32,
-        imm: Option<u32>,
-    ) {
-        self.cq.push(Completion {
-            wr_id,
-            conn_id: self.info.id,
-            context: self.context,
-            opcode,
-            status,
-            byte_len,
-            imm,
-        });
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, PostState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -567,8 +548,11 @@ impl Conn {
         let qp = unsafe { (*res.id.0).qp };
         let sh = Arc::new(Shared {
             info,
-            context: opts.context,
-            cq,
+            report: Reporter {
+                cq,
+                conn_id: info.id,
+                context: opts.context,
+            },
             ctx,
             pd: res.pd.clone(),
             qp,
@@ -605,16 +589,6 @@ impl Conn {
         &self.private_data
     }
 
-    fn check_mr(&self, mr: &MemoryRegion, offset: usize, len: usize) -> Result<*mut u8> {
-        if !mr.same_context(&self.sh.ctx) {
-            return Err(Error::invalid("memory region belongs to another context"));
-        }
-        if len > u32::MAX as usize {
-            return Err(Error::invalid("message longer than 4 GiB - 1"));
-        }
-        mr.slice_ptr(offset, len)
-    }
-
     pub(crate) fn post_send(
         &self,
         mr: &Arc<MemoryRegion>,
@@ -623,21 +597,15 @@ impl Conn {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
-        check_flags(flags)?;
-        let ptr = self.check_mr(mr, offset, len)?;
+        crate::conn::check_send_flags(flags)?;
+        let ptr = crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
         let lkey = mr.verbs_lkey(&self.sh.pd)?;
         self.post_send_raw(ptr, len, lkey, wr_id, flags, false, Some(mr.clone()))
     }
 
     pub(crate) fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
-        check_flags(flags)?;
-        if data.len() > self.sh.info.max_inline as usize {
-            return Err(Error::invalid(format!(
-                "inline send of {} bytes over max_inline {}",
-                data.len(),
-                self.sh.info.max_inline
-            )));
-        }
+        crate::conn::check_send_flags(flags)?;
+        crate::conn::check_inline(data.len(), self.sh.info.max_inline)?;
         self.post_send_raw(
             data.as_ptr().cast_mut(),
             data.len(),
@@ -713,7 +681,7 @@ impl Conn {
         len: usize,
         wr_id: u64,
     ) -> Result<()> {
-        let ptr = self.check_mr(mr, offset, len)?;
+        let ptr = crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
         if !mr.access().contains(Access::LOCAL_WRITE) {
             return Err(Error::Access("receiving needs LOCAL_WRITE"));
         }
@@ -766,13 +734,6 @@ fn post_error(r: i32, which: &'static str) -> Error {
     } else {
         Error::Connect(io::Error::from_raw_os_error(r))
     }
-}
-
-fn check_flags(flags: SendFlags) -> Result<()> {
-    if flags.0 & !SendFlags::ALL.0 != 0 {
-        return Err(Error::invalid(format!("unknown send flags {:#x}", flags.0)));
-    }
-    Ok(())
 }
 
 impl Drop for Conn {
@@ -979,7 +940,9 @@ impl Engine {
                 let imm = (e.seq == seq && wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0)
                     // SAFETY: with IBV_WC_WITH_IMM the union holds the immediate data.
                     .then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }));
-                self.sh.complete(e.wr_id, Opcode::Recv, status, len, imm);
+                self.sh
+                    .report
+                    .complete(e.wr_id, Opcode::Recv, status, len, imm);
             }
         } else {
             let seq = wc.wr_id;
@@ -992,7 +955,7 @@ impl Engine {
                     WcStatus::Success
                 };
                 if !e.internal && (e.signaled || s != WcStatus::Success) {
-                    self.sh.complete(e.wr_id, Opcode::Send, s, 0, None);
+                    self.sh.report.complete(e.wr_id, Opcode::Send, s, 0, None);
                 }
             }
         }
@@ -1025,11 +988,13 @@ impl Engine {
             while let Some(e) = st.sends.pop_front() {
                 if !e.internal {
                     self.sh
+                        .report
                         .complete(e.wr_id, Opcode::Send, WcStatus::Flushed, 0, None);
                 }
             }
             while let Some(e) = st.recvs.pop_front() {
                 self.sh
+                    .report
                     .complete(e.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None);
             }
         }
@@ -1039,6 +1004,8 @@ impl Engine {
         };
         // Resources go before the record, so a caller that sees it can count on them being gone.
         self.res = None;
-        self.sh.complete(0, Opcode::Disconnected, status, 0, None);
+        self.sh
+            .report
+            .complete(0, Opcode::Disconnected, status, 0, None);
     }
 }
