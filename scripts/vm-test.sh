@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test that needs real RDMA, on soft-RoCE inside qemu VMs (see shared/SOFTROCE.md):
-# the verbs suite, the C examples over verbs and against the stock librdmacm peers (one VM),
-# then a two-host transfer (two VMs joined over a host loopback port).
+# a two-host transfer (two VMs joined over a host loopback port), then the verbs suite, the C
+# examples over verbs and against the stock librdmacm peers (one VM), whose summary line
+# ("vm-suite: N passed, N failed") closes the output.
 # Needs: scripts/setup-vm.sh (packages), a release build, and the C examples built in BUILD_DIR.
 # Usage: scripts/vm-test.sh [BUILD_DIR]   (default: build)
 set -euo pipefail
@@ -13,9 +14,9 @@ bin=$(cargo test --release --test verbs --no-run --message-format=json 2>/dev/nu
   sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
 [ -x "$bin" ] || { echo "vm-test: could not build the verbs test binary" >&2; exit 1; }
 [ -x "$build/rbr_server" ] || { echo "vm-test: no C examples in $build (cmake --build first)" >&2; exit 1; }
-echo "== one VM: verbs suite, C examples, stock peers"
-scripts/vm-run.sh --timeout 1800 -- scripts/vm-suite.sh "$bin" "$build"
 echo "== two VMs: a verified transfer between two hosts over soft-RoCE"
 scripts/vm-run2.sh --timeout 900 -- \
   target/release/rbr-echo server rdma://198.18.2.1:7471 2000 65536 ::: \
   target/release/rbr-echo client rdma://198.18.2.1:7471 2000 65536
+echo "== one VM: verbs suite, C examples, stock peers"
+scripts/vm-run.sh --timeout 1800 -- scripts/vm-suite.sh "$bin" "$build"
