@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 build=$(realpath "${1:-build}")
 bash scripts/setup-vm.sh
 cargo build --release --quiet
+# The test binary (not the rbr-echo binary built alongside it): target/release/deps/verbs-HASH.
 bin=$(cargo test --release --test verbs --no-run --message-format=json 2>/dev/null |
-  sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+  sed -n 's/.*"executable":"\([^"]*\/deps\/verbs-[^"]*\)".*/\1/p' | tail -n 1)
 [ -x "$bin" ] || { echo "vm-test: could not build the verbs test binary" >&2; exit 1; }
 [ -x "$build/rbr_server" ] || { echo "vm-test: no C examples in $build (cmake --build first)" >&2; exit 1; }
 echo "== two VMs: a verified transfer between two hosts over soft-RoCE"
