@@ -54,9 +54,11 @@
  * Opcode (connection event): the connection is down; every work request it had has
  * completed before this record, and none follows it. `status` is RBR_WC_SUCCESS for an
  * orderly close by either side (over verbs this includes a peer process that was killed: its
- * kernel closes the connection), RBR_WC_TRANSPORT when the peer vanished without a close (shm:
- * killed; verbs: host or link lost, noticed when outstanding work exhausts its retries), or
- * the error that failed the connection.
+ * kernel closes the connection), RBR_WC_TRANSPORT when the peer vanished without a close, or
+ * the error that failed the connection. How soon a vanished peer is noticed: shm at once (its
+ * socket closes); verbs, for a lost host or link, within about 1 s (an idle connection's
+ * keepalive) + (retry_count + 1) x 4.096 us x 2^ack_timeout: about 3 s with the default
+ * options (seen: 2.0 s on soft-RoCE).
  */
 #define RBR_OP_DISCONNECTED 16
 
@@ -211,7 +213,7 @@ typedef struct rbr_conn_options {
   void *context;
   /**
    * Verbs: resends of an unacknowledged packet before the connection fails (0..=7).
-   * Default 7. Ignored by shm.
+   * Default 6 (some devices, soft-RoCE among them, read 7 as "forever"). Ignored by shm.
    */
   uint8_t retry_count;
   /**

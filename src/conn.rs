@@ -41,7 +41,8 @@ pub struct ConnOptions {
     /// Echoed in every completion of the connection.
     pub context: usize,
     /// Verbs: how often the device resends a packet the peer did not acknowledge before the
-    /// connection fails (0..=7). Default 7. Ignored by shm.
+    /// connection fails (0..=7). Default 6: some devices (soft-RoCE) read 7 as "forever",
+    /// which would leave a lost peer unnoticed. Ignored by shm.
     pub retry_count: u8,
     /// Verbs: how often a send that found no receive posted is retried (0..=7; 7 = without
     /// limit, so a send waits for the peer's receive as it does over shm). Default 7.
@@ -63,7 +64,7 @@ impl Default for ConnOptions {
             timeout: Some(Duration::from_secs(5)),
             private_data: Vec::new(),
             context: 0,
-            retry_count: 7,
+            retry_count: 6,
             rnr_retry_count: 7,
             ack_timeout: 16,
         }

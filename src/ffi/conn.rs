@@ -52,7 +52,7 @@ pub struct rbr_conn_options {
     /// Echoed as `conn_context` in every completion of the connection.
     pub context: *mut c_void,
     /// Verbs: resends of an unacknowledged packet before the connection fails (0..=7).
-    /// Default 7. Ignored by shm.
+    /// Default 6 (some devices, soft-RoCE among them, read 7 as "forever"). Ignored by shm.
     pub retry_count: u8,
     /// Verbs: retries of a send that found no receive posted (0..=7; 7 = without limit, so a
     /// send waits for the peer's receive as over shm). Default 7. Ignored by shm.
