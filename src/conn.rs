@@ -126,6 +126,21 @@ pub(crate) fn check_region(
     mr.slice_ptr(offset, len)
 }
 
+/// The region checks of [`check_region`] for a receive, which also needs the library to be
+/// allowed to write into the region.
+pub(crate) fn check_recv_region(
+    mr: &MemoryRegion,
+    ctx: &Arc<crate::ctx::ContextInner>,
+    offset: usize,
+    len: usize,
+) -> Result<*mut u8> {
+    let ptr = check_region(mr, ctx, offset, len)?;
+    if !mr.access().contains(crate::mr::Access::LOCAL_WRITE) {
+        return Err(Error::Access("receiving needs LOCAL_WRITE"));
+    }
+    Ok(ptr)
+}
+
 /// An inline send must fit the granted inline size.
 pub(crate) fn check_inline(len: usize, max_inline: u32) -> Result<()> {
     if len > max_inline as usize {

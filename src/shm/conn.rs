@@ -12,7 +12,7 @@ use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
 use crate::cq::{CompletionQueue, Reporter};
 use crate::ctx::ContextInner;
 use crate::error::{Error, Result};
-use crate::mr::{Access, MemoryRegion};
+use crate::mr::MemoryRegion;
 use crate::shm::engine::Engine;
 use crate::shm::segment::Segment;
 use crate::sys::EventFd;
@@ -242,10 +242,7 @@ impl Conn {
         len: usize,
         wr_id: u64,
     ) -> Result<()> {
-        crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
-        if !mr.access().contains(Access::LOCAL_WRITE) {
-            return Err(Error::Access("receiving needs LOCAL_WRITE"));
-        }
+        crate::conn::check_recv_region(mr, &self.sh.ctx, offset, len)?;
         let sh = &self.sh;
         let wr = RecvWr {
             wr_id,

@@ -24,7 +24,7 @@ use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
 use crate::cq::{CompletionQueue, Opcode, Reporter, WcStatus};
 use crate::ctx::ContextInner;
 use crate::error::{Error, Result};
-use crate::mr::{Access, MemoryRegion};
+use crate::mr::MemoryRegion;
 use crate::sys::EventFd;
 use crate::verbs::cm::{CmEvent, CmId, EventChannel, set_nonblocking, sockaddr};
 use crate::verbs::res::{CompChannel, Cq, Pd};
@@ -681,10 +681,7 @@ impl Conn {
         len: usize,
         wr_id: u64,
     ) -> Result<()> {
-        let ptr = crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
-        if !mr.access().contains(Access::LOCAL_WRITE) {
-            return Err(Error::Access("receiving needs LOCAL_WRITE"));
-        }
+        let ptr = crate::conn::check_recv_region(mr, &self.sh.ctx, offset, len)?;
         let lkey = mr.verbs_lkey(&self.sh.pd)?;
         let mut st = self.sh.lock();
         if st.closed {
