@@ -1,10 +1,11 @@
 //! The completion bridge: a lock-free queue the transports fill and any caller thread drains,
-//! plus one pollable descriptor that is readable exactly while completions are queued.
+//! plus one pollable descriptor that is readable exactly while completions are queued. With
+//! [`Progress::Caller`] the pollers also take verbs completions straight from the devices.
 
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_queue::SegQueue;
 
@@ -65,11 +66,73 @@ pub struct Completion {
     pub imm: Option<u32>,
 }
 
+/// Who moves a connection's finished work from the device into the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Progress {
+    /// The thread that polls or waits on the queue takes verbs completions straight from the
+    /// device: no thread hand-off and no system call on the busy path. Each connection's own
+    /// thread still handles connection events, keepalives and teardown, and takes completions
+    /// only while a caller sleeps in [`CompletionQueue::wait`] or watches
+    /// [`CompletionQueue::fd`]. The default (it measured faster; see the README).
+    Caller,
+    /// Each connection's own thread waits for the device's completion events and moves every
+    /// completion into the queue; callers only take them from there.
+    Thread,
+}
+
+impl Progress {
+    /// `RBR_PROGRESS=caller|thread` when set to one of those, else [`Progress::Caller`].
+    pub fn from_env() -> Progress {
+        match std::env::var("RBR_PROGRESS").as_deref() {
+            Ok("thread") => Progress::Thread,
+            _ => Progress::Caller,
+        }
+    }
+}
+
+/// How a completion queue makes progress and waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CqOptions {
+    /// Who takes verbs completions from the device. Default: [`Progress::from_env`].
+    pub progress: Progress,
+    /// How long [`CompletionQueue::wait`] keeps polling before it sleeps. Default
+    /// [`DEFAULT_SPIN`].
+    pub spin: Duration,
+}
+
+impl Default for CqOptions {
+    fn default() -> Self {
+        CqOptions {
+            progress: Progress::from_env(),
+            spin: DEFAULT_SPIN,
+        }
+    }
+}
+
+/// The default of [`CqOptions::spin`].
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+/// Longest [`CqOptions::spin`].
+pub const SPIN_MAX: Duration = Duration::from_secs(1);
+
+/// Completions a connection keeps in the device until a caller takes them
+/// ([`Progress::Caller`]). Implemented by the verbs connection.
+pub(crate) trait Source: Send + Sync {
+    /// The connection's id, which the queue removes it by.
+    fn key(&self) -> u64;
+    /// Takes finished work from the device (about `max` records), in order. Hands records to
+    /// `direct` when given and nothing is queued yet (so no record overtakes an older one of
+    /// the same connection), else queues them. Returns how many records it produced.
+    fn poll(&self, max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize;
+    /// Asks the device for an event on the next completion, which the connection's thread
+    /// then moves into the queue.
+    fn arm(&self);
+}
+
 /// A completion queue that any number of connections share and any thread drains.
 ///
 /// Thread-safe: `poll`, `wait` and `fd` may be called from any thread at once. Completions of one
 /// connection arrive in the order its work finished.
-#[derive(Debug)]
 pub struct CompletionQueue {
     queue: SegQueue<Completion>,
     /// Count of completions pushed or about to be pushed, never below the queue's length:
@@ -79,46 +142,116 @@ pub struct CompletionQueue {
     /// `pending` can't disagree once both sides are done (no lost or stale wake-up).
     armed: Mutex<bool>,
     efd: EventFd,
+    /// Threads asleep on `efd`, plus one once `fd` has been handed out. While zero, nobody looks
+    /// at `efd`, so queueing and taking skip its system calls; whoever starts looking brings it
+    /// up to date first.
+    watchers: AtomicUsize,
+    exported: AtomicBool,
+    opts: CqOptions,
+    /// Connections whose completions callers take from the device ([`Progress::Caller`]).
+    sources: Mutex<Vec<Arc<dyn Source>>>,
+    nsources: AtomicUsize,
+    /// Where the next scan of `sources` starts, so a small `max` can't starve the later ones.
+    next_source: AtomicUsize,
+}
+
+impl std::fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionQueue")
+            .field("queued", &self.queue.len())
+            .field("opts", &self.opts)
+            .finish()
+    }
 }
 
 impl CompletionQueue {
-    /// Creates an empty completion queue.
+    /// Creates an empty completion queue with the default options.
     pub fn new() -> Result<Arc<Self>> {
+        Self::with_options(CqOptions::default())
+    }
+
+    /// Creates an empty completion queue.
+    pub fn with_options(opts: CqOptions) -> Result<Arc<Self>> {
+        if opts.spin > SPIN_MAX {
+            return Err(Error::invalid(format!(
+                "spin {:?} is longer than {SPIN_MAX:?}",
+                opts.spin
+            )));
+        }
         Ok(Arc::new(CompletionQueue {
             queue: SegQueue::new(),
             pending: AtomicUsize::new(0),
             armed: Mutex::new(false),
             efd: EventFd::new().map_err(Error::CompletionQueue)?,
+            watchers: AtomicUsize::new(0),
+            exported: AtomicBool::new(false),
+            opts,
+            sources: Mutex::new(Vec::new()),
+            nsources: AtomicUsize::new(0),
+            next_source: AtomicUsize::new(0),
         }))
     }
 
+    /// The options the queue was made with.
+    pub fn options(&self) -> CqOptions {
+        self.opts
+    }
+
     pub(crate) fn push(&self, c: Completion) {
-        // AcqRel: the increment is ordered before the push, so a consumer never sees more items
-        // than `pending` counts.
-        let before = self.pending.fetch_add(1, Ordering::AcqRel);
+        // SeqCst: the increment and the `watchers` load below pair with a new watcher's
+        // increment and its look at `pending` (one of the two sees the other).
+        let before = self.pending.fetch_add(1, Ordering::SeqCst);
         self.queue.push(c);
-        if before == 0 {
+        if before == 0 && self.watchers.load(Ordering::SeqCst) > 0 {
             self.update_fd();
         }
     }
 
-    /// Takes the oldest completion, if any. Never blocks.
-    pub fn poll(&self) -> Option<Completion> {
+    fn pop(&self) -> Option<Completion> {
         let c = self.queue.pop()?;
-        // AcqRel: pairs with the producer's increment; the value seen decides who disarms.
-        if self.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+        if self.pending.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.watchers.load(Ordering::SeqCst) > 0
+        {
             self.update_fd();
         }
         Some(c)
     }
 
+    /// Takes the oldest completion, if any. Never blocks.
+    pub fn poll(&self) -> Option<Completion> {
+        let mut got = None;
+        self.poll_with(1, &mut |c| got = Some(c));
+        got
+    }
+
     /// Takes up to `max` completions into `out` (appending). Returns how many were taken.
     pub fn poll_into(&self, out: &mut Vec<Completion>, max: usize) -> usize {
+        self.poll_with(max, &mut |c| out.push(c))
+    }
+
+    /// Hands up to `max` completions, oldest first, to `take`. Returns how many. Never blocks.
+    pub fn poll_with(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
+        let mut n = self.pop_into(max, take);
+        if n < max && self.nsources.load(Ordering::Relaxed) > 0 {
+            n += self.poll_sources(max - n, take);
+            n += self.pop_into(max - n, take);
+            if n == 0 && self.exported.load(Ordering::SeqCst) {
+                // Someone may sleep on the descriptor once this returns empty: make sure the
+                // next completion wakes it.
+                self.arm_sources();
+                n += self.poll_sources(max, take);
+                n += self.pop_into(max - n, take);
+            }
+        }
+        n
+    }
+
+    fn pop_into(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
         let mut n = 0;
         while n < max {
-            match self.poll() {
+            match self.pop() {
                 Some(c) => {
-                    out.push(c);
+                    take(c);
                     n += 1;
                 }
                 None => break,
@@ -127,37 +260,145 @@ impl CompletionQueue {
         n
     }
 
-    /// Number of completions queued right now.
+    /// Takes completions from the devices into `take` (up to `max`; any extra is queued).
+    fn poll_sources(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
+        let mut n = 0;
+        {
+            let mut sink = |c: Completion| {
+                if n < max {
+                    take(c);
+                    n += 1;
+                } else {
+                    self.push(c);
+                }
+            };
+            self.each_source(|s| {
+                s.poll(max, Some(&mut sink));
+            });
+        }
+        n
+    }
+
+    /// Moves completions from the devices into the queue. Returns how many.
+    fn fill_from_sources(&self) -> usize {
+        let mut n = 0;
+        self.each_source(|s| n += s.poll(usize::MAX, None));
+        n
+    }
+
+    fn arm_sources(&self) {
+        self.each_source(|s| s.arm());
+    }
+
+    fn each_source(&self, mut f: impl FnMut(&dyn Source)) {
+        if self.nsources.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
+        let len = sources.len();
+        if len == 0 {
+            return;
+        }
+        let start = self.next_source.fetch_add(1, Ordering::Relaxed) % len;
+        for i in 0..len {
+            f(&*sources[(start + i) % len]);
+        }
+    }
+
+    pub(crate) fn add_source(&self, s: Arc<dyn Source>) {
+        let mut sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
+        sources.push(s);
+        self.nsources.store(sources.len(), Ordering::Relaxed);
+    }
+
+    pub(crate) fn remove_source(&self, key: u64) {
+        let mut sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
+        sources.retain(|s| s.key() != key);
+        self.nsources.store(sources.len(), Ordering::Relaxed);
+    }
+
+    /// Whether a thread sleeps on, or somebody watches, the descriptor: then the devices must
+    /// announce every completion, since nobody may be polling.
+    pub(crate) fn watched(&self) -> bool {
+        self.watchers.load(Ordering::SeqCst) > 0
+    }
+
+    /// Number of completions queued right now (not counting any still in a device).
     pub fn len(&self) -> usize {
         self.queue.len()
     }
 
-    /// Whether no completion is queued right now.
+    /// Whether no completion is queued right now (not counting any still in a device).
     pub fn is_empty(&self) -> bool {
         self.queue.is_empty()
     }
 
     /// Waits until at least one completion is queued or the timeout passes (`None` = forever).
-    /// Returns `Ok(true)` when something is queued, `Ok(false)` on timeout. Takes nothing.
+    /// Polls for up to [`CqOptions::spin`] first, then sleeps. Returns `Ok(true)` when something
+    /// is queued, `Ok(false)` on timeout. Takes nothing (completions found in a device are
+    /// queued for the next poll).
     pub fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
         if !self.queue.is_empty() {
             return Ok(true);
         }
-        sys::poll_one(self.efd.raw(), libc::POLLIN, timeout).map_err(Error::CompletionQueue)
+        let start = Instant::now();
+        let deadline = timeout.map(|t| start + t);
+        let spin_end = start + self.opts.spin.min(timeout.unwrap_or(SPIN_MAX));
+        let mut round = 0u32;
+        loop {
+            if self.fill_from_sources() > 0 || !self.queue.is_empty() {
+                return Ok(true);
+            }
+            // The clock is read every 16th round only: on some machines it costs more than a
+            // round of polling.
+            round = round.wrapping_add(1);
+            if round % 16 == 1 && Instant::now() >= spin_end {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        loop {
+            self.watchers.fetch_add(1, Ordering::SeqCst);
+            let r = self.sleep(deadline);
+            self.watchers.fetch_sub(1, Ordering::SeqCst);
+            match r {
+                // The descriptor was stale (nobody watched it while the queue drained): it is
+                // up to date now, so sleep again.
+                Ok(true) if self.queue.is_empty() => continue,
+                r => return r,
+            }
+        }
+    }
+
+    fn sleep(&self, deadline: Option<Instant>) -> Result<bool> {
+        self.update_fd();
+        self.arm_sources();
+        if self.fill_from_sources() > 0 {
+            return Ok(true);
+        }
+        sys::poll_one(self.efd.raw(), libc::POLLIN, sys::remaining(deadline))
+            .map_err(Error::CompletionQueue)
     }
 
     /// A descriptor for epoll/poll/select: readable exactly while completions are queued
-    /// (level-triggered). Owned by the queue; do not read, write or close it.
+    /// (level-triggered). Once it has been asked for, a [`CompletionQueue::poll`] that finds
+    /// nothing also asks the devices to announce the next completion, so the pattern "poll
+    /// until empty, then sleep on the descriptor" works in both progress modes. Owned by the
+    /// queue; do not read, write or close it.
     pub fn fd(&self) -> RawFd {
+        if !self.exported.swap(true, Ordering::SeqCst) {
+            self.watchers.fetch_add(1, Ordering::SeqCst);
+            self.update_fd();
+        }
         self.efd.raw()
     }
 
     /// Brings the descriptor's readability in line with `pending`. Runs only on the 0 <-> 1
-    /// transitions, so the lock is off the steady-state path.
+    /// transitions while someone watches, so the lock is off the steady-state path.
     fn update_fd(&self) {
         let mut armed = self.armed.lock().unwrap_or_else(|p| p.into_inner());
-        // Acquire: see every increment and decrement published before the lock was taken.
-        let want = self.pending.load(Ordering::Acquire) > 0;
+        // SeqCst: see every increment and decrement published before the lock was taken.
+        let want = self.pending.load(Ordering::SeqCst) > 0;
         if want != *armed {
             if want {
                 self.efd.signal();
@@ -186,7 +427,19 @@ impl Reporter {
         byte_len: u32,
         imm: Option<u32>,
     ) {
-        self.cq.push(Completion {
+        self.cq
+            .push(self.record(wr_id, opcode, status, byte_len, imm));
+    }
+
+    pub(crate) fn record(
+        &self,
+        wr_id: u64,
+        opcode: Opcode,
+        status: WcStatus,
+        byte_len: u32,
+        imm: Option<u32>,
+    ) -> Completion {
+        Completion {
             wr_id,
             conn_id: self.conn_id,
             context: self.context,
@@ -194,6 +447,6 @@ impl Reporter {
             status,
             byte_len,
             imm,
-        });
+        }
     }
 }

@@ -68,7 +68,7 @@ pub use conn::{
     ConnInfo, ConnOptions, ConnRequest, Connection, INLINE_MAX, Listener, PRIVATE_DATA_MAX,
     QUEUE_DEPTH_MAX, SendFlags, Transport,
 };
-pub use cq::{Completion, CompletionQueue, Opcode, WcStatus};
+pub use cq::{Completion, CompletionQueue, CqOptions, Opcode, Progress, WcStatus};
 pub use ctx::{Context, ContextOptions};
 pub use error::{Error, Result};
 pub use mr::{Access, MemoryRegion};

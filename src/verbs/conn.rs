@@ -1,5 +1,7 @@
-//! The verbs transport: the RDMA CM connection flow on RC queue pairs, posting, and a progress
-//! thread per connection that drains its completion channel into the shared completion queue.
+//! The verbs transport: the RDMA CM connection flow on RC queue pairs, posting, and a thread
+//! per connection for its connection events, keepalives and teardown. Completions are taken
+//! from the device CQ by the completion queue's pollers ([`Progress::Caller`], the default) or
+//! by that thread, which then sleeps on the completion channel ([`Progress::Thread`]).
 //!
 //! Server: event channel -> id (RDMA_PS_TCP) -> bind -> listen -> CONNECT_REQUEST (the new id
 //! moves to a channel of its own) -> PD / completion channel / CQ / QP -> accept -> ESTABLISHED.
@@ -21,7 +23,7 @@ use rdma_sys as sys;
 use sys::rdma_cm_event_type::*;
 
 use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
-use crate::cq::{CompletionQueue, Opcode, Reporter, WcStatus};
+use crate::cq::{Completion, CompletionQueue, Opcode, Progress, Reporter, Source, WcStatus};
 use crate::ctx::ContextInner;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
@@ -482,6 +484,8 @@ struct RecvEntry {
 /// pair may still be posted to.
 struct PostState {
     closed: bool,
+    /// The first error that failed the queue pair, as whoever polled the device found it.
+    failed: Option<WcStatus>,
     next_seq: u64,
     sends: VecDeque<SendEntry>,
     recvs: VecDeque<RecvEntry>,
@@ -494,6 +498,11 @@ struct Shared {
     ctx: Arc<ContextInner>,
     pd: Arc<Pd>,
     qp: *mut sys::ibv_qp,
+    /// The device CQ: polled under `state`'s lock while `closed` is false (by callers, with
+    /// [`Progress::Caller`]) and by the engine thread.
+    hw_cq: *mut sys::ibv_cq,
+    /// Whether the device will announce the next completion on the completion channel.
+    notify_armed: AtomicBool,
     state: Mutex<PostState>,
     stop: AtomicBool,
     wake: EventFd,
@@ -501,8 +510,8 @@ struct Shared {
     keepalive: bool,
 }
 
-// SAFETY: the QP pointer is used only under `state`'s lock while `closed` is false; libibverbs
-// posting calls are thread-safe per QP.
+// SAFETY: the QP and CQ pointers are used only under `state`'s lock while `closed` is false, or
+// by the engine thread that owns them; libibverbs posting and polling calls are thread-safe.
 unsafe impl Send for Shared {}
 // SAFETY: as above.
 unsafe impl Sync for Shared {}
@@ -510,6 +519,130 @@ unsafe impl Sync for Shared {}
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, PostState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Polls the device CQ for about `max` records and completes the work it reports, in
+    /// order, through `emit`. Notes the first error that failed the queue pair in
+    /// `st.failed`. Returns how many records it emitted.
+    fn take_hw(&self, st: &mut PostState, max: usize, emit: &mut dyn FnMut(Completion)) -> usize {
+        const BATCH: usize = 16;
+        let mut n = 0;
+        let mut wcs = std::mem::MaybeUninit::<[sys::ibv_wc; BATCH]>::uninit();
+        while n < max {
+            let want = (max - n).min(BATCH) as i32;
+            // SAFETY: live CQ (caller holds the lock with `closed` false, or is the engine
+            // before teardown destroys it); `wcs` has room for BATCH >= want entries.
+            let got = unsafe { sys::ibv_poll_cq(self.hw_cq, want, wcs.as_mut_ptr().cast()) };
+            if got <= 0 {
+                break;
+            }
+            for i in 0..got as usize {
+                // SAFETY: ibv_poll_cq filled the first `got` entries.
+                let wc = unsafe { &*wcs.as_ptr().cast::<sys::ibv_wc>().add(i) };
+                let mut status = map_status(wc.status);
+                // soft-RoCE (rxe) reports a receive too small for its message as a local QP
+                // operation error rather than a length error; on a receive that is what it means.
+                if wc.wr_id & RECV_BIT != 0 && wc.status == sys::ibv_wc_status::IBV_WC_LOC_QP_OP_ERR
+                {
+                    status = WcStatus::LocalLength;
+                }
+                if status != WcStatus::Success && status != WcStatus::Flushed && st.failed.is_none()
+                {
+                    st.failed = Some(status);
+                }
+                n += self.complete(st, wc, status, emit);
+            }
+            if got < want {
+                break;
+            }
+        }
+        n
+    }
+
+    /// Completes the work one device completion reports. Returns how many records it emitted.
+    fn complete(
+        &self,
+        st: &mut PostState,
+        wc: &sys::ibv_wc,
+        status: WcStatus,
+        emit: &mut dyn FnMut(Completion),
+    ) -> usize {
+        let mut n = 0;
+        if wc.wr_id & RECV_BIT != 0 {
+            let seq = wc.wr_id & !RECV_BIT;
+            while st.recvs.front().is_some_and(|e| e.seq <= seq) {
+                let e = st.recvs.pop_front().expect("front exists");
+                let (status, len) = if e.seq == seq {
+                    (status, wc.byte_len)
+                } else {
+                    (WcStatus::Flushed, 0)
+                };
+                let imm = (e.seq == seq && wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0)
+                    // SAFETY: with IBV_WC_WITH_IMM the union holds the immediate data.
+                    .then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }));
+                emit(self.report.record(e.wr_id, Opcode::Recv, status, len, imm));
+                n += 1;
+            }
+        } else {
+            let seq = wc.wr_id;
+            // Sends complete in order: the unsignaled ones before `seq` finished successfully.
+            while st.sends.front().is_some_and(|e| e.seq <= seq) {
+                let e = st.sends.pop_front().expect("front exists");
+                let s = if e.seq == seq {
+                    status
+                } else {
+                    WcStatus::Success
+                };
+                if !e.internal && (e.signaled || s != WcStatus::Success) {
+                    emit(self.report.record(e.wr_id, Opcode::Send, s, 0, None));
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    /// Asks the device for an event on the next completion, unless that is already asked.
+    fn arm_notify(&self) {
+        if !self.notify_armed.swap(true, Ordering::SeqCst) {
+            // SAFETY: live CQ (the caller holds the lock with `closed` false, or is the engine).
+            unsafe { sys::ibv_req_notify_cq(self.hw_cq, 0) };
+        }
+    }
+}
+
+/// With [`Progress::Caller`], the completion queue's pollers take this connection's completions
+/// straight from the device.
+impl Source for Shared {
+    fn key(&self) -> u64 {
+        self.info.id
+    }
+
+    fn poll(&self, max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
+        let mut st = self.lock();
+        if st.closed {
+            return 0;
+        }
+        let failed = st.failed.is_some();
+        let cq = &self.report.cq;
+        let n = match direct {
+            // Under the lock nothing of this connection is on its way into the queue, so an
+            // empty queue means no older record of it is waiting there.
+            Some(take) if cq.is_empty() => self.take_hw(&mut st, max, take),
+            _ => self.take_hw(&mut st, max, &mut |c| cq.push(c)),
+        };
+        if !failed && st.failed.is_some() {
+            // The engine thread tears the connection down.
+            self.wake.signal();
+        }
+        n
+    }
+
+    fn arm(&self) {
+        let st = self.lock();
+        if !st.closed {
+            self.arm_notify();
+        }
     }
 }
 
@@ -546,6 +679,7 @@ impl Conn {
         };
         // SAFETY: the id owns a live QP (created in Resources::new).
         let qp = unsafe { (*res.id.0).qp };
+        let caller_polls = cq.options().progress == Progress::Caller;
         let sh = Arc::new(Shared {
             info,
             report: Reporter {
@@ -556,8 +690,12 @@ impl Conn {
             ctx,
             pd: res.pd.clone(),
             qp,
+            hw_cq: res.cq.raw,
+            // Resources::new asked for the first event.
+            notify_armed: AtomicBool::new(true),
             state: Mutex::new(PostState {
                 closed: false,
+                failed: None,
                 next_seq: 0,
                 sends: VecDeque::new(),
                 recvs: VecDeque::new(),
@@ -566,9 +704,13 @@ impl Conn {
             wake: EventFd::new().map_err(Error::Thread)?,
             keepalive: library_peer,
         });
+        if caller_polls {
+            sh.report.cq.add_source(sh.clone());
+        }
         let engine = Engine {
             sh: sh.clone(),
             res: Some(res),
+            caller_polls,
         };
         let thread = std::thread::Builder::new()
             .name(format!("rbr-verbs-{}", info.id))
@@ -770,6 +912,9 @@ enum End {
 struct Engine {
     sh: Arc<Shared>,
     res: Option<Resources>,
+    /// [`Progress::Caller`]: callers poll the device; the engine asks for completion events
+    /// only while somebody sleeps on or watches the completion queue.
+    caller_polls: bool,
 }
 
 impl Engine {
@@ -793,6 +938,14 @@ impl Engine {
             }
             if let Some(fail) = self.drain_cq() {
                 return End::Failed(fail);
+            }
+            if self.caller_polls && self.sh.report.cq.watched() {
+                // Somebody sleeps on the queue: the device must announce what comes next. The
+                // drain at the top of the next round takes what came in before the request.
+                if !self.sh.notify_armed.load(Ordering::SeqCst) {
+                    self.sh.arm_notify();
+                    continue;
+                }
             }
             let (comp_fd, cm_fd) = {
                 let r = self.res();
@@ -827,7 +980,7 @@ impl Engine {
                 self.sh.wake.clear();
             }
             if fds[0].revents != 0 {
-                self.take_cq_events();
+                self.take_cq_events(!self.caller_polls);
             }
             if fds[1].revents != 0 {
                 match self.res().ch.get_event(Some(Instant::now())) {
@@ -873,9 +1026,12 @@ impl Engine {
         }
     }
 
-    /// Takes pending notifications from the completion channel and re-arms the CQ; the
-    /// caller polls the CQ afterwards, so nothing that arrived in between is missed.
-    fn take_cq_events(&mut self) {
+    /// Takes pending notifications from the completion channel and re-arms the CQ (with
+    /// [`Progress::Thread`], or in teardown; with [`Progress::Caller`] the main loop re-arms
+    /// only for a sleeper); the caller polls the CQ afterwards, so nothing that arrived in
+    /// between is missed.
+    fn take_cq_events(&mut self, rearm: bool) {
+        let sh = self.sh.clone();
         let r = self.res();
         loop {
             let mut cq = std::ptr::null_mut();
@@ -889,79 +1045,28 @@ impl Engine {
         if r.cq.unacked >= 64 {
             r.cq.ack();
         }
-        // SAFETY: live CQ.
-        unsafe { sys::ibv_req_notify_cq(r.cq.raw, 0) };
+        // The event consumed the request (or it is made again right below).
+        sh.notify_armed.store(false, Ordering::SeqCst);
+        if rearm {
+            sh.arm_notify();
+        }
     }
 
-    /// Polls the CQ dry and completes the work it reports. Returns the status of the first
-    /// error that failed the queue pair, if any.
+    /// Polls the CQ dry and queues the completions of the work it reports. Returns the error
+    /// that failed the queue pair, if any (found now, or earlier by a caller's poll).
     fn drain_cq(&mut self) -> Option<WcStatus> {
-        let cq = self.res().cq.raw;
-        let mut fail = None;
-        // SAFETY: ibv_wc is plain data.
-        let mut wcs: [sys::ibv_wc; 32] = unsafe { std::mem::zeroed() };
-        loop {
-            // SAFETY: live CQ; `wcs` has room for 32 entries.
-            let n = unsafe { sys::ibv_poll_cq(cq, wcs.len() as i32, wcs.as_mut_ptr()) };
-            if n <= 0 {
-                break;
-            }
-            for wc in &wcs[..n as usize] {
-                let mut status = map_status(wc.status);
-                // soft-RoCE (rxe) reports a receive too small for its message as a local QP
-                // operation error rather than a length error; on a receive that is what it means.
-                if wc.wr_id & RECV_BIT != 0 && wc.status == sys::ibv_wc_status::IBV_WC_LOC_QP_OP_ERR
-                {
-                    status = WcStatus::LocalLength;
-                }
-                if status != WcStatus::Success && status != WcStatus::Flushed && fail.is_none() {
-                    fail = Some(status);
-                }
-                self.complete(wc, status);
-            }
-        }
-        fail
-    }
-
-    fn complete(&self, wc: &sys::ibv_wc, status: WcStatus) {
-        let mut st = self.sh.lock();
-        if wc.wr_id & RECV_BIT != 0 {
-            let seq = wc.wr_id & !RECV_BIT;
-            while st.recvs.front().is_some_and(|e| e.seq <= seq) {
-                let e = st.recvs.pop_front().expect("front exists");
-                let (status, len) = if e.seq == seq {
-                    (status, wc.byte_len)
-                } else {
-                    (WcStatus::Flushed, 0)
-                };
-                let imm = (e.seq == seq && wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0)
-                    // SAFETY: with IBV_WC_WITH_IMM the union holds the immediate data.
-                    .then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }));
-                self.sh
-                    .report
-                    .complete(e.wr_id, Opcode::Recv, status, len, imm);
-            }
-        } else {
-            let seq = wc.wr_id;
-            // Sends complete in order: the unsignaled ones before `seq` finished successfully.
-            while st.sends.front().is_some_and(|e| e.seq <= seq) {
-                let e = st.sends.pop_front().expect("front exists");
-                let s = if e.seq == seq {
-                    status
-                } else {
-                    WcStatus::Success
-                };
-                if !e.internal && (e.signaled || s != WcStatus::Success) {
-                    self.sh.report.complete(e.wr_id, Opcode::Send, s, 0, None);
-                }
-            }
-        }
+        let sh = &self.sh;
+        let mut st = sh.lock();
+        sh.take_hw(&mut st, usize::MAX, &mut |c| sh.report.cq.push(c));
+        st.failed
     }
 
     /// Disconnects, waits (bounded) for the device to flush every outstanding work request,
     /// reports the rest as flushed, reports the disconnect, and destroys the resources.
     fn teardown(&mut self, end: End) {
         self.sh.lock().closed = true;
+        // Callers no longer poll the device CQ; from here the engine alone drains it.
+        self.sh.report.cq.remove_source(self.sh.info.id);
         // SAFETY: live id; moves the QP to the error state so outstanding work is flushed. An
         // error (already disconnected) changes nothing.
         unsafe { sys::rdma_disconnect(self.res().id.0) };
@@ -978,7 +1083,7 @@ impl Engine {
             // SAFETY: the completion channel is live.
             let fd = unsafe { (*self.res().comp.0).fd };
             let _ = crate::sys::poll_one(fd, libc::POLLIN, Some(Duration::from_millis(20)));
-            self.take_cq_events();
+            self.take_cq_events(true);
         }
         {
             let mut st = self.sh.lock();
