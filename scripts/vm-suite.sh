@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs inside the soft-RoCE VM (scripts/vm-test.sh boots it): every verbs test, in one boot.
-#   1. the Rust suite over verbs (tests/verbs.rs, run with --ignored)
+#   1. the Rust suite over verbs (tests/verbs.rs, run with --ignored), in both progress modes
 #   2. the C examples talking to each other over verbs, every message verified
 #   3. the C examples against the stock librdmacm peers: our server serving rdma_client, our
 #      client talking to rdma_server
@@ -40,11 +40,19 @@ stock_server() { # stock rdma_server, our client
 }
 
 step "rust suite over verbs" "$verbs_bin" --ignored --test-threads=1
+# The tests of completions and teardown again, with progress threads instead of progress on the
+# caller's thread (connection set-up does not depend on it; the tests that switch modes
+# themselves ran in both above).
+step "rust suite over verbs, RBR_PROGRESS=thread" env RBR_PROGRESS=thread "$verbs_bin" --ignored \
+  --test-threads=1 bad_posts completion_fd disconnect_flushes idle_connection peer_killed \
+  receive_too_small slot_is_free slow_receiver
 for size in 1 4096 1048576; do
   n=2000; [ "$size" -ge 1048576 ] && n=200
   step "C examples over verbs, $n x $size B" \
     c_examples/run_pair.sh "$build/rbr_server" "$build/rbr_client" -a "rdma://$ip:$((7480 + ${#size}))" -n "$n" -s "$size" -v
 done
+step "C examples over verbs, progress threads, 2000 x 4096 B" \
+  c_examples/run_pair.sh "$build/rbr_server" "$build/rbr_client" -a "rdma://$ip:7490" -n 2000 -s 4096 -v -p thread
 step "C server with the stock rdma_client" stock_client
 step "C client with the stock rdma_server" stock_server
 echo "vm-suite: $passed passed, $failed failed"

@@ -117,6 +117,47 @@ fn bad_values_are_invalid() {
         assert_eq!(rbr_cq_poll(cq, &mut c, 1, &mut n), RBR_EMPTY);
         assert_eq!(n, 0);
         assert_eq!(rbr_cq_poll(cq, &mut c, 0, &mut n), RBR_ERR_INVALID);
+        // Completion-queue options: each bad field is refused and nothing is created.
+        let mut co = std::mem::zeroed::<rbr_cq_options>();
+        rbr_cq_options_init(&mut co);
+        assert_eq!((co.progress, co.spin_us), (RBR_PROGRESS_DEFAULT, 50));
+        rbr_cq_options_init(null_mut());
+        let sentinel = std::ptr::dangling_mut::<rbr_cq>();
+        for bad in [
+            rbr_cq_options { progress: 3, ..co },
+            rbr_cq_options {
+                spin_us: 1_000_001,
+                ..co
+            },
+            rbr_cq_options {
+                struct_size: 4,
+                ..co
+            },
+        ] {
+            let mut out = sentinel;
+            assert_eq!(rbr_cq_create_ex(&bad, &mut out), RBR_ERR_INVALID);
+            assert_eq!(out, sentinel, "written on failure");
+        }
+        for good in [
+            rbr_cq_options {
+                progress: RBR_PROGRESS_THREAD,
+                spin_us: 0,
+                ..co
+            },
+            rbr_cq_options {
+                progress: RBR_PROGRESS_CALLER,
+                spin_us: 1_000_000,
+                ..co
+            },
+        ] {
+            let mut q = null_mut();
+            assert_eq!(rbr_cq_create_ex(&good, &mut q), RBR_OK);
+            rbr_cq_destroy(q);
+        }
+        let mut q = null_mut();
+        assert_eq!(rbr_cq_create_ex(null(), &mut q), RBR_OK);
+        rbr_cq_destroy(q);
+        assert_eq!(rbr_cq_create_ex(&co, null_mut()), RBR_ERR_NULL);
         let mut l = null_mut();
         assert_eq!(
             rbr_listen(ctx, c"tcp://h:1".as_ptr(), 4, &mut l),

@@ -35,6 +35,8 @@ suite_over_shm!(
     completion_fd_is_readable_exactly_while_completions_are_queued,
     slot_is_free_once_its_completion_is_seen,
     idle_connection_stays_up_and_reports_nothing,
+    sleepers_wake_for_late_completions_in_both_progress_modes,
+    two_threads_polling_one_queue_take_each_completion_once,
 );
 
 /// A peer running as another user is turned away (peer credentials), and the listener keeps

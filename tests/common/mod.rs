@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use rdmabridge::{Completion, CompletionQueue, ConnOptions, Connection, Context};
+use rdmabridge::{Completion, CompletionQueue, ConnOptions, Connection, Context, CqOptions};
 
 pub mod suite;
 
@@ -67,10 +67,26 @@ pub fn pair(
     Connection,
     Arc<CompletionQueue>,
 ) {
+    pair_with(net, ctx, copts, sopts, CqOptions::default())
+}
+
+/// As [`pair`], with both completion queues made with `cq_opts`.
+pub fn pair_with(
+    net: &Net,
+    ctx: &Context,
+    copts: &ConnOptions,
+    sopts: &ConnOptions,
+    cq_opts: CqOptions,
+) -> (
+    Connection,
+    Arc<CompletionQueue>,
+    Connection,
+    Arc<CompletionQueue>,
+) {
     let addr = net.addr("pair");
     let l = ctx.listen(&addr, 4).unwrap();
-    let ccq = CompletionQueue::new().unwrap();
-    let scq = CompletionQueue::new().unwrap();
+    let ccq = CompletionQueue::with_options(cq_opts).unwrap();
+    let scq = CompletionQueue::with_options(cq_opts).unwrap();
     let (client, server) = std::thread::scope(|s| {
         let h = s.spawn(|| {
             l.get_request(Some(Duration::from_secs(10)))

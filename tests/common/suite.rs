@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use rdmabridge::{
-    Access, CompletionQueue, ConnOptions, Context, Error, Opcode, SendFlags, WcStatus,
+    Access, CompletionQueue, ConnOptions, Context, CqOptions, Error, Opcode, Progress, SendFlags,
+    WcStatus,
 };
 
 const ECHO: &str = env!("CARGO_BIN_EXE_rbr-echo");
@@ -531,4 +532,170 @@ pub fn idle_connection_stays_up_and_reports_nothing(net: &Net) {
         (Opcode::Send, WcStatus::Success, 2)
     );
     assert!(ccq.poll().is_none() && scq.poll().is_none());
+}
+
+fn read_u64(mr: &rdmabridge::MemoryRegion, offset: usize) -> u64 {
+    let mut b = [0u8; 8];
+    mr.read(offset, &mut b).unwrap();
+    u64::from_le_bytes(b)
+}
+
+fn fd_readable_within(fd: i32, timeout: Duration) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) == 1 }
+}
+
+/// In both progress modes, with no spinning, a sleeper wakes for a completion that arrives
+/// after it went to sleep: on the descriptor after a poll found nothing, and in `wait`.
+pub fn sleepers_wake_for_late_completions_in_both_progress_modes(net: &Net) {
+    for progress in [Progress::Caller, Progress::Thread] {
+        let ctx = Context::new().unwrap();
+        let cq_opts = CqOptions {
+            progress,
+            spin: Duration::ZERO,
+        };
+        let copts = ConnOptions::default();
+        let (c, ccq, s, scq) = pair_with(net, &ctx, &copts, &copts, cq_opts);
+        let mr = ctx.alloc_mr(128, Access::LOCAL_WRITE).unwrap();
+        let sfd = scq.fd();
+        for k in 0..20u64 {
+            // Server: poll until empty, then sleep on the descriptor.
+            s.post_recv(&mr, 0, 64, k).unwrap();
+            assert_eq!(scq.poll(), None, "{progress:?}");
+            std::thread::scope(|t| {
+                t.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(20));
+                    c.post_send_inline(&k.to_le_bytes(), k, SendFlags::SIGNALED)
+                        .unwrap();
+                });
+                assert!(
+                    fd_readable_within(sfd, Duration::from_secs(10)),
+                    "{progress:?}: descriptor not readable for a late receive ({k})"
+                );
+            });
+            let r = scq.poll().expect("readable, so something is queued");
+            assert_eq!(
+                (r.wr_id, r.opcode, r.status, r.byte_len),
+                (k, Opcode::Recv, WcStatus::Success, 8),
+                "{progress:?}"
+            );
+            assert_eq!(read_u64(&mr, 0), k);
+            let sc = next(&ccq);
+            assert_eq!(
+                (sc.wr_id, sc.opcode, sc.status),
+                (k, Opcode::Send, WcStatus::Success)
+            );
+            // Client: nothing queued, then sleep in wait() for the server's late reply.
+            c.post_recv(&mr, 64, 64, k).unwrap();
+            assert_eq!(ccq.poll(), None, "{progress:?}");
+            std::thread::scope(|t| {
+                t.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(20));
+                    s.post_send_inline(&(!k).to_le_bytes(), k, SendFlags::SIGNALED)
+                        .unwrap();
+                });
+                assert!(
+                    ccq.wait(Some(Duration::from_secs(10))).unwrap(),
+                    "{progress:?}: wait did not wake for a late receive ({k})"
+                );
+            });
+            let r = ccq.poll().expect("wait said something is queued");
+            assert_eq!(
+                (r.wr_id, r.opcode, r.status),
+                (k, Opcode::Recv, WcStatus::Success)
+            );
+            assert_eq!(read_u64(&mr, 64), !k);
+            let sc = next(&scq);
+            assert_eq!(
+                (sc.wr_id, sc.opcode, sc.status),
+                (k, Opcode::Send, WcStatus::Success)
+            );
+        }
+        assert_eq!(scq.poll(), None);
+        assert!(
+            !fd_readable_within(sfd, Duration::ZERO),
+            "readable with nothing queued"
+        );
+    }
+}
+
+/// In both progress modes, two threads polling one queue (one busy-polling, one waiting) take
+/// every completion exactly once, and each connection's completions in order.
+pub fn two_threads_polling_one_queue_take_each_completion_once(net: &Net) {
+    const N: u64 = 3000;
+    const SLOTS: usize = 32;
+    for progress in [Progress::Caller, Progress::Thread] {
+        let ctx = Context::new().unwrap();
+        let cq_opts = CqOptions {
+            progress,
+            ..Default::default()
+        };
+        let opts = ConnOptions {
+            recv_queue_depth: SLOTS as u32,
+            ..Default::default()
+        };
+        let (c, ccq, s, scq) = pair_with(net, &ctx, &opts, &opts, cq_opts);
+        let mr = ctx.alloc_mr(SLOTS * 8, Access::LOCAL_WRITE).unwrap();
+        for i in 0..SLOTS {
+            s.post_recv(&mr, i * 8, 8, i as u64).unwrap();
+        }
+        let seen = std::sync::Mutex::new(vec![0u32; N as usize]);
+        let taken = std::sync::atomic::AtomicU64::new(0);
+        std::thread::scope(|t| {
+            for busy in [true, false] {
+                let (s, scq, mr, seen, taken) = (&s, &scq, &mr, &seen, &taken);
+                t.spawn(move || {
+                    let deadline = Instant::now() + Duration::from_secs(120);
+                    let mut last = None;
+                    while taken.load(std::sync::atomic::Ordering::SeqCst) < N {
+                        assert!(Instant::now() < deadline, "{progress:?}: stalled");
+                        let Some(r) = scq.poll() else {
+                            if !busy {
+                                scq.wait(Some(Duration::from_millis(50))).unwrap();
+                            }
+                            continue;
+                        };
+                        assert_eq!((r.opcode, r.status), (Opcode::Recv, WcStatus::Success));
+                        let slot = r.wr_id as usize;
+                        let k = read_u64(mr, slot * 8);
+                        // This thread's share of the messages comes out in sending order.
+                        assert!(
+                            last.is_none_or(|l| l < k),
+                            "{progress:?}: {k} after {last:?}"
+                        );
+                        last = Some(k);
+                        seen.lock().unwrap()[k as usize] += 1;
+                        taken.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        if k + (SLOTS as u64) < N {
+                            s.post_recv(mr, slot * 8, 8, slot as u64).unwrap();
+                        }
+                    }
+                });
+            }
+            let mut inflight = 0;
+            for k in 0..N {
+                while inflight >= 64 {
+                    let sc = next(&ccq);
+                    assert_eq!((sc.opcode, sc.status), (Opcode::Send, WcStatus::Success));
+                    inflight -= 1;
+                }
+                c.post_send_inline(&k.to_le_bytes(), k, SendFlags::SIGNALED)
+                    .unwrap();
+                inflight += 1;
+            }
+            while inflight > 0 {
+                assert_eq!(next(&ccq).status, WcStatus::Success);
+                inflight -= 1;
+            }
+        });
+        assert!(
+            seen.lock().unwrap().iter().all(|&n| n == 1),
+            "{progress:?}: a message was lost or seen twice"
+        );
+    }
 }
