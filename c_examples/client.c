@@ -25,6 +25,7 @@
  * rbr_conn_disconnect, but exactly one must come, with RBR_WC_SUCCESS.
  *
  * Usage: rbr_client [-a ADDR] [-n COUNT] [-s SIZE] [-w WINDOW] [-v] [-q] [-P]
+ *                   [-p MODE] [-S US]
  *   -a ADDR    server address (default shm://rdmabridge-demo)
  *   -n COUNT   messages per phase (default 10000)
  *   -s SIZE    message size in bytes, 0 allowed, K/M suffixes (default 64)
@@ -38,6 +39,10 @@
  *   -q         quiet: print only errors
  *   -P         plain peer: ping-pong only, content and private data not
  *              checked, the server may disconnect first
+ *   -p MODE    completion progress: caller (the library's default: this
+ *              thread takes completions from the device) or thread (each
+ *              connection's own thread does)
+ *   -S US      rbr_cq_wait polls US microseconds before it sleeps
  *
  * Messages are numbered 0..2*COUNT-1 across both phases, in each direction.
  * Exit status 0 only if every echo arrived (and verified, with -v); with -P,
@@ -68,6 +73,7 @@ struct client_opts {
     uint32_t window;
     int verify;
     int quiet;
+    struct ex_cq_opts cq; /* -p, -S */
     int plain;   /* -P: the server is a plain peer */
 };
 
@@ -94,7 +100,7 @@ static void usage(const char *argv0)
 {
     fprintf(stderr,
             "usage: %s [-a ADDR] [-n COUNT] [-s SIZE] [-w WINDOW] [-v] [-q] "
-            "[-P]\n"
+            "[-P] [-p MODE] [-S US]\n"
             "  -a ADDR    server address (default %s)\n"
             "  -n COUNT   messages per phase (default 10000)\n"
             "  -s SIZE    message size in bytes (default 64)\n"
@@ -104,7 +110,7 @@ static void usage(const char *argv0)
             "  -P         plain peer (e.g. rdma_server): ping-pong only, do\n"
             "             not check the replies' content or the server's\n"
             "             private data, let the server disconnect first\n"
-            "             (not with -v)\n",
+            "             (not with -v)\n" EX_CQ_OPTS_USAGE,
             argv0, EX_DEFAULT_ADDR);
 }
 
@@ -120,7 +126,8 @@ static int parse_opts(int argc, char **argv, struct client_opts *o)
     o->verify = 0;
     o->quiet = 0;
     o->plain = 0;
-    while ((ch = getopt(argc, argv, "a:n:s:w:vqPh")) != -1) {
+    ex_cq_opts_init(&o->cq);
+    while ((ch = getopt(argc, argv, "a:n:s:w:vqPp:S:h")) != -1) {
         switch (ch) {
         case 'a':
             o->addr = optarg;
@@ -157,8 +164,16 @@ static int parse_opts(int argc, char **argv, struct client_opts *o)
             o->plain = 1;
             break;
         default:
-            usage(argv[0]);
-            return -1;
+            switch (ex_cq_opt(ch, optarg, &o->cq)) {
+            case 1:
+                break;
+            case 0:
+                usage(argv[0]);
+                return -1;
+            default:
+                return -1;
+            }
+            break;
         }
     }
     if (optind != argc) {
@@ -519,7 +534,7 @@ int main(int argc, char **argv)
 
     if (EX_CHECK(rbr_ctx_create(&ctx)))
         goto out_bookkeeping;
-    if (EX_CHECK(rbr_cq_create(&cq)))
+    if (EX_CHECK(ex_cq_create(&o.cq, &cq)))
         goto out_ctx;
     s.cq = cq;
     if (ex_check(rbr_mr_alloc(ctx, s.stride * s.slots, RBR_ACCESS_LOCAL_WRITE,

@@ -301,3 +301,47 @@ int ex_parse_size(const char *s, uint64_t *out)
     *out = (uint64_t)v * mult;
     return 0;
 }
+
+void ex_cq_opts_init(struct ex_cq_opts *o)
+{
+    o->progress = RBR_PROGRESS_DEFAULT;
+    o->spin_us = -1;
+}
+
+int ex_cq_opt(int ch, const char *arg, struct ex_cq_opts *o)
+{
+    uint64_t v;
+
+    switch (ch) {
+    case 'p':
+        if (strcmp(arg, "caller") == 0) {
+            o->progress = RBR_PROGRESS_CALLER;
+        } else if (strcmp(arg, "thread") == 0) {
+            o->progress = RBR_PROGRESS_THREAD;
+        } else {
+            ex_error("bad progress mode '%s' (caller or thread)", arg);
+            return -1;
+        }
+        return 1;
+    case 'S':
+        if (ex_parse_size(arg, &v) != 0 || v > 1000000) {
+            ex_error("bad spin '%s' (0..1000000 us)", arg);
+            return -1;
+        }
+        o->spin_us = (int64_t)v;
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+rbr_status ex_cq_create(const struct ex_cq_opts *o, rbr_cq **cq)
+{
+    rbr_cq_options opts;
+
+    rbr_cq_options_init(&opts);
+    opts.progress = o->progress;
+    if (o->spin_us >= 0)
+        opts.spin_us = (uint32_t)o->spin_us;
+    return rbr_cq_create_ex(&opts, cq);
+}

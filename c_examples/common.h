@@ -93,4 +93,24 @@ void ex_report_completion(const char *what, const rbr_completion *c);
  */
 int ex_parse_size(const char *s, uint64_t *out);
 
+/*
+ * Completion-queue options both examples take: -p MODE (progress: caller or
+ * thread) and -S US (how long rbr_cq_wait polls before it sleeps).
+ */
+struct ex_cq_opts {
+    uint32_t progress; /* RBR_PROGRESS_*; RBR_PROGRESS_DEFAULT unless -p */
+    int64_t spin_us;   /* -1 (the library's default) unless -S */
+};
+#define EX_CQ_OPTS_USAGE                                                    \
+    "  -p MODE    progress: caller (the library's default) or thread\n"    \
+    "  -S US      rbr_cq_wait polls US microseconds before it sleeps\n"
+void ex_cq_opts_init(struct ex_cq_opts *o);
+/*
+ * If ch is 'p' or 'S', parses arg into *o and returns 1 (or -1 after a
+ * message when arg is bad); returns 0 for any other option.
+ */
+int ex_cq_opt(int ch, const char *arg, struct ex_cq_opts *o);
+/* rbr_cq_create_ex with the options of *o. */
+rbr_status ex_cq_create(const struct ex_cq_opts *o, rbr_cq **cq);
+
 #endif /* RBR_EXAMPLES_COMMON_H */

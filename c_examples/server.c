@@ -20,7 +20,8 @@
  * ignores the client's private data and the messages' content, echoes each
  * message back, and waits for the client's disconnect as usual.
  *
- * Usage: rbr_server [-a ADDR] [-n COUNT] [-s SIZE] [-v] [-q] [-P]
+ * Usage: rbr_server [-a ADDR] [-n COUNT] [-s SIZE] [-v] [-q] [-P] [-p MODE]
+ *                   [-S US]
  *   -a ADDR   address to listen on (default shm://rdmabridge-demo)
  *   -n COUNT  messages per client phase; the server echoes 2*COUNT (10000),
  *             or COUNT with -P
@@ -28,6 +29,8 @@
  *   -v        verify the pattern of every received message (not with -P)
  *   -q        quiet: print only the "listening on" line and errors
  *   -P        plain peer: one phase of COUNT messages, content not checked
+ *   -p MODE   completion progress: caller (the library's default) or thread
+ *   -S US     rbr_cq_wait polls US microseconds before it sleeps
  *
  * The line "listening on ADDR" is printed (and flushed) once the listener
  * exists, so that scripts know when the client may connect.
@@ -59,6 +62,7 @@ struct server_opts {
     size_t size;
     int verify;
     int quiet;
+    struct ex_cq_opts cq; /* -p, -S */
     int plain;   /* -P: the client is a plain peer */
 };
 
@@ -90,7 +94,8 @@ struct echo_state {
 static void usage(const char *argv0)
 {
     fprintf(stderr,
-            "usage: %s [-a ADDR] [-n COUNT] [-s SIZE] [-v] [-q] [-P]\n"
+            "usage: %s [-a ADDR] [-n COUNT] [-s SIZE] [-v] [-q] [-P] "
+            "[-p MODE] [-S US]\n"
             "  -a ADDR   listen address (default %s)\n"
             "  -n COUNT  messages per client phase (default 10000)\n"
             "  -s SIZE   message size in bytes (default 64)\n"
@@ -98,7 +103,8 @@ static void usage(const char *argv0)
             "  -q        quiet\n"
             "  -P        plain peer (e.g. rdma_client): expect COUNT\n"
             "            messages in one phase, do not check their content\n"
-            "            or the client's private data (not with -v)\n",
+            "            or the client's private data (not with -v)\n"
+            EX_CQ_OPTS_USAGE,
             argv0, EX_DEFAULT_ADDR);
 }
 
@@ -113,7 +119,8 @@ static int parse_opts(int argc, char **argv, struct server_opts *o)
     o->verify = 0;
     o->quiet = 0;
     o->plain = 0;
-    while ((ch = getopt(argc, argv, "a:n:s:vqPh")) != -1) {
+    ex_cq_opts_init(&o->cq);
+    while ((ch = getopt(argc, argv, "a:n:s:vqPp:S:h")) != -1) {
         switch (ch) {
         case 'a':
             o->addr = optarg;
@@ -143,8 +150,16 @@ static int parse_opts(int argc, char **argv, struct server_opts *o)
             o->plain = 1;
             break;
         default:
-            usage(argv[0]);
-            return -1;
+            switch (ex_cq_opt(ch, optarg, &o->cq)) {
+            case 1:
+                break;
+            case 0:
+                usage(argv[0]);
+                return -1;
+            default:
+                return -1;
+            }
+            break;
         }
     }
     if (optind != argc) {
@@ -456,7 +471,7 @@ int main(int argc, char **argv)
 
     if (EX_CHECK(rbr_ctx_create(&ctx)))
         goto out_bookkeeping;
-    if (EX_CHECK(rbr_cq_create(&cq)))
+    if (EX_CHECK(ex_cq_create(&o.cq, &cq)))
         goto out_ctx;
     s.cq = cq;
     if (ex_check(rbr_listen(ctx, o.addr, 1, &listener), "rbr_listen"))
