@@ -381,14 +381,18 @@ impl CompletionQueue {
     }
 
     /// A descriptor for epoll/poll/select: readable exactly while completions are queued
-    /// (level-triggered). Once it has been asked for, a [`CompletionQueue::poll`] that finds
-    /// nothing also asks the devices to announce the next completion, so the pattern "poll
-    /// until empty, then sleep on the descriptor" works in both progress modes. Owned by the
+    /// (level-triggered). With [`Progress::Caller`], asking for it makes the devices announce
+    /// every completion from then on, and the connections' threads queue them as they come (as
+    /// with [`Progress::Thread`]); a program that only polls should not ask for it. Owned by the
     /// queue; do not read, write or close it.
     pub fn fd(&self) -> RawFd {
         if !self.exported.swap(true, Ordering::SeqCst) {
             self.watchers.fetch_add(1, Ordering::SeqCst);
             self.update_fd();
+            // From now on the devices announce every completion: ask for the next one, then
+            // queue whatever came before the request.
+            self.arm_sources();
+            self.fill_from_sources();
         }
         self.efd.raw()
     }

@@ -292,9 +292,9 @@ pub unsafe extern "C" fn rbr_cq_wait(cq: *mut rbr_cq, timeout_ms: i32) -> rbr_st
 /// Writes into `*fd` a descriptor for epoll/poll/select that is readable exactly while
 /// completions (including connection events) are queued: level-triggered, no lost wake-up.
 /// The pattern: poll until RBR_EMPTY, then sleep on the descriptor. (With RBR_PROGRESS_CALLER,
-/// once the descriptor has been asked for, an empty poll also asks the devices to announce the
-/// next completion, and the connections' threads queue completions as they come: the queue
-/// then works as with RBR_PROGRESS_THREAD. Callers that only poll never pay for that.)
+/// asking for the descriptor makes the devices announce every completion from then on, and the
+/// connections' threads queue them as they come: the queue then works as with
+/// RBR_PROGRESS_THREAD. A program that only polls should not ask for it.)
 /// The queue owns it: do not read, write or close it. Valid until the queue is destroyed.
 ///
 /// # Safety
