@@ -56,9 +56,11 @@
  * orderly close by either side (over verbs this includes a peer process that was killed: its
  * kernel closes the connection), RBR_WC_TRANSPORT when the peer vanished without a close, or
  * the error that failed the connection. How soon a vanished peer is noticed: shm at once (its
- * socket closes); verbs, for a lost host or link, within about 1 s (an idle connection's
- * keepalive) + (retry_count + 1) x 4.096 us x 2^ack_timeout: about 3 s with the default
- * options (seen: 2.0 s on soft-RoCE).
+ * socket closes); verbs, for a lost host or link, within about keepalive_ms (1 s, for an idle
+ * connection) + (retry_count + 1) x 4.096 us x 2^ack_timeout: about 3 s with the default
+ * options (seen: 2.0 s on soft-RoCE). The host whose own link (RDMA port) goes down fails its
+ * connections within (retry_count + 1) x 4.096 us x 2^ack_timeout of the port's going down
+ * (seen: 1.9 s), keepalive or not.
  */
 #define RBR_OP_DISCONNECTED 16
 
@@ -249,6 +251,13 @@ typedef struct rbr_conn_options {
    * Default 16 (about 0.27 s). Ignored by shm.
    */
   uint8_t ack_timeout;
+  /**
+   * Verbs: how long a connection to a library peer may sit with no send outstanding before
+   * the library sends a keepalive (a zero-length RDMA write), so that a lost peer is noticed
+   * on an idle connection too; in ms, 1..=3600000, or 0 for none. Default 1000. Ignored by
+   * shm and toward plain peers.
+   */
+  uint32_t keepalive_ms;
 } rbr_conn_options;
 
 /**
@@ -678,9 +687,9 @@ rbr_status rbr_cq_wait(struct rbr_cq *cq, int32_t timeout_ms);
  * Writes into `*fd` a descriptor for epoll/poll/select that is readable exactly while
  * completions (including connection events) are queued: level-triggered, no lost wake-up.
  * The pattern: poll until RBR_EMPTY, then sleep on the descriptor. (With RBR_PROGRESS_CALLER,
- * once the descriptor has been asked for, an empty poll also asks the devices to announce the
- * next completion, and the connections' threads queue completions as they come: the queue
- * then works as with RBR_PROGRESS_THREAD. Callers that only poll never pay for that.)
+ * asking for the descriptor makes the devices announce every completion from then on, and the
+ * connections' threads queue them as they come: the queue then works as with
+ * RBR_PROGRESS_THREAD. A program that only polls should not ask for it.)
  * The queue owns it: do not read, write or close it. Valid until the queue is destroyed.
  *
  * # Safety

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs one command inside a qemu VM with soft-RoCE (see shared/SOFTROCE.md) and exits with that
 # command's exit code. The guest loads rdma_rxe, makes dummy interface rt0 = 198.18.0.1/24 with
-# rxe0 on it, waits for rxe0 ACTIVE, exports RBR_TEST_ADDR=198.18.0.1 and RBR_VM=1, cds to the
+# rxe0 on it, waits for rxe0 ACTIVE, exports RBR_TEST_ADDR=198.18.0.1, RBR_TEST_NETDEV=rt0 and
+# RBR_VM=1, cds to the
 # directory this script was invoked from and runs COMMAND (argv, no shell: use `bash -c '...'` for
 # pipes or `&`). Its stdout+stderr are printed after the VM stops. Boot takes ~20-30 s (no KVM).
 #
@@ -32,7 +33,7 @@ trap 'exit 130' INT TERM
 
 setup='ip link add rt0 type dummy; ip addr add 198.18.0.1/24 dev rt0; ip link set rt0 up
 rdma link add rxe0 type rxe netdev rt0
-export RBR_TEST_ADDR=198.18.0.1 RBR_VM=1'
+export RBR_TEST_ADDR=198.18.0.1 RBR_TEST_NETDEV=rt0 RBR_VM=1'
 vm_start "$dir" 2G "$timeout" "" "$setup" -- "$@"
 rc=0; vm_finish "$dir" "$VM_PID" vm "$timeout" || rc=$?
 exit "$rc"

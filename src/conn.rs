@@ -53,6 +53,12 @@ pub struct ConnOptions {
     /// it bounds how long a lost peer takes to notice: about (retry_count + 1) × that time.
     /// Ignored by shm.
     pub ack_timeout: u8,
+    /// Verbs: how long a connection to a library peer may sit with no send outstanding before
+    /// the library sends a keepalive (a zero-length RDMA write, which touches no memory), so
+    /// that a peer whose host or link is gone is noticed on an idle connection too; `None`
+    /// sends none. 1 ms..=1 h. Default 1 s. Ignored by shm (a vanished shm peer is noticed at
+    /// once) and toward plain peers.
+    pub keepalive: Option<Duration>,
 }
 
 impl Default for ConnOptions {
@@ -67,6 +73,7 @@ impl Default for ConnOptions {
             retry_count: 6,
             rnr_retry_count: 7,
             ack_timeout: 16,
+            keepalive: Some(Duration::from_secs(1)),
         }
     }
 }
@@ -89,6 +96,11 @@ impl ConnOptions {
         }
         if self.ack_timeout > 31 {
             return Err(Error::invalid("ack_timeout goes from 0 to 31"));
+        }
+        if let Some(k) = self.keepalive
+            && !(Duration::from_millis(1)..=Duration::from_secs(3600)).contains(&k)
+        {
+            return Err(Error::invalid(format!("keepalive {k:?} not in 1 ms..=1 h")));
         }
         if self.max_inline > INLINE_MAX {
             return Err(Error::invalid(format!(

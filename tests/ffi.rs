@@ -170,6 +170,7 @@ fn bad_values_are_invalid() {
         let mut opts = std::mem::zeroed::<rbr_conn_options>();
         rbr_conn_options_init(&mut opts);
         assert_eq!(opts.send_queue_depth, 128);
+        assert_eq!(opts.keepalive_ms, 1000);
         let mut conn = null_mut();
         let addr = std::ffi::CString::new(unique_addr("ffi-bad")).unwrap();
         for bad in [
@@ -191,6 +192,10 @@ fn bad_values_are_invalid() {
             },
             rbr_conn_options {
                 rnr_retry_count: 8,
+                ..opts
+            },
+            rbr_conn_options {
+                keepalive_ms: 3_600_001,
                 ..opts
             },
             rbr_conn_options {

@@ -60,6 +60,11 @@ pub struct rbr_conn_options {
     /// Verbs: ACK timeout exponent t, waiting 4.096 us * 2^t before a resend (0..=31).
     /// Default 16 (about 0.27 s). Ignored by shm.
     pub ack_timeout: u8,
+    /// Verbs: how long a connection to a library peer may sit with no send outstanding before
+    /// the library sends a keepalive (a zero-length RDMA write), so that a lost peer is noticed
+    /// on an idle connection too; in ms, 1..=3600000, or 0 for none. Default 1000. Ignored by
+    /// shm and toward plain peers.
+    pub keepalive_ms: u32,
 }
 
 /// What a connection was granted; filled by `rbr_conn_get_info`. Set `struct_size` first.
@@ -106,6 +111,7 @@ pub unsafe extern "C" fn rbr_conn_options_init(opts: *mut rbr_conn_options) {
                 retry_count: d.retry_count,
                 rnr_retry_count: d.rnr_retry_count,
                 ack_timeout: d.ack_timeout,
+                keepalive_ms: d.keepalive.map_or(0, |k| k.as_millis() as u32),
             })
         };
     })
@@ -137,6 +143,7 @@ pub(crate) fn options(opts: *const rbr_conn_options) -> Result<ConnOptions, rbr_
         retry_count: o.retry_count,
         rnr_retry_count: o.rnr_retry_count,
         ack_timeout: o.ack_timeout,
+        keepalive: (o.keepalive_ms != 0).then(|| Duration::from_millis(o.keepalive_ms.into())),
     };
     r.validate().map_err(fail)?;
     Ok(r)

@@ -24,9 +24,11 @@ pub const RBR_OP_RECV: u32 = 2;
 /// orderly close by either side (over verbs this includes a peer process that was killed: its
 /// kernel closes the connection), RBR_WC_TRANSPORT when the peer vanished without a close, or
 /// the error that failed the connection. How soon a vanished peer is noticed: shm at once (its
-/// socket closes); verbs, for a lost host or link, within about 1 s (an idle connection's
-/// keepalive) + (retry_count + 1) x 4.096 us x 2^ack_timeout: about 3 s with the default
-/// options (seen: 2.0 s on soft-RoCE).
+/// socket closes); verbs, for a lost host or link, within about keepalive_ms (1 s, for an idle
+/// connection) + (retry_count + 1) x 4.096 us x 2^ack_timeout: about 3 s with the default
+/// options (seen: 2.0 s on soft-RoCE). The host whose own link (RDMA port) goes down fails its
+/// connections within (retry_count + 1) x 4.096 us x 2^ack_timeout of the port's going down
+/// (seen: 1.9 s), keepalive or not.
 pub const RBR_OP_DISCONNECTED: u32 = 16;
 
 /// Completion status: success.

@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::sys::EventFd;
 use crate::verbs::cm::{CmEvent, CmId, EventChannel, set_nonblocking, sockaddr};
-use crate::verbs::res::{CompChannel, Cq, Pd};
+use crate::verbs::res::{CompChannel, Cq, DeviceEvents, Pd, device_events};
 
 const MAGIC: [u8; 4] = *b"RBRv";
 const PREAMBLE_VERSION: u8 = 1;
@@ -43,11 +43,9 @@ const RECV_BIT: u64 = 1 << 63;
 /// How long teardown waits for the device to flush outstanding work before reporting the
 /// rest as flushed itself.
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
-/// How long a connection to a library peer may sit with no send outstanding before the engine
-/// sends a keepalive (a zero-length RDMA write, which touches no memory). Its acknowledgement,
-/// or its failure after `retry_count` resends, is how a peer whose host or link is gone is
-/// noticed on an idle connection.
-const KEEPALIVE: Duration = Duration::from_secs(1);
+/// How often the engine looks at the connection when nothing else wakes it (port state, and the
+/// device CQ with progress on the caller's thread), at the least.
+const TICK: Duration = Duration::from_secs(1);
 
 fn with_preamble(user: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(PREAMBLE + user.len());
@@ -139,6 +137,9 @@ struct Resources {
     ch: EventChannel,
     pd: Arc<Pd>,
     caps: sys::ibv_qp_cap,
+    /// The device's port events, and the port this connection uses.
+    dev: Arc<DeviceEvents>,
+    port: u8,
 }
 
 /// Destroys the id's QP on drop.
@@ -167,6 +168,9 @@ impl Resources {
             return Err(Error::NoDevice);
         }
         let pd = ctx.verbs.pd(device)?;
+        let dev = device_events(device)?;
+        // SAFETY: live id, bound to a device port by now.
+        let port = unsafe { (*id.0).port_num };
         // SAFETY: live device context; NULL with errno on failure.
         let comp = unsafe { sys::ibv_create_comp_channel(device) };
         if comp.is_null() {
@@ -205,6 +209,8 @@ impl Resources {
             comp,
             caps: attr.cap,
             pd,
+            dev,
+            port,
             id,
             ch,
         })
@@ -506,8 +512,11 @@ struct Shared {
     state: Mutex<PostState>,
     stop: AtomicBool,
     wake: EventFd,
-    /// The peer is a library peer (negotiated at connect), so keepalives are sent.
-    keepalive: bool,
+    /// How long the connection may be idle before a keepalive goes out: the option, toward a
+    /// library peer (negotiated at connect); none toward a plain peer. A keepalive's
+    /// acknowledgement, or its failure after `retry_count` resends, is how a peer whose host or
+    /// link is gone is noticed on an idle connection.
+    keepalive: Option<Duration>,
 }
 
 // SAFETY: the QP and CQ pointers are used only under `state`'s lock while `closed` is false, or
@@ -702,7 +711,7 @@ impl Conn {
             }),
             stop: AtomicBool::new(false),
             wake: EventFd::new().map_err(Error::Thread)?,
-            keepalive: library_peer,
+            keepalive: opts.keepalive.filter(|_| library_peer),
         });
         if caller_polls {
             sh.report.cq.add_source(sh.clone());
@@ -711,6 +720,7 @@ impl Conn {
             sh: sh.clone(),
             res: Some(res),
             caller_polls,
+            port_grace: retry_bound(opts),
         };
         let thread = std::thread::Builder::new()
             .name(format!("rbr-verbs-{}", info.id))
@@ -915,6 +925,16 @@ struct Engine {
     /// [`Progress::Caller`]: callers poll the device; the engine asks for completion events
     /// only while somebody sleeps on or watches the completion queue.
     caller_polls: bool,
+    /// How long the connection's port may stay down before the connection fails: as long as
+    /// the device's resends would take to give up on a peer that stopped answering.
+    port_grace: Duration,
+}
+
+/// How long a queue pair resends an unacknowledged packet before it fails:
+/// (retry_count + 1) x 4.096 us x 2^ack_timeout.
+fn retry_bound(opts: &ConnOptions) -> Duration {
+    let t = u32::from(opts.ack_timeout.min(31));
+    Duration::from_nanos(4096 * (1u64 << t) * (u64::from(opts.retry_count) + 1))
 }
 
 impl Engine {
@@ -939,6 +959,15 @@ impl Engine {
             if let Some(fail) = self.drain_cq() {
                 return End::Failed(fail);
             }
+            let port_down = {
+                let r = self.res();
+                r.dev.down_since(r.port)
+            };
+            if port_down.is_some_and(|since| since.elapsed() >= self.port_grace) {
+                // The local port went down and stayed down: the peer can't be reached, and some
+                // devices never fail the queue pair's outstanding work on their own.
+                return End::Failed(WcStatus::Transport);
+            }
             if self.caller_polls && self.sh.report.cq.watched() {
                 // Somebody sleeps on the queue: the device must announce what comes next. The
                 // drain at the top of the next round takes what came in before the request.
@@ -947,10 +976,10 @@ impl Engine {
                     continue;
                 }
             }
-            let (comp_fd, cm_fd) = {
+            let (comp_fd, cm_fd, dev_fd) = {
                 let r = self.res();
                 // SAFETY: the completion channel is live.
-                (unsafe { (*r.comp.0).fd }, r.ch.fd())
+                (unsafe { (*r.comp.0).fd }, r.ch.fd(), r.dev.fd())
             };
             let mut fds = [
                 libc::pollfd {
@@ -968,16 +997,28 @@ impl Engine {
                     events: libc::POLLIN,
                     revents: 0,
                 },
+                libc::pollfd {
+                    fd: dev_fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
             ];
-            let ready = match crate::sys::poll(&mut fds, Some(KEEPALIVE)) {
+            let idle = self.sh.keepalive.unwrap_or(TICK);
+            let tick = port_down.map_or(idle, |since| {
+                idle.min(self.port_grace.saturating_sub(since.elapsed()))
+            });
+            let ready = match crate::sys::poll(&mut fds, Some(tick)) {
                 Ok(n) => n,
                 Err(_) => return End::Failed(WcStatus::General),
             };
-            if ready == 0 && self.sh.keepalive {
+            if ready == 0 && self.sh.keepalive.is_some() {
                 self.send_keepalive();
             }
             if fds[2].revents != 0 {
                 self.sh.wake.clear();
+            }
+            if fds[3].revents != 0 {
+                self.res().dev.drain();
             }
             if fds[0].revents != 0 {
                 self.take_cq_events(!self.caller_polls);
@@ -997,7 +1038,7 @@ impl Engine {
     }
 
     /// Posts a keepalive when nothing is outstanding on the send queue (so the queue pair has
-    /// been idle for a whole KEEPALIVE period); a busy connection needs none.
+    /// been idle for a whole keepalive period); a busy connection needs none.
     fn send_keepalive(&self) {
         let mut st = self.sh.lock();
         if st.closed || !st.sends.is_empty() {

@@ -4,6 +4,7 @@
 
 use std::io;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use rdma_sys as sys;
 
@@ -174,5 +175,90 @@ impl Drop for Cq {
         self.ack();
         // SAFETY: every CQ event was acked just above, and the QP using it is gone.
         unsafe { sys::ibv_destroy_cq(self.raw) };
+    }
+}
+
+/// What a device's asynchronous events say about its ports: one per device per process (the
+/// device's event descriptor is), shared by every connection on the device. The connections'
+/// threads read the events (whichever finds the descriptor readable) and each checks whether
+/// its own port is down.
+pub(crate) struct DeviceEvents {
+    device: *mut sys::ibv_context,
+    /// (port, since when) for each port that is down; port 0 stands for the whole device after
+    /// a fatal error.
+    down: Mutex<Vec<(u8, Instant)>>,
+}
+
+// SAFETY: the device context is kept open by librdmacm for the life of the process; reading
+// its events is thread-safe (the descriptor is non-blocking).
+unsafe impl Send for DeviceEvents {}
+// SAFETY: as above.
+unsafe impl Sync for DeviceEvents {}
+
+static DEVICES: Mutex<Vec<Arc<DeviceEvents>>> = Mutex::new(Vec::new());
+
+/// The event state of `device`, made on first use (which makes its event descriptor
+/// non-blocking, so that no connection's thread can block reading an event another took).
+pub(crate) fn device_events(device: *mut sys::ibv_context) -> Result<Arc<DeviceEvents>> {
+    let mut devs = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(d) = devs.iter().find(|d| d.device == device) {
+        return Ok(d.clone());
+    }
+    // SAFETY: live device context from a CM id.
+    crate::verbs::cm::set_nonblocking(unsafe { (*device).async_fd })?;
+    let d = Arc::new(DeviceEvents {
+        device,
+        down: Mutex::new(Vec::new()),
+    });
+    devs.push(d.clone());
+    Ok(d)
+}
+
+impl DeviceEvents {
+    /// The device's event descriptor, readable while events wait.
+    pub(crate) fn fd(&self) -> i32 {
+        // SAFETY: live device context.
+        unsafe { (*self.device).async_fd }
+    }
+
+    /// Takes and acknowledges every waiting event, noting ports that go down or come back.
+    pub(crate) fn drain(&self) {
+        use sys::ibv_event_type::*;
+        loop {
+            let mut ev = std::mem::MaybeUninit::<sys::ibv_async_event>::uninit();
+            // SAFETY: live device context; the descriptor is non-blocking, so this fails with
+            // EAGAIN when no event waits.
+            if unsafe { sys::ibv_get_async_event(self.device, ev.as_mut_ptr()) } != 0 {
+                return;
+            }
+            // SAFETY: filled by ibv_get_async_event. The type is read as the raw C integer, as
+            // a newer kernel may report a type this build does not know.
+            let kind = unsafe { (&raw const (*ev.as_ptr()).event_type).cast::<u32>().read() };
+            // SAFETY: for port events the element is the port number.
+            let port = unsafe { (*ev.as_ptr()).element.port_num } as u8;
+            {
+                let mut down = self.down.lock().unwrap_or_else(|p| p.into_inner());
+                if kind == IBV_EVENT_PORT_ERR as u32 {
+                    if !down.iter().any(|&(p, _)| p == port) {
+                        down.push((port, Instant::now()));
+                    }
+                } else if kind == IBV_EVENT_PORT_ACTIVE as u32 {
+                    down.retain(|&(p, _)| p != port);
+                } else if kind == IBV_EVENT_DEVICE_FATAL as u32 {
+                    down.push((0, Instant::now()));
+                }
+            }
+            // SAFETY: acknowledges the event just taken, once.
+            unsafe { sys::ibv_ack_async_event(ev.as_mut_ptr()) };
+        }
+    }
+
+    /// Since when `port` (or the whole device) has been down, if it is.
+    pub(crate) fn down_since(&self, port: u8) -> Option<Instant> {
+        let down = self.down.lock().unwrap_or_else(|p| p.into_inner());
+        down.iter()
+            .filter(|&&(p, _)| p == port || p == 0)
+            .map(|&(_, t)| t)
+            .min()
     }
 }
