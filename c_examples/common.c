@@ -322,16 +322,17 @@ int ex_cq_opt(int ch, const char *arg, struct ex_cq_opts *o)
             ex_error("bad progress mode '%s' (caller or thread)", arg);
             return -1;
         }
-        return 1;
+        return 0;
     case 'S':
         if (ex_parse_size(arg, &v) != 0 || v > 1000000) {
             ex_error("bad spin '%s' (0..1000000 us)", arg);
             return -1;
         }
         o->spin_us = (int64_t)v;
-        return 1;
-    default:
         return 0;
+    default:
+        ex_error("-%c is not a completion-queue option", ch);
+        return -1;
     }
 }
 

@@ -106,8 +106,8 @@ struct ex_cq_opts {
     "  -S US      rbr_cq_wait polls US microseconds before it sleeps\n"
 void ex_cq_opts_init(struct ex_cq_opts *o);
 /*
- * If ch is 'p' or 'S', parses arg into *o and returns 1 (or -1 after a
- * message when arg is bad); returns 0 for any other option.
+ * Parses the argument of option ch ('p' or 'S') into *o.  Returns 0, or -1
+ * after a message when arg is bad.
  */
 int ex_cq_opt(int ch, const char *arg, struct ex_cq_opts *o);
 /* rbr_cq_create_ex with the options of *o. */

@@ -149,17 +149,14 @@ static int parse_opts(int argc, char **argv, struct server_opts *o)
         case 'P':
             o->plain = 1;
             break;
-        default:
-            switch (ex_cq_opt(ch, optarg, &o->cq)) {
-            case 1:
-                break;
-            case 0:
-                usage(argv[0]);
+        case 'p':
+        case 'S':
+            if (ex_cq_opt(ch, optarg, &o->cq) != 0)
                 return -1;
-            default:
-                return -1;
-            }
             break;
+        default:
+            usage(argv[0]);
+            return -1;
         }
     }
     if (optind != argc) {
