@@ -1,87 +1,51 @@
-//! One shm connection as its users see it: the queues they post into, shared with the
-//! connection's progress thread (`engine.rs`), which does all the moving of bytes.
+//! One shm connection as its users see it: posting takes the connection's lock and drives the
+//! data path (`flow.rs`) on the caller's thread; with [`Progress::Caller`] so does polling the
+//! completion queue. The connection's own thread (`engine.rs`) watches for the peer leaving,
+//! moves data while somebody sleeps on the queue (or always, with [`Progress::Thread`]), and
+//! tears the connection down.
 
-use std::os::fd::OwnedFd;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering, fence};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crossbeam_queue::ArrayQueue;
-
 use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
-use crate::cq::{CompletionQueue, Reporter};
+use crate::cq::{Completion, CompletionQueue, Progress, Reporter, Source};
 use crate::ctx::ContextInner;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::engine::Engine;
+use crate::shm::flow::{Flow, RecvWr, SendSrc};
 use crate::shm::segment::Segment;
 use crate::sys::EventFd;
 
-/// Where a send's bytes come from.
-pub(crate) enum SendSrc {
-    Region {
-        mr: Arc<MemoryRegion>,
-        offset: usize,
-    },
-    Inline(Box<[u8]>),
-}
-
-pub(crate) struct SendWr {
-    pub(crate) wr_id: u64,
-    pub(crate) signaled: bool,
-    pub(crate) len: usize,
-    pub(crate) src: SendSrc,
-}
-
-impl SendWr {
-    /// Start of the bytes to send (valid for `len` bytes while the work request lives).
-    pub(crate) fn ptr(&self) -> *const u8 {
-        match &self.src {
-            SendSrc::Region { mr, offset } => mr
-                .slice_ptr(*offset, self.len)
-                .expect("range checked when posted")
-                .cast_const(),
-            SendSrc::Inline(b) => b.as_ptr(),
-        }
-    }
-}
-
-pub(crate) struct RecvWr {
-    pub(crate) wr_id: u64,
-    pub(crate) mr: Arc<MemoryRegion>,
-    pub(crate) offset: usize,
-    pub(crate) len: usize,
-}
-
-/// State shared by the users of a connection and its progress thread.
+/// State shared by the users of a connection, the pollers of its completion queue, and its
+/// thread.
 pub(crate) struct Shared {
     pub(crate) info: ConnInfo,
     /// Where this connection's completions go.
     pub(crate) report: Reporter,
     pub(crate) ctx: Arc<ContextInner>,
-    pub(crate) sq: ArrayQueue<SendWr>,
-    pub(crate) rq: ArrayQueue<RecvWr>,
-    /// Sends posted and not yet completed; bounded by the send queue depth.
-    pub(crate) sq_used: AtomicUsize,
-    /// Receives posted and not yet completed.
-    pub(crate) rq_used: AtomicUsize,
-    /// Set by the engine when the connection is down; posting then fails.
-    pub(crate) closed: AtomicBool,
-    /// Posts under way; the engine waits for zero after setting `closed`, so no work request
-    /// can slip into a queue after the final flush.
-    pub(crate) posting: AtomicUsize,
+    /// The data path. Held briefly by whoever posts, polls or drives.
+    pub(crate) flow: Mutex<Flow>,
+    /// Pollers of the completion queue drive the data path ([`Progress::Caller`]).
+    pub(crate) caller_polls: bool,
     /// The user asked for a disconnect.
     pub(crate) stop: AtomicBool,
-    /// The engine is about to sleep (or sleeps) and wants `wake` signalled.
+    /// The connection's thread is about to sleep (or sleeps) and wants `wake` signalled.
     pub(crate) engine_sleeping: AtomicBool,
     pub(crate) wake: EventFd,
 }
 
 impl Shared {
-    /// Wakes the engine if it sleeps.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Flow> {
+        self.flow.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes the connection's thread if it sleeps.
     pub(crate) fn kick(&self) {
-        // SeqCst fence: orders our queue push before the read of `engine_sleeping`, pairing with
-        // the engine's store of `engine_sleeping` before it re-checks the queues (Dekker).
+        // SeqCst fence: orders what we changed before the read of `engine_sleeping`, pairing
+        // with the thread's store of `engine_sleeping` before it re-checks (Dekker).
         fence(Ordering::SeqCst);
         if self.engine_sleeping.load(Ordering::SeqCst)
             && self.engine_sleeping.swap(false, Ordering::SeqCst)
@@ -90,33 +54,57 @@ impl Shared {
         }
     }
 
-    /// Runs `push` as one post: refused once the connection is down; counted in `posting` so
-    /// the engine's final flush sees everything pushed.
-    fn post(&self, push: impl FnOnce() -> Result<()>) -> Result<()> {
-        // SeqCst: `posting` and `closed` form a Dekker pair with the engine's teardown.
-        self.posting.fetch_add(1, Ordering::SeqCst);
-        let r = if self.closed.load(Ordering::SeqCst) {
-            Err(Error::Disconnected)
-        } else {
-            push()
-        };
-        self.posting.fetch_sub(1, Ordering::SeqCst);
-        if r.is_ok() {
+    /// After a post: the connection's thread must see the new work if it is the one moving
+    /// data now (progress threads, or a sleeper on the queue).
+    fn posted(&self) {
+        if !self.caller_polls || self.report.cq.watched() {
             self.kick();
         }
-        r
     }
 }
 
-/// Claims one slot of a queue of `depth`, or fails with QueueFull.
-fn claim(used: &AtomicUsize, depth: u32, which: &'static str) -> Result<()> {
-    // Relaxed is enough: the counter only bounds queue occupancy; the queue itself orders data.
-    let prev = used.fetch_add(1, Ordering::Relaxed);
-    if prev >= depth as usize {
-        used.fetch_sub(1, Ordering::Relaxed);
-        return Err(Error::QueueFull(which));
+/// With [`Progress::Caller`], the completion queue's pollers drive this connection's data path.
+impl Source for Shared {
+    fn key(&self) -> u64 {
+        self.info.id
     }
-    Ok(())
+
+    fn poll(&self, _max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
+        let mut flow = self.lock();
+        if flow.closed || flow.failed.is_some() {
+            return 0;
+        }
+        let cq = &self.report.cq;
+        let mut n = 0;
+        match direct {
+            // Under the lock nothing of this connection is on its way into the queue, so an
+            // empty queue means no older record of it is waiting there.
+            Some(take) if cq.is_empty() => {
+                flow.step(&self.report, &mut |c| {
+                    take(c);
+                    n += 1;
+                });
+            }
+            _ => {
+                flow.step(&self.report, &mut |c| {
+                    cq.push(c);
+                    n += 1;
+                });
+            }
+        }
+        if flow.failed.is_some() {
+            // The connection's thread tears it down.
+            drop(flow);
+            self.wake.signal();
+        }
+        n
+    }
+
+    fn arm(&self) {
+        // Somebody is about to sleep on the queue: the connection's thread takes over moving
+        // data and asks the peer for doorbells until the queue is no longer watched.
+        self.wake.signal();
+    }
 }
 
 /// The user's handle of an shm connection. Dropping it tears the connection down.
@@ -135,7 +123,7 @@ impl std::fmt::Debug for Conn {
 }
 
 impl Conn {
-    /// Starts the connection's engine over an established handshake socket and segment.
+    /// Starts the connection over an established handshake socket and segment.
     pub(crate) fn start(
         ctx: Arc<ContextInner>,
         cq: Arc<CompletionQueue>,
@@ -152,6 +140,14 @@ impl Conn {
             max_inline: opts.max_inline,
             transport: Transport::Shm,
         };
+        let caller_polls = cq.options().progress == Progress::Caller;
+        let flow = Flow::new(
+            seg,
+            side,
+            sock.as_raw_fd(),
+            opts.send_queue_depth,
+            opts.recv_queue_depth,
+        );
         let sh = Arc::new(Shared {
             info,
             report: Reporter {
@@ -160,21 +156,27 @@ impl Conn {
                 context: opts.context,
             },
             ctx,
-            sq: ArrayQueue::new(opts.send_queue_depth as usize),
-            rq: ArrayQueue::new(opts.recv_queue_depth as usize),
-            sq_used: AtomicUsize::new(0),
-            rq_used: AtomicUsize::new(0),
-            closed: AtomicBool::new(false),
-            posting: AtomicUsize::new(0),
+            flow: Mutex::new(flow),
+            caller_polls,
             stop: AtomicBool::new(false),
             engine_sleeping: AtomicBool::new(false),
             wake: EventFd::new().map_err(Error::Thread)?,
         });
-        let engine = Engine::new(sh.clone(), side, sock, seg)?;
-        let thread = std::thread::Builder::new()
+        // Before the thread starts, so that its teardown's removal always comes after.
+        if caller_polls {
+            sh.report.cq.add_source(sh.clone());
+        }
+        let engine = Engine::new(sh.clone(), sock);
+        let thread = match std::thread::Builder::new()
             .name(format!("rbr-shm-{}", info.id))
             .spawn(move || engine.run())
-            .map_err(Error::Thread)?;
+        {
+            Ok(t) => t,
+            Err(e) => {
+                sh.report.cq.remove_source(info.id);
+                return Err(Error::Thread(e));
+            }
+        };
         Ok(Conn {
             sh,
             thread: Some(thread),
@@ -199,40 +201,34 @@ impl Conn {
         flags: SendFlags,
     ) -> Result<()> {
         crate::conn::check_send_flags(flags)?;
-        crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
-        let wr = SendWr {
-            wr_id,
-            signaled: flags.signaled(),
-            len,
-            src: SendSrc::Region {
-                mr: mr.clone(),
-                offset,
-            },
+        let ptr = crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
+        let keep = || SendSrc::Region {
+            mr: mr.clone(),
+            offset,
         };
-        self.push_send(wr)
+        // SAFETY: `ptr` is `len` bytes inside the region (checked above), which `mr` keeps alive
+        // during the call.
+        unsafe {
+            self.sh
+                .lock()
+                .post_send(ptr, len, wr_id, flags.signaled(), keep)
+        }?;
+        self.sh.posted();
+        Ok(())
     }
 
     pub(crate) fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
         crate::conn::check_send_flags(flags)?;
         crate::conn::check_inline(data.len(), self.sh.info.max_inline)?;
-        let wr = SendWr {
-            wr_id,
-            signaled: flags.signaled(),
-            len: data.len(),
-            src: SendSrc::Inline(data.into()),
-        };
-        self.push_send(wr)
-    }
-
-    fn push_send(&self, wr: SendWr) -> Result<()> {
-        let sh = &self.sh;
-        sh.post(|| {
-            claim(&sh.sq_used, sh.info.send_queue_depth, "send")?;
-            if sh.sq.push(wr).is_err() {
-                unreachable!("a claimed slot always fits");
-            }
-            Ok(())
-        })
+        let keep = || SendSrc::Inline(data.into());
+        // SAFETY: `data` is readable for its length during the call.
+        unsafe {
+            self.sh
+                .lock()
+                .post_send(data.as_ptr(), data.len(), wr_id, flags.signaled(), keep)
+        }?;
+        self.sh.posted();
+        Ok(())
     }
 
     pub(crate) fn post_recv(
@@ -243,25 +239,20 @@ impl Conn {
         wr_id: u64,
     ) -> Result<()> {
         crate::conn::check_recv_region(mr, &self.sh.ctx, offset, len)?;
-        let sh = &self.sh;
         let wr = RecvWr {
             wr_id,
             mr: mr.clone(),
             offset,
             len,
         };
-        sh.post(|| {
-            claim(&sh.rq_used, sh.info.recv_queue_depth, "receive")?;
-            if sh.rq.push(wr).is_err() {
-                unreachable!("a claimed slot always fits");
-            }
-            Ok(())
-        })
+        self.sh.lock().post_recv(wr)?;
+        self.sh.posted();
+        Ok(())
     }
 
     pub(crate) fn disconnect(&self) {
         self.sh.stop.store(true, Ordering::SeqCst);
-        self.sh.kick();
+        self.sh.wake.signal();
     }
 }
 
@@ -269,8 +260,8 @@ impl Drop for Conn {
     fn drop(&mut self) {
         self.disconnect();
         if let Some(t) = self.thread.take() {
-            // The engine's teardown is local work and its sleeps are woken by `kick`, so this
-            // join is bounded. A panic inside it has already been reported as a disconnect.
+            // The teardown is local work and the thread's sleeps are woken by `disconnect`, so
+            // this join is bounded. A panic inside it has already been reported as a disconnect.
             let _ = t.join();
         }
     }

@@ -1,117 +1,38 @@
-//! The progress thread of one shm connection: moves posted sends into the outgoing ring,
-//! fills posted receives from the incoming ring, completes work, and notices the peer leaving.
-//!
-//! Flow control is by credits: the receiver publishes how many receives it has posted in all,
-//! and the sender starts message `n` only once `n` receives exist, so a message always has a
-//! buffer when it arrives and a slow receiver holds the sender back instead of losing data.
-//! A send completes when the receiver has taken it out of the ring, as an RC send completes
-//! when the peer acknowledges it; a receive too small for its message fails the connection and
-//! the send with [`WcStatus::RemoteError`].
+//! The thread of one shm connection. It notices the peer leaving (its socket's end of file)
+//! and the user's disconnect, moves data while nobody else does - always with
+//! [`Progress::Thread`](crate::Progress::Thread), and with
+//! [`Progress::Caller`](crate::Progress::Caller) only while somebody sleeps on the completion
+//! queue or watches its descriptor - and tears the connection down. The busy path, posting and
+//! polling, never waits for it.
 
-use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::cq::{Opcode, WcStatus};
-use crate::error::{Error, Result};
-use crate::shm::conn::{RecvWr, SendWr, Shared};
-use crate::shm::ring::{self, Consumer, Producer, Record};
-use crate::shm::segment::{FATAL_LENGTH, FATAL_PROTOCOL, Segment};
+use crate::cq::Opcode;
+use crate::shm::conn::Shared;
+use crate::shm::flow::{BYE, End, send_packet};
 use crate::sys;
 
-/// Doorbell packet: "look at the rings".
-pub(crate) const WAKE: u8 = 1;
-/// Goodbye packet: an orderly close follows.
-pub(crate) const BYE: u8 = 2;
-
-/// How long the engine spins on an idle connection before it sleeps.
+/// How long the thread spins on an idle connection before it sleeps, while it moves data.
 const SPIN: Duration = Duration::from_micros(50);
 /// Longest single sleep; each wake-up re-checks everything.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
 
-/// Why the connection ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum End {
-    /// The user asked for it.
-    Local,
-    /// The peer closed: `clean` if it said goodbye first.
-    Peer { clean: bool },
-    /// A receive here was too small for a message.
-    LocalLength,
-    /// The peer broke the protocol (or a panic inside the engine).
-    Protocol,
-}
-
-/// One send fully in the ring, waiting for the peer to take it.
-struct InFlight {
-    end: u64,
-    seq: u64,
-    wr: SendWr,
-}
-
 pub(crate) struct Engine {
     sh: Arc<Shared>,
-    seg: Segment,
-    side: usize,
     sock: OwnedFd,
-    tx: Producer,
-    rx: Consumer,
-    max_chunk: usize,
-    /// Sends not yet fully written; the front one has `copied` bytes in the ring.
-    pending: VecDeque<SendWr>,
-    copied: usize,
-    inflight: VecDeque<InFlight>,
-    /// Posted receives; the front one has `filled` bytes of a message when `filling`.
-    recvs: VecDeque<RecvWr>,
-    filling: bool,
-    filled: usize,
-    /// Messages started (credits used), receives posted, messages received.
-    msgs_started: u64,
-    recvs_posted: u64,
-    msgs_received: u64,
     peer_said_bye: bool,
-    /// The peer's receive count and ring head when the sender last tried to write.
-    seen_credits: u64,
-    seen_head: u64,
 }
 
 impl Engine {
-    pub(crate) fn new(sh: Arc<Shared>, side: usize, sock: OwnedFd, seg: Segment) -> Result<Engine> {
-        let cap = seg.cap();
-        let (tx_tail, tx_head) = seg.cursors(side);
-        let (rx_tail, rx_head) = seg.cursors(1 - side);
-        // SAFETY: the cursors and rings live in `seg`, which the engine owns and drops after
-        // the producer and consumer; side `side` is the only producer of ring `side` and the
-        // only consumer of ring `1 - side`.
-        let (tx, rx) = unsafe {
-            (
-                Producer::new(tx_tail, tx_head, seg.data(side), cap),
-                Consumer::new(rx_tail, rx_head, seg.data(1 - side), cap),
-            )
-        };
-        Ok(Engine {
+    pub(crate) fn new(sh: Arc<Shared>, sock: OwnedFd) -> Engine {
+        Engine {
             sh,
-            side,
             sock,
-            tx,
-            rx,
-            max_chunk: (cap / 4).min(64 * 1024),
-            seg,
-            pending: VecDeque::new(),
-            copied: 0,
-            inflight: VecDeque::new(),
-            recvs: VecDeque::new(),
-            filling: false,
-            filled: 0,
-            msgs_started: 0,
-            recvs_posted: 0,
-            msgs_received: 0,
             peer_said_bye: false,
-            seen_credits: 0,
-            seen_head: 0,
-        })
+        }
     }
 
     /// Runs until the connection ends, then completes everything and reports the disconnect.
@@ -120,292 +41,78 @@ impl Engine {
         self.teardown(end);
     }
 
+    /// Whether this thread moves data now (rather than the pollers of the queue).
+    fn drives(&self) -> bool {
+        !self.sh.caller_polls || self.sh.report.cq.watched()
+    }
+
     fn main_loop(&mut self) -> End {
         let mut idle_since: Option<Instant> = None;
         loop {
             if self.sh.stop.load(Ordering::SeqCst) {
                 return End::Local;
             }
-            match self.step() {
-                Err(end) => return end,
-                Ok(true) => idle_since = None,
-                Ok(false) => {
-                    let since = *idle_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() < SPIN {
-                        std::hint::spin_loop();
-                        continue;
+            if !self.drives() {
+                // The pollers drive. This thread waits for the peer to leave, a disconnect, or
+                // a sleeper on the queue - and moves on sends that wait for a credit or ring
+                // space, which asked the peer for a doorbell, so that they go out even while
+                // nobody polls here. No other doorbell is needed.
+                idle_since = None;
+                let work = {
+                    let mut flow = self.sh.lock();
+                    if flow.blocked() {
+                        let cq = &self.sh.report.cq;
+                        flow.step(&self.sh.report, &mut |c| cq.push(c));
                     }
-                    if let Err(end) = self.sleep() {
+                    if let Some(end) = flow.failed {
                         return end;
                     }
-                    idle_since = None;
+                    let blocked = flow.blocked();
+                    flow.set_sleeping(blocked);
+                    blocked && flow.has_work()
+                };
+                if let Err(end) = self.sleep(if work { Duration::ZERO } else { MAX_SLEEP }) {
+                    return end;
                 }
+                continue;
             }
-        }
-    }
-
-    fn fail_protocol(&self, _e: Error) -> End {
-        self.seg
-            .ctrl(self.side)
-            .fatal
-            .store(FATAL_PROTOCOL << 48, Ordering::SeqCst);
-        End::Protocol
-    }
-
-    /// One pass over everything; true if anything moved.
-    fn step(&mut self) -> std::result::Result<bool, End> {
-        let mut moved = false;
-        let mut ring_peer = false;
-        // Receives first, so credits reach the peer as early as possible.
-        while let Some(r) = self.sh.rq.pop() {
-            self.recvs.push_back(r);
-            self.recvs_posted += 1;
-            moved = true;
-            ring_peer = true;
-        }
-        if ring_peer {
-            // Release: the peer reading this count may send into the receives it counts.
-            self.seg
-                .ctrl(self.side)
-                .recv_posted
-                .store(self.recvs_posted, Ordering::Release);
-        }
-        while let Some(s) = self.sh.sq.pop() {
-            self.pending.push_back(s);
-            moved = true;
-        }
-        match self.transmit() {
-            Ok(m) => {
-                moved |= m;
-                ring_peer |= m;
-            }
-            Err(e) => return Err(self.fail_protocol(e)),
-        }
-        match self.complete_sends() {
-            Ok(m) => moved |= m,
-            Err(e) => return Err(self.fail_protocol(e)),
-        }
-        match self.receive() {
-            Ok(m) => {
-                moved |= m;
-                ring_peer |= m;
-            }
-            Err(ReceiveError::Length) => return Err(End::LocalLength),
-            Err(ReceiveError::Protocol(e)) => return Err(self.fail_protocol(e)),
-        }
-        if ring_peer {
-            self.ring_peer();
-        }
-        Ok(moved)
-    }
-
-    /// Writes as much of the pending sends into the ring as credits and space allow.
-    fn transmit(&mut self) -> Result<bool> {
-        let mut moved = false;
-        // Acquire: pairs with the peer's Release of its receive count.
-        let credits = self
-            .seg
-            .ctrl(1 - self.side)
-            .recv_posted
-            .load(Ordering::Acquire);
-        self.seen_credits = credits;
-        self.seen_head = self.tx.head()?;
-        while let Some(wr) = self.pending.front() {
-            let first = self.copied == 0;
-            if first && self.msgs_started >= credits {
-                break;
-            }
-            let want = (wr.len - self.copied).min(self.max_chunk);
-            let ends = self.copied + want == wr.len;
-            // SAFETY: `wr.ptr()` is valid for `wr.len` bytes while the work request lives (the
-            // region is held by it; inline data is owned by it), and copied + want <= len.
-            let wrote = unsafe {
-                self.tx
-                    .write(wr.ptr().add(self.copied), want, first, ends, None, wr.len)?
+            let moved = {
+                let mut flow = self.sh.lock();
+                let cq = &self.sh.report.cq;
+                let moved = flow.step(&self.sh.report, &mut |c| cq.push(c));
+                if let Some(end) = flow.failed {
+                    return end;
+                }
+                moved
             };
-            let Some(n) = wrote else { break };
-            moved = true;
-            if first {
-                self.msgs_started += 1;
+            if moved {
+                idle_since = None;
+                continue;
             }
-            self.copied += n;
-            if self.copied == wr.len {
-                let wr = self.pending.pop_front().expect("front exists");
-                self.inflight.push_back(InFlight {
-                    end: self.tx.tail(),
-                    seq: self.msgs_started - 1,
-                    wr,
-                });
-                self.copied = 0;
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if since.elapsed() < SPIN {
+                std::hint::spin_loop();
+                continue;
             }
-        }
-        Ok(moved)
-    }
-
-    /// Completes the sends the peer has taken out of the ring.
-    fn complete_sends(&mut self) -> Result<bool> {
-        if self.inflight.is_empty() {
-            return Ok(false);
-        }
-        let head = self.tx.head()?;
-        let mut moved = false;
-        while self.inflight.front().is_some_and(|f| f.end <= head) {
-            let f = self.inflight.pop_front().expect("front exists");
-            self.finish_send(f.wr, WcStatus::Success);
-            moved = true;
-        }
-        Ok(moved)
-    }
-
-    fn finish_send(&self, wr: SendWr, status: WcStatus) {
-        // The slot is free before the completion is queued: a caller that reaps it may post
-        // again at once, as with a verbs queue pair.
-        self.sh.sq_used.fetch_sub(1, Ordering::Relaxed);
-        if wr.signaled || status != WcStatus::Success {
-            self.sh
-                .report
-                .complete(wr.wr_id, Opcode::Send, status, 0, None);
-        }
-    }
-
-    fn finish_recv(&self, wr: RecvWr, status: WcStatus, len: usize, imm: Option<u32>) {
-        // As for sends: free the slot first.
-        self.sh.rq_used.fetch_sub(1, Ordering::Relaxed);
-        self.sh
-            .report
-            .complete(wr.wr_id, Opcode::Recv, status, len as u32, imm);
-    }
-
-    /// Moves records from the incoming ring into posted receives.
-    fn receive(&mut self) -> std::result::Result<bool, ReceiveError> {
-        let mut moved = false;
-        while let Some(rec) = self.rx.peek()? {
-            self.take_record(&rec)?;
-            self.rx.consume(&rec);
-            moved = true;
-        }
-        Ok(moved)
-    }
-
-    fn take_record(&mut self, rec: &Record) -> std::result::Result<(), ReceiveError> {
-        let proto = |m: &str| ReceiveError::Protocol(Error::Protocol(format!("shm peer: {m}")));
-        let first = rec.flags & ring::FIRST != 0;
-        if first == self.filling {
-            return Err(proto("message boundaries out of order"));
-        }
-        let Some(wr) = self.recvs.front() else {
-            return Err(proto("message sent without a receive credit"));
-        };
-        if first {
-            if rec.total > wr.len {
-                let wr = self.recvs.pop_front().expect("front exists");
-                let seq = self.msgs_received;
-                self.seg
-                    .ctrl(self.side)
-                    .fatal
-                    .store(FATAL_LENGTH << 48 | seq, Ordering::SeqCst);
-                self.finish_recv(wr, WcStatus::LocalLength, rec.total, None);
-                return Err(ReceiveError::Length);
+            // Ask the peer for a doorbell, then look once more before sleeping (Dekker with
+            // the peer's `ring_peer` and our posters' `kick`).
+            self.sh.engine_sleeping.store(true, Ordering::SeqCst);
+            let work = {
+                let flow = self.sh.lock();
+                flow.set_sleeping(true);
+                flow.has_work()
+            };
+            let r = self.sleep(if work { Duration::ZERO } else { MAX_SLEEP });
+            self.sh.engine_sleeping.store(false, Ordering::SeqCst);
+            if let Err(end) = r {
+                return end;
             }
-            self.filling = true;
-            self.filled = 0;
-        }
-        if self.filled + rec.len > rec.total.min(wr.len) {
-            return Err(proto("message longer than announced"));
-        }
-        let dst = wr
-            .mr
-            .slice_ptr(wr.offset + self.filled, rec.len)
-            .map_err(ReceiveError::Protocol)?;
-        // SAFETY: `dst` was bounds-checked against the receive's region (valid while the work
-        // request holds it) and `rec.payload` against the ring (checked by `peek`).
-        unsafe { std::ptr::copy_nonoverlapping(rec.payload, dst, rec.len) };
-        self.filled += rec.len;
-        if rec.flags & ring::LAST != 0 {
-            if self.filled != rec.total {
-                return Err(proto("message shorter than announced"));
-            }
-            let imm = (rec.flags & ring::IMM != 0).then_some(rec.imm);
-            let wr = self.recvs.pop_front().expect("front exists");
-            self.finish_recv(wr, WcStatus::Success, rec.total, imm);
-            self.filling = false;
-            self.msgs_received += 1;
-        }
-        Ok(())
-    }
-
-    /// Rings the peer's doorbell if it sleeps.
-    fn ring_peer(&self) {
-        let peer = self.seg.ctrl(1 - self.side);
-        // SeqCst fence: our ring/credit stores above are ordered before reading the peer's
-        // `sleeping`, pairing with its store of `sleeping` before its final re-check (Dekker).
-        fence(Ordering::SeqCst);
-        if peer.sleeping.load(Ordering::SeqCst) == 1
-            && peer
-                .sleeping
-                .compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-        {
-            self.send_packet(WAKE);
+            idle_since = None;
         }
     }
 
-    fn send_packet(&self, b: u8) {
-        // SAFETY: sends one byte from a live local; MSG_NOSIGNAL turns a closed peer into EPIPE,
-        // which is ignored here because the hang-up is noticed by the poll in `sleep`.
-        unsafe {
-            libc::send(
-                self.sock.as_raw_fd(),
-                (&raw const b).cast(),
-                1,
-                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-            )
-        };
-    }
-
-    /// Whether anything could move now (checked after announcing sleep).
-    fn has_work(&self) -> bool {
-        if !self.sh.sq.is_empty() || !self.sh.rq.is_empty() || self.sh.stop.load(Ordering::SeqCst) {
-            return true;
-        }
-        if self.rx.has_data().unwrap_or(true) {
-            return true;
-        }
-        if !self.inflight.is_empty() {
-            match self.tx.head() {
-                Ok(h) if self.inflight.front().is_some_and(|f| f.end <= h) => return true,
-                Err(_) => return true,
-                Ok(_) => {}
-            }
-        }
-        if !self.pending.is_empty() {
-            // A stalled sender waits for credits or ring space: did either change since the
-            // last attempt?
-            let credits = self
-                .seg
-                .ctrl(1 - self.side)
-                .recv_posted
-                .load(Ordering::Acquire);
-            if credits != self.seen_credits || self.tx.head().map_or(true, |h| h != self.seen_head)
-            {
-                return true;
-            }
-        }
-        false
-    }
-
-    /// Sleeps until the peer rings, the user posts, or the peer hangs up.
-    fn sleep(&mut self) -> std::result::Result<(), End> {
-        self.seg.ctrl(self.side).sleeping.store(1, Ordering::SeqCst);
-        self.sh.engine_sleeping.store(true, Ordering::SeqCst);
-        // SeqCst fence: the stores above come before the re-check below (Dekker with
-        // `ring_peer` and `Shared::kick`).
-        fence(Ordering::SeqCst);
-        let timeout = if self.has_work() {
-            Duration::ZERO
-        } else {
-            MAX_SLEEP
-        };
+    /// Sleeps until the peer rings or hangs up, a poster or the user wakes us, or `timeout`.
+    fn sleep(&mut self, timeout: Duration) -> std::result::Result<(), End> {
         let mut fds = [
             libc::pollfd {
                 fd: self.sock.as_raw_fd(),
@@ -419,8 +126,6 @@ impl Engine {
             },
         ];
         let polled = sys::poll(&mut fds, Some(timeout));
-        self.seg.ctrl(self.side).sleeping.store(0, Ordering::SeqCst);
-        self.sh.engine_sleeping.store(false, Ordering::SeqCst);
         if polled.is_err() {
             return Err(End::Peer { clean: false });
         }
@@ -476,73 +181,21 @@ impl Engine {
 
     /// Ends the connection: tells the peer, takes what it delivered, completes everything else
     /// as flushed, and reports the disconnect as this connection's last completion.
-    fn teardown(&mut self, mut end: End) {
-        match end {
-            End::Local => self.send_packet(BYE),
-            End::Peer { .. } => {
-                // Everything the peer finished writing before it left is delivered.
-                match self.receive() {
-                    Err(ReceiveError::Length) => end = End::LocalLength,
-                    Err(ReceiveError::Protocol(_)) => end = End::Protocol,
-                    Ok(_) => {}
-                }
-                let _ = self.complete_sends();
-            }
-            End::LocalLength | End::Protocol => {}
+    fn teardown(&mut self, end: End) {
+        if end == End::Local {
+            send_packet(self.sock.as_raw_fd(), BYE);
         }
         // SAFETY: plain syscall on our own socket; the peer sees end of file at once.
         unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };
-
-        // No post can start once `closed` is seen; wait out the ones under way.
-        self.sh.closed.store(true, Ordering::SeqCst);
-        while self.sh.posting.load(Ordering::SeqCst) != 0 {
-            std::thread::yield_now();
-        }
-        while let Some(r) = self.sh.rq.pop() {
-            self.recvs.push_back(r);
-        }
-        while let Some(s) = self.sh.sq.pop() {
-            self.pending.push_back(s);
-        }
-
-        // Which of our sends the peer refused, if it failed the connection.
-        let peer_fatal = self.seg.ctrl(1 - self.side).fatal.load(Ordering::SeqCst);
-        let refused_seq =
-            (peer_fatal >> 48 == FATAL_LENGTH).then_some(peer_fatal & ((1 << 48) - 1));
-        while let Some(f) = self.inflight.pop_front() {
-            let status = if Some(f.seq) == refused_seq {
-                WcStatus::RemoteError
-            } else {
-                WcStatus::Flushed
-            };
-            self.finish_send(f.wr, status);
-        }
-        while let Some(wr) = self.pending.pop_front() {
-            self.finish_send(wr, WcStatus::Flushed);
-        }
-        while let Some(wr) = self.recvs.pop_front() {
-            self.finish_recv(wr, WcStatus::Flushed, 0, None);
-        }
-        let status = match end {
-            End::Local | End::Peer { clean: true } if peer_fatal == 0 => WcStatus::Success,
-            End::Local | End::Peer { .. } if refused_seq.is_some() => WcStatus::RemoteError,
-            End::Peer { clean: false } => WcStatus::Transport,
-            End::LocalLength => WcStatus::LocalLength,
-            _ => WcStatus::General,
-        };
+        // Pollers no longer drive the connection; from here this thread alone completes it.
+        let cq = &self.sh.report.cq;
+        cq.remove_source(self.sh.info.id);
+        let status = self
+            .sh
+            .lock()
+            .close(end, &self.sh.report, &mut |c| cq.push(c));
         self.sh
             .report
             .complete(0, Opcode::Disconnected, status, 0, None);
-    }
-}
-
-enum ReceiveError {
-    Length,
-    Protocol(Error),
-}
-
-impl From<Error> for ReceiveError {
-    fn from(e: Error) -> Self {
-        ReceiveError::Protocol(e)
     }
 }

@@ -1,11 +1,14 @@
 //! The shared-memory transport, for peers on the same host.
 //!
 //! A connection is a Unix-socket handshake (credentials checked, private data both ways) that
-//! hands over a sealed memfd with two lock-free byte rings, one per direction, plus a progress
-//! thread per connection that moves messages between posted buffers and the rings.
+//! hands over a sealed memfd with two lock-free byte rings, one per direction. Posting writes
+//! into the rings on the caller's thread, and polling the completion queue takes from them
+//! (`flow.rs`); a thread per connection watches for the peer leaving and moves data only while
+//! nobody else does (`engine.rs`).
 
 mod conn;
 mod engine;
+mod flow;
 mod handshake;
 mod ring;
 mod segment;

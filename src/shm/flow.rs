@@ -1,0 +1,641 @@
+//! The data path of one shm connection: posted work, the two rings, credits and completions.
+//! Whoever holds the connection's lock drives it: the thread that posts writes its message
+//! straight into the outgoing ring when credits and space allow, and the thread that polls the
+//! completion queue takes incoming messages straight into the posted receives
+//! ([`Progress::Caller`](crate::Progress::Caller)); the connection's own thread does the same
+//! only while somebody sleeps on the queue, or always with
+//! [`Progress::Thread`](crate::Progress::Thread).
+//!
+//! Flow control is by credits: the receiver publishes how many receives it has posted in all,
+//! and the sender starts message `n` only once `n` receives exist, so a message always has a
+//! buffer when it arrives and a slow receiver holds the sender back instead of losing data.
+//! A send completes when the receiver has taken it out of the ring, as an RC send completes
+//! when the peer acknowledges it; a receive too small for its message fails the connection and
+//! the send with [`WcStatus::RemoteError`].
+
+use std::collections::VecDeque;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::sync::atomic::{Ordering, fence};
+
+use crate::cq::{Completion, Opcode, Reporter, WcStatus};
+use crate::error::{Error, Result};
+use crate::mr::MemoryRegion;
+use crate::shm::ring::{self, Consumer, Producer, Record};
+use crate::shm::segment::{FATAL_LENGTH, FATAL_PROTOCOL, Segment};
+
+/// Doorbell packet: "look at the rings".
+pub(crate) const WAKE: u8 = 1;
+/// Goodbye packet: an orderly close follows.
+pub(crate) const BYE: u8 = 2;
+
+/// Why the connection ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum End {
+    /// The user asked for it.
+    Local,
+    /// The peer closed: `clean` if it said goodbye first.
+    Peer { clean: bool },
+    /// A receive here was too small for a message.
+    LocalLength,
+    /// The peer broke the protocol (or a panic inside the library).
+    Protocol,
+}
+
+/// Where a send's bytes come from while it waits to be written into the ring.
+pub(crate) enum SendSrc {
+    Region {
+        mr: Arc<MemoryRegion>,
+        offset: usize,
+    },
+    Inline(Box<[u8]>),
+}
+
+/// A send not yet fully written into the ring.
+pub(crate) struct SendWr {
+    pub(crate) wr_id: u64,
+    pub(crate) signaled: bool,
+    pub(crate) len: usize,
+    pub(crate) src: SendSrc,
+}
+
+impl SendWr {
+    /// Start of the bytes to send (valid for `len` bytes while the work request lives).
+    fn ptr(&self) -> *const u8 {
+        match &self.src {
+            SendSrc::Region { mr, offset } => mr
+                .slice_ptr(*offset, self.len)
+                .expect("range checked when posted")
+                .cast_const(),
+            SendSrc::Inline(b) => b.as_ptr(),
+        }
+    }
+}
+
+/// A posted receive.
+pub(crate) struct RecvWr {
+    pub(crate) wr_id: u64,
+    pub(crate) mr: Arc<MemoryRegion>,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+/// One send fully in the ring, waiting for the peer to take it. Its bytes are no longer
+/// needed, so it holds no buffer.
+struct InFlight {
+    end: u64,
+    seq: u64,
+    wr_id: u64,
+    signaled: bool,
+}
+
+/// Why taking a message failed: a receive too small for it, or a peer that broke the ring
+/// protocol (what it broke is not reported further: the connection ends either way).
+enum ReceiveError {
+    Length,
+    Protocol,
+}
+
+impl From<Error> for ReceiveError {
+    fn from(_: Error) -> Self {
+        ReceiveError::Protocol
+    }
+}
+
+/// The state of one connection's data path, kept under the connection's lock.
+pub(crate) struct Flow {
+    seg: Segment,
+    side: usize,
+    /// The handshake socket, for doorbells; owned by the connection's thread, which closes it
+    /// only after setting `closed` under the lock.
+    sock: RawFd,
+    tx: Producer,
+    rx: Consumer,
+    max_chunk: usize,
+    send_depth: usize,
+    recv_depth: usize,
+    /// Sends not yet fully written; the front one has `copied` bytes in the ring.
+    pending: VecDeque<SendWr>,
+    copied: usize,
+    inflight: VecDeque<InFlight>,
+    /// Posted receives; the front one has `filled` bytes of a message when `filling`.
+    recvs: VecDeque<RecvWr>,
+    filling: bool,
+    filled: usize,
+    /// Messages started (credits used), receives posted, messages received.
+    msgs_started: u64,
+    recvs_posted: u64,
+    msgs_received: u64,
+    /// The peer's receive count and ring head when the sender last tried to write.
+    seen_credits: u64,
+    seen_head: u64,
+    /// No more posting or progress: the connection is down (set by its thread in teardown).
+    pub(crate) closed: bool,
+    /// Why the connection must end, as found by whoever drove it; its thread tears it down.
+    pub(crate) failed: Option<End>,
+}
+
+impl Flow {
+    pub(crate) fn new(
+        seg: Segment,
+        side: usize,
+        sock: RawFd,
+        send_depth: u32,
+        recv_depth: u32,
+    ) -> Flow {
+        let cap = seg.cap();
+        let (tx_tail, tx_head) = seg.cursors(side);
+        let (rx_tail, rx_head) = seg.cursors(1 - side);
+        // SAFETY: the cursors and rings live in `seg`, which the flow owns: the mapping lasts
+        // as long as the producer and consumer can be used (they touch no memory when
+        // dropped). Side `side` is the only producer of ring `side` and the only consumer of
+        // ring `1 - side`, and the flow's lock makes one thread at a time drive them.
+        let (tx, rx) = unsafe {
+            (
+                Producer::new(tx_tail, tx_head, seg.data(side), cap),
+                Consumer::new(rx_tail, rx_head, seg.data(1 - side), cap),
+            )
+        };
+        Flow {
+            side,
+            sock,
+            tx,
+            rx,
+            max_chunk: (cap / 4).min(64 * 1024),
+            send_depth: send_depth as usize,
+            recv_depth: recv_depth as usize,
+            seg,
+            pending: VecDeque::with_capacity(send_depth as usize),
+            copied: 0,
+            inflight: VecDeque::with_capacity(send_depth as usize),
+            recvs: VecDeque::with_capacity(recv_depth as usize),
+            filling: false,
+            filled: 0,
+            msgs_started: 0,
+            recvs_posted: 0,
+            msgs_received: 0,
+            seen_credits: 0,
+            seen_head: 0,
+            closed: false,
+            failed: None,
+        }
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed || self.failed.is_some() {
+            return Err(Error::Disconnected);
+        }
+        Ok(())
+    }
+
+    fn claim_send(&self) -> Result<()> {
+        self.check_open()?;
+        if self.pending.len() + self.inflight.len() >= self.send_depth {
+            return Err(Error::QueueFull("send"));
+        }
+        Ok(())
+    }
+
+    /// Posts a send of `len` bytes at `ptr`: written into the ring at once when nothing waits
+    /// before it and credits and space allow (the bytes are then no longer needed); otherwise
+    /// queued, with `keep` making the bytes outlive the call.
+    ///
+    /// # Safety
+    /// `ptr` is readable for `len` bytes during the call.
+    pub(crate) unsafe fn post_send(
+        &mut self,
+        ptr: *const u8,
+        len: usize,
+        wr_id: u64,
+        signaled: bool,
+        keep: impl FnOnce() -> SendSrc,
+    ) -> Result<()> {
+        self.claim_send()?;
+        let mut copied = 0;
+        if self.pending.is_empty() {
+            // SAFETY: the caller's contract.
+            match unsafe { self.start_message(ptr, len, wr_id, signaled) } {
+                Ok(Some(n)) if n == len => {
+                    self.ring_peer();
+                    return Ok(());
+                }
+                Ok(Some(n)) => copied = n,
+                Ok(None) => {}
+                Err(e) => {
+                    self.fail_protocol();
+                    return Err(e);
+                }
+            }
+        }
+        self.pending.push_back(SendWr {
+            wr_id,
+            signaled,
+            len,
+            src: keep(),
+        });
+        if copied > 0 {
+            // This send is the front one, partly written.
+            self.copied = copied;
+        }
+        // The send waits for a credit or ring space: ask the peer for a doorbell when either
+        // changes, so the connection's thread can move it on even if nobody polls here. Then
+        // write what fits now, which also covers a change that came before the request (Dekker
+        // with `ring_peer`), and tell the peer about everything written.
+        self.set_sleeping(true);
+        match self.transmit() {
+            Ok(moved) => {
+                if moved || copied > 0 {
+                    self.ring_peer();
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.fail_protocol();
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether sends wait for a credit or ring space.
+    pub(crate) fn blocked(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Writes the first record of a new message if a credit and room allow; returns how many
+    /// bytes went in (`None`: nothing did). A message written whole is in flight.
+    ///
+    /// # Safety
+    /// `ptr` is readable for `len` bytes.
+    unsafe fn start_message(
+        &mut self,
+        ptr: *const u8,
+        len: usize,
+        wr_id: u64,
+        signaled: bool,
+    ) -> Result<Option<usize>> {
+        if self.msgs_started >= self.credits() {
+            return Ok(None);
+        }
+        let want = len.min(self.max_chunk);
+        // SAFETY: `ptr` is readable for `len >= want` bytes (caller contract).
+        let wrote = unsafe { self.tx.write(ptr, want, true, want == len, None, len)? };
+        let Some(n) = wrote else { return Ok(None) };
+        self.msgs_started += 1;
+        if n == len {
+            self.inflight.push_back(InFlight {
+                end: self.tx.tail(),
+                seq: self.msgs_started - 1,
+                wr_id,
+                signaled,
+            });
+        }
+        Ok(Some(n))
+    }
+
+    /// Posts a receive and publishes the new credit.
+    pub(crate) fn post_recv(&mut self, wr: RecvWr) -> Result<()> {
+        self.check_open()?;
+        if self.recvs.len() >= self.recv_depth {
+            return Err(Error::QueueFull("receive"));
+        }
+        self.recvs.push_back(wr);
+        self.recvs_posted += 1;
+        // Release: the peer reading this count may send into the receives it counts.
+        self.seg
+            .ctrl(self.side)
+            .recv_posted
+            .store(self.recvs_posted, Ordering::Release);
+        self.ring_peer();
+        Ok(())
+    }
+
+    /// The peer's receive count: our send credits.
+    fn credits(&mut self) -> u64 {
+        // Acquire: pairs with the peer's Release of its receive count.
+        let c = self
+            .seg
+            .ctrl(1 - self.side)
+            .recv_posted
+            .load(Ordering::Acquire);
+        self.seen_credits = c;
+        c
+    }
+
+    /// Records a protocol failure of the peer in our control words; the connection ends.
+    fn fail_protocol(&mut self) {
+        self.seg
+            .ctrl(self.side)
+            .fatal
+            .store(FATAL_PROTOCOL << 48, Ordering::SeqCst);
+        self.failed.get_or_insert(End::Protocol);
+    }
+
+    /// One pass over everything: completes the sends the peer took, fills receives from the
+    /// incoming ring, writes what waits into the outgoing ring, and rings the peer if it
+    /// sleeps and something changed for it. Completions go to `emit` in order. Returns whether
+    /// anything moved; a reason to end the connection is left in `failed`.
+    pub(crate) fn step(&mut self, report: &Reporter, emit: &mut dyn FnMut(Completion)) -> bool {
+        if self.closed || self.failed.is_some() {
+            return false;
+        }
+        let mut moved = false;
+        let mut ring = false;
+        match self.complete_sends(report, emit) {
+            Ok(m) => moved |= m,
+            Err(_) => {
+                self.fail_protocol();
+                return true;
+            }
+        }
+        match self.receive(report, emit) {
+            Ok(m) => {
+                moved |= m;
+                ring |= m;
+            }
+            Err(ReceiveError::Length) => {
+                self.failed = Some(End::LocalLength);
+                return true;
+            }
+            Err(ReceiveError::Protocol) => {
+                self.fail_protocol();
+                return true;
+            }
+        }
+        match self.transmit() {
+            Ok(m) => {
+                moved |= m;
+                ring |= m;
+            }
+            Err(_) => {
+                self.fail_protocol();
+                return true;
+            }
+        }
+        if ring {
+            self.ring_peer();
+        }
+        moved
+    }
+
+    /// Writes as much of the waiting sends into the ring as credits and space allow.
+    fn transmit(&mut self) -> Result<bool> {
+        if self.pending.is_empty() {
+            return Ok(false);
+        }
+        let credits = self.credits();
+        self.seen_head = self.tx.head()?;
+        let mut moved = false;
+        while let Some(wr) = self.pending.front() {
+            let first = self.copied == 0;
+            if first && self.msgs_started >= credits {
+                break;
+            }
+            let want = (wr.len - self.copied).min(self.max_chunk);
+            let ends = self.copied + want == wr.len;
+            // SAFETY: `wr.ptr()` is valid for `wr.len` bytes while the work request lives (the
+            // region is held by it; inline data is owned by it), and copied + want <= len.
+            let wrote = unsafe {
+                self.tx
+                    .write(wr.ptr().add(self.copied), want, first, ends, None, wr.len)?
+            };
+            let Some(n) = wrote else { break };
+            moved = true;
+            if first {
+                self.msgs_started += 1;
+            }
+            self.copied += n;
+            if self.copied == wr.len {
+                let wr = self.pending.pop_front().expect("front exists");
+                self.inflight.push_back(InFlight {
+                    end: self.tx.tail(),
+                    seq: self.msgs_started - 1,
+                    wr_id: wr.wr_id,
+                    signaled: wr.signaled,
+                });
+                self.copied = 0;
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Completes the sends the peer has taken out of the ring.
+    fn complete_sends(
+        &mut self,
+        report: &Reporter,
+        emit: &mut dyn FnMut(Completion),
+    ) -> Result<bool> {
+        if self.inflight.is_empty() {
+            return Ok(false);
+        }
+        let head = self.tx.head()?;
+        let mut moved = false;
+        while self.inflight.front().is_some_and(|f| f.end <= head) {
+            let f = self.inflight.pop_front().expect("front exists");
+            // The slot is free before the completion is seen (popped above): a caller that
+            // reaps it may post again at once, as with a verbs queue pair.
+            if f.signaled {
+                emit(report.record(f.wr_id, Opcode::Send, WcStatus::Success, 0, None));
+            }
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Moves records from the incoming ring into posted receives.
+    fn receive(
+        &mut self,
+        report: &Reporter,
+        emit: &mut dyn FnMut(Completion),
+    ) -> std::result::Result<bool, ReceiveError> {
+        let mut moved = false;
+        while let Some(rec) = self.rx.peek()? {
+            self.take_record(&rec, report, emit)?;
+            self.rx.consume(&rec);
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    fn take_record(
+        &mut self,
+        rec: &Record,
+        report: &Reporter,
+        emit: &mut dyn FnMut(Completion),
+    ) -> std::result::Result<(), ReceiveError> {
+        let proto = |_: &str| ReceiveError::Protocol;
+        let first = rec.flags & ring::FIRST != 0;
+        if first == self.filling {
+            return Err(proto("message boundaries out of order"));
+        }
+        let Some(wr) = self.recvs.front() else {
+            return Err(proto("message sent without a receive credit"));
+        };
+        if first {
+            if rec.total > wr.len {
+                let wr = self.recvs.pop_front().expect("front exists");
+                let seq = self.msgs_received;
+                self.seg
+                    .ctrl(self.side)
+                    .fatal
+                    .store(FATAL_LENGTH << 48 | seq, Ordering::SeqCst);
+                emit(report.record(
+                    wr.wr_id,
+                    Opcode::Recv,
+                    WcStatus::LocalLength,
+                    rec.total as u32,
+                    None,
+                ));
+                return Err(ReceiveError::Length);
+            }
+            self.filling = true;
+            self.filled = 0;
+        }
+        if self.filled + rec.len > rec.total.min(wr.len) {
+            return Err(proto("message longer than announced"));
+        }
+        let dst = wr
+            .mr
+            .slice_ptr(wr.offset + self.filled, rec.len)
+            .map_err(|_| ReceiveError::Protocol)?;
+        // SAFETY: `dst` was bounds-checked against the receive's region (valid while the work
+        // request holds it) and `rec.payload` against the ring (checked by `peek`).
+        unsafe { std::ptr::copy_nonoverlapping(rec.payload, dst, rec.len) };
+        self.filled += rec.len;
+        if rec.flags & ring::LAST != 0 {
+            if self.filled != rec.total {
+                return Err(proto("message shorter than announced"));
+            }
+            let imm = (rec.flags & ring::IMM != 0).then_some(rec.imm);
+            let wr = self.recvs.pop_front().expect("front exists");
+            emit(report.record(
+                wr.wr_id,
+                Opcode::Recv,
+                WcStatus::Success,
+                rec.total as u32,
+                imm,
+            ));
+            self.filling = false;
+            self.msgs_received += 1;
+        }
+        Ok(())
+    }
+
+    /// Rings the peer's doorbell if it sleeps: the one system call of the data path, made only
+    /// when the peer asked for it.
+    fn ring_peer(&self) {
+        let peer = self.seg.ctrl(1 - self.side);
+        // SeqCst fence: our ring/credit stores above are ordered before reading the peer's
+        // `sleeping`, pairing with its store of `sleeping` before its final re-check (Dekker).
+        fence(Ordering::SeqCst);
+        if peer.sleeping.load(Ordering::SeqCst) == 1
+            && peer
+                .sleeping
+                .compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
+            send_packet(self.sock, WAKE);
+        }
+    }
+
+    /// Announces (or withdraws) that this side wants a doorbell when the peer writes.
+    pub(crate) fn set_sleeping(&self, on: bool) {
+        self.seg
+            .ctrl(self.side)
+            .sleeping
+            .store(u32::from(on), Ordering::SeqCst);
+        // SeqCst fence: the store above comes before the caller's re-check of the rings
+        // (Dekker with `ring_peer`).
+        fence(Ordering::SeqCst);
+    }
+
+    /// Whether anything could move now (checked after announcing sleep).
+    pub(crate) fn has_work(&self) -> bool {
+        if self.failed.is_some() || self.rx.has_data().unwrap_or(true) {
+            return true;
+        }
+        if !self.inflight.is_empty() {
+            match self.tx.head() {
+                Ok(h) if self.inflight.front().is_some_and(|f| f.end <= h) => return true,
+                Err(_) => return true,
+                Ok(_) => {}
+            }
+        }
+        if !self.pending.is_empty() {
+            // A stalled sender waits for credits or ring space: did either change since the
+            // last attempt?
+            let credits = self
+                .seg
+                .ctrl(1 - self.side)
+                .recv_posted
+                .load(Ordering::Acquire);
+            if credits != self.seen_credits || self.tx.head().map_or(true, |h| h != self.seen_head)
+            {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Ends the data path: no more posting or progress. Takes what the peer delivered before
+    /// it left (`end` is a peer's close), completes everything else as flushed, and returns
+    /// the status of the disconnect record. Completions go to `emit`.
+    pub(crate) fn close(
+        &mut self,
+        mut end: End,
+        report: &Reporter,
+        emit: &mut dyn FnMut(Completion),
+    ) -> WcStatus {
+        if let End::Peer { .. } = end
+            && !self.closed
+            && self.failed.is_none()
+        {
+            // Everything the peer finished writing before it left is delivered.
+            match self.receive(report, emit) {
+                Err(ReceiveError::Length) => end = End::LocalLength,
+                Err(ReceiveError::Protocol) => end = End::Protocol,
+                Ok(_) => {}
+            }
+            let _ = self.complete_sends(report, emit);
+        }
+        self.closed = true;
+        // Which of our sends the peer refused, if it failed the connection.
+        let peer_fatal = self.seg.ctrl(1 - self.side).fatal.load(Ordering::SeqCst);
+        let refused_seq =
+            (peer_fatal >> 48 == FATAL_LENGTH).then_some(peer_fatal & ((1 << 48) - 1));
+        while let Some(f) = self.inflight.pop_front() {
+            let status = if Some(f.seq) == refused_seq {
+                WcStatus::RemoteError
+            } else {
+                WcStatus::Flushed
+            };
+            emit(report.record(f.wr_id, Opcode::Send, status, 0, None));
+        }
+        while let Some(wr) = self.pending.pop_front() {
+            emit(report.record(wr.wr_id, Opcode::Send, WcStatus::Flushed, 0, None));
+        }
+        while let Some(wr) = self.recvs.pop_front() {
+            emit(report.record(wr.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None));
+        }
+        match end {
+            End::Local | End::Peer { clean: true } if peer_fatal == 0 => WcStatus::Success,
+            End::Local | End::Peer { .. } if refused_seq.is_some() => WcStatus::RemoteError,
+            End::Peer { clean: false } => WcStatus::Transport,
+            End::LocalLength => WcStatus::LocalLength,
+            _ => WcStatus::General,
+        }
+    }
+}
+
+/// Sends one packet on the handshake socket without waiting.
+pub(crate) fn send_packet(sock: RawFd, b: u8) {
+    // SAFETY: sends one byte from a live local; MSG_NOSIGNAL turns a closed peer into EPIPE,
+    // which is ignored here because the hang-up is noticed by the connection's thread.
+    unsafe {
+        libc::send(
+            sock,
+            (&raw const b).cast(),
+            1,
+            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+        )
+    };
+}
