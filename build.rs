@@ -9,8 +9,19 @@ use std::{env, fs, path::PathBuf};
 fn main() {
     let target_os = env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
     if target_os == "linux" {
-        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,librdmabridge.so.0");
+        // The SONAME is the file cargo writes, so a program linked against the build output
+        // with `-lrdmabridge` finds it there at run time. An installed, versioned library
+        // (`librdmabridge.so.0` and the usual symlink chain) is built with
+        // RDMABRIDGE_SONAME=librdmabridge.so.0.
+        let soname =
+            env::var("RDMABRIDGE_SONAME").unwrap_or_else(|_| "librdmabridge.so".to_owned());
+        assert!(
+            soname.starts_with("librdmabridge.so") && !soname.contains(char::is_whitespace),
+            "RDMABRIDGE_SONAME={soname:?} is not a librdmabridge.so name"
+        );
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,{soname}");
     }
+    println!("cargo:rerun-if-env-changed=RDMABRIDGE_SONAME");
     println!("cargo:rerun-if-changed=src/ffi");
     println!("cargo:rerun-if-changed=cbindgen.toml");
     println!("cargo:rerun-if-env-changed=RDMABRIDGE_UPDATE_HEADER");

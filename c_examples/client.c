@@ -480,7 +480,7 @@ int main(int argc, char **argv)
     rbr_conn *conn = NULL;
     rbr_conn_options copts;
     rbr_conn_info info;
-    const void *pdata = NULL;
+    char pdata[RBR_PRIVATE_DATA_RECV_MAX];
     size_t pdata_len = 0;
     uint64_t *rtt = NULL;
     uint64_t t0;
@@ -570,11 +570,11 @@ int main(int argc, char **argv)
                (unsigned long long)s.conn_id,
                info.transport == RBR_TRANSPORT_SHM ? "shm" : "verbs");
 
-    if (EX_CHECK(rbr_conn_private_data(conn, &pdata, &pdata_len)))
+    if (EX_CHECK(rbr_conn_private_data(conn, pdata, sizeof pdata, &pdata_len)))
         goto out_conn;
     /* A plain server answers with whatever it likes, or nothing. */
     if (!o.plain &&
-        (pdata_len != strlen(EX_SERVER_HELLO) || pdata == NULL ||
+        (pdata_len != strlen(EX_SERVER_HELLO) ||
          memcmp(pdata, EX_SERVER_HELLO, pdata_len) != 0)) {
         ex_error("server answered with %zu bytes of private data, "
                  "expected \"%s\"", pdata_len, EX_SERVER_HELLO);

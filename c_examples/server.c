@@ -422,7 +422,7 @@ int main(int argc, char **argv)
     rbr_conn *conn = NULL;
     rbr_conn_options copts;
     rbr_conn_info info;
-    const void *pdata = NULL;
+    char pdata[RBR_PRIVATE_DATA_RECV_MAX];
     size_t pdata_len = 0;
     uint32_t i;
     int rc = EXIT_FAILURE;
@@ -478,7 +478,7 @@ int main(int argc, char **argv)
 
     if (EX_CHECK(rbr_listener_get_request(listener, REQUEST_TIMEOUT_MS, &req)))
         goto out_listener;
-    if (EX_CHECK(rbr_request_private_data(req, &pdata, &pdata_len)))
+    if (EX_CHECK(rbr_request_private_data(req, pdata, sizeof pdata, &pdata_len)))
         goto out_request;
     /* Only reported: a plain client sends whatever it likes, or nothing. */
     if (!o.quiet)

@@ -25,6 +25,14 @@
 #define RBR_PRIVATE_DATA_MAX 48
 
 /**
+ * Most bytes of private data the library can hand over from a peer: a peer using this library
+ * sends at most RBR_PRIVATE_DATA_MAX, but a plain librdmacm peer's data arrives as RDMA CM
+ * delivers it, padded with zeros (up to 56 bytes in a request, 196 in an accept, 148 in a
+ * reject). A buffer of this size always holds it whole.
+ */
+#define RBR_PRIVATE_DATA_RECV_MAX 196
+
+/**
  * Send flag: report a completion when the send finishes. Without it a send reports only a
  * failure; post a signaled send at least once per send-queue depth.
  */
@@ -220,8 +228,10 @@ typedef struct rbr_conn_options {
    */
   uint32_t max_inline;
   /**
-   * `rbr_connect`: how long establishment may take in all, in ms; -1 = no limit. Default
-   * 5000. Ignored by accept.
+   * How long the call may wait for the peer, in ms; -1 = no limit. Default 5000.
+   * `rbr_connect`: establishment in all (address and route resolution, the handshake).
+   * `rbr_request_accept`: over verbs, the wait for the peer to confirm the accept; shm does
+   * not wait for the peer (its accept takes about the time of creating the connection).
    */
   int32_t timeout_ms;
   /**
@@ -229,7 +239,7 @@ typedef struct rbr_conn_options {
    */
   const void *private_data;
   /**
-   * At most `RBR_PRIVATE_DATA_MAX`.
+   * At most `RBR_PRIVATE_DATA_MAX`; checked before any byte of `private_data` is read.
    */
   size_t private_data_len;
   /**
@@ -586,14 +596,15 @@ rbr_status rbr_conn_post_recv(struct rbr_conn *conn,
                               uint64_t wr_id);
 
 /**
- * Writes a pointer to the private data the peer sent (the acceptor's on the connecting side,
- * the requester's on the accepting side) into `*data` and its length into `*len`. The bytes
- * live as long as the connection.
+ * Copies the private data the peer sent (the acceptor's on the connecting side, the
+ * requester's on the accepting side) into `buf` (at most `cap` bytes) and writes its full
+ * length into `*len`; a `len` above `cap` means it was cut short. `buf` may be NULL when `cap`
+ * is 0, to ask for the length. A buffer of RBR_PRIVATE_DATA_RECV_MAX bytes always suffices.
  *
  * # Safety
- * `conn` live; `data`, `len` writable.
+ * `conn` live; `buf` writable for `cap` bytes; `len` writable.
  */
-rbr_status rbr_conn_private_data(const struct rbr_conn *conn, const void **data, size_t *len);
+rbr_status rbr_conn_private_data(const struct rbr_conn *conn, void *buf, size_t cap, size_t *len);
 
 /**
  * Fills `*info` (whose `struct_size` the caller sets) with what the connection was granted.
@@ -775,8 +786,13 @@ rbr_status rbr_listen(struct rbr_ctx *ctx,
 void rbr_listener_destroy(struct rbr_listener *l);
 
 /**
- * Writes into `*fd` a descriptor that is readable while a connection request may be
- * waiting (level-triggered), for epoll/poll/select. Owned by the listener.
+ * Writes into `*fd` a descriptor for epoll/poll/select that is readable while a call to
+ * `rbr_listener_get_request` with timeout 0 may make progress (level-triggered). The pattern:
+ * when it is readable, call `rbr_listener_get_request(l, 0, &req)` until RBR_EMPTY. A readable
+ * descriptor may still give RBR_EMPTY (a handshake that has only partly arrived, or a client
+ * that was turned away); a client that connects and says nothing never makes it readable and
+ * is dropped after 2 s. Owned by the listener: do not read or close it. Valid until the
+ * listener is destroyed.
  *
  * # Safety
  * `l` live; `fd` writable.
@@ -784,8 +800,13 @@ void rbr_listener_destroy(struct rbr_listener *l);
 rbr_status rbr_listener_fd(const struct rbr_listener *l, int32_t *fd);
 
 /**
- * Waits up to `timeout_ms` (-1 = forever) for the next connection request and writes it into
- * `*out`. RBR_ERR_TIMEOUT when none came in time.
+ * Takes the next connection request into `*out`, waiting up to `timeout_ms` (-1 = forever).
+ * With `timeout_ms` 0 it never blocks: RBR_OK with a request, or RBR_EMPTY (not an error;
+ * `rbr_last_error` is untouched) when no complete request is there yet. A request whose
+ * handshake has only partly arrived stays with the listener for a later call; no peer is
+ * dropped for being early. With a positive timeout, RBR_ERR_TIMEOUT when none came in time.
+ * Requests beyond the listen backlog wait in the kernel (shm: the connecting side retries
+ * until its own timeout; verbs: the RDMA CM turns them away and the connecting side fails).
  *
  * # Safety
  * `l` live; `out` writable.
@@ -795,13 +816,18 @@ rbr_status rbr_listener_get_request(struct rbr_listener *l,
                                     struct rbr_request **out);
 
 /**
- * Writes a pointer to the request's private data into `*data` and its length into `*len`.
- * The bytes live as long as the request.
+ * Copies the private data the peer sent with its request into `buf` (at most `cap` bytes) and
+ * writes its full length into `*len`; a `len` above `cap` means it was cut short. `buf` may be
+ * NULL when `cap` is 0, to ask for the length. A buffer of RBR_PRIVATE_DATA_RECV_MAX bytes
+ * always suffices.
  *
  * # Safety
- * `r` live; `data`, `len` writable.
+ * `r` live; `buf` writable for `cap` bytes; `len` writable.
  */
-rbr_status rbr_request_private_data(const struct rbr_request *r, const void **data, size_t *len);
+rbr_status rbr_request_private_data(const struct rbr_request *r,
+                                    void *buf,
+                                    size_t cap,
+                                    size_t *len);
 
 /**
  * Accepts the request and writes the connection into `*out`; its completions go to `cq`.

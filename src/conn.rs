@@ -4,7 +4,7 @@
 use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
@@ -269,22 +269,40 @@ impl Listener {
     }
 
     /// Takes the next connection request, waiting up to `timeout` (`None` = forever).
+    /// [`Error::Timeout`] when none came in time.
     pub fn get_request(&self, timeout: Option<Duration>) -> Result<ConnRequest> {
-        match &self.imp {
-            Imp::Shm(l) => Ok(ConnRequest {
-                imp: Imp::Shm(l.get_request(timeout)?),
-            }),
-            #[cfg(feature = "verbs")]
-            Imp::Verbs(l) => Ok(ConnRequest {
-                imp: Imp::Verbs(l.get_request(timeout)?),
-            }),
-            #[cfg(not(feature = "verbs"))]
-            Imp::Never(n, _) => match *n {},
-        }
+        let deadline = timeout.map(|t| Instant::now() + t);
+        self.take(deadline)?
+            .ok_or(Error::Timeout("waiting for a connection request"))
     }
 
-    /// A descriptor that is readable while a connection request may be waiting
-    /// (level-triggered). Owned by the listener; do not read it or close it.
+    /// Takes a connection request if a complete one is there, without waiting: `Ok(None)`
+    /// when there is none yet. For event loops: call it when [`fd`](Self::fd) is readable, until
+    /// it gives `None`. A request whose handshake has only partly arrived stays with the
+    /// listener for a later call; it is never dropped for being early.
+    pub fn try_get_request(&self) -> Result<Option<ConnRequest>> {
+        self.take(Some(Instant::now()))
+    }
+
+    fn take(&self, deadline: Option<Instant>) -> Result<Option<ConnRequest>> {
+        Ok(match &self.imp {
+            Imp::Shm(l) => l
+                .get_request(deadline)?
+                .map(|r| ConnRequest { imp: Imp::Shm(r) }),
+            #[cfg(feature = "verbs")]
+            Imp::Verbs(l) => l
+                .get_request(deadline)?
+                .map(|r| ConnRequest { imp: Imp::Verbs(r) }),
+            #[cfg(not(feature = "verbs"))]
+            Imp::Never(n, _) => match *n {},
+        })
+    }
+
+    /// A descriptor that is readable while a call to [`try_get_request`](Self::try_get_request)
+    /// may make progress (level-triggered), for epoll/poll/select. A readable descriptor may
+    /// still give no request (a handshake partly arrived, or a client turned away); a client
+    /// that connects and says nothing never makes it readable. Owned by the listener; do not
+    /// read it or close it.
     pub fn fd(&self) -> RawFd {
         match &self.imp {
             Imp::Shm(l) => l.fd(),

@@ -60,6 +60,7 @@ mod ctx;
 mod error;
 pub mod ffi;
 mod mr;
+mod panic;
 mod shm;
 mod sys;
 mod verbs;

@@ -85,6 +85,11 @@ impl MemoryRegion {
     ) -> Result<Arc<Self>> {
         let ptr = NonNull::new(addr).ok_or_else(|| Error::invalid("address is NULL"))?;
         check_args(len, access)?;
+        if (addr as usize).checked_add(len).is_none() {
+            return Err(Error::invalid(format!(
+                "range {addr:p}+{len} wraps past the end of the address space"
+            )));
+        }
         Ok(Arc::new(MemoryRegion {
             ptr,
             len,
@@ -205,6 +210,11 @@ impl Drop for MemoryRegion {
 fn check_args(len: usize, access: Access) -> Result<()> {
     if len == 0 {
         return Err(Error::invalid("memory region length is 0"));
+    }
+    if len > isize::MAX as usize {
+        return Err(Error::invalid(format!(
+            "memory region length {len} exceeds the address space"
+        )));
     }
     if access.0 & !Access::ALL.0 != 0 {
         return Err(Error::invalid(format!(

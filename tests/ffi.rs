@@ -279,9 +279,28 @@ fn c_surface_round_trip() {
             );
             let mut r = null_mut();
             assert_eq!(rbr_listener_get_request(l, 10_000, &mut r), RBR_OK);
-            let (mut d, mut n) = (null(), 0usize);
-            assert_eq!(rbr_request_private_data(r, &mut d, &mut n), RBR_OK);
-            assert_eq!(std::slice::from_raw_parts(d.cast::<u8>(), n), b"first");
+            let mut n = 0usize;
+            assert_eq!(rbr_request_private_data(r, null_mut(), 0, &mut n), RBR_OK);
+            assert_eq!(n, 5, "the length alone");
+            let mut d = [0u8; RBR_PRIVATE_DATA_RECV_MAX];
+            assert_eq!(
+                rbr_request_private_data(r, d.as_mut_ptr().cast(), 3, &mut n),
+                RBR_OK
+            );
+            assert_eq!(
+                (&d[..4], n),
+                (&b"fir\0"[..], 5),
+                "cut at the buffer's length"
+            );
+            assert_eq!(
+                rbr_request_private_data(r, d.as_mut_ptr().cast(), d.len(), &mut n),
+                RBR_OK
+            );
+            assert_eq!(&d[..n], b"first");
+            assert_eq!(
+                rbr_request_private_data(r, null_mut(), 1, &mut n),
+                RBR_ERR_NULL
+            );
             assert_eq!(rbr_request_reject(r, b"go away".as_ptr().cast(), 7), RBR_OK);
             assert_eq!(rbr_request_reject(r, null(), 0), RBR_ERR_STATE);
             rbr_request_destroy(r);
@@ -358,9 +377,12 @@ fn c_surface_round_trip() {
             rbr_connect(ctx, addr.as_ptr(), ccq, &opts, &mut conn),
             RBR_OK
         );
-        let (mut d, mut n) = (null(), 0usize);
-        assert_eq!(rbr_conn_private_data(conn, &mut d, &mut n), RBR_OK);
-        assert_eq!(std::slice::from_raw_parts(d.cast::<u8>(), n), b"ok");
+        let (mut d, mut n) = ([0u8; RBR_PRIVATE_DATA_RECV_MAX], 0usize);
+        assert_eq!(
+            rbr_conn_private_data(conn, d.as_mut_ptr().cast(), d.len(), &mut n),
+            RBR_OK
+        );
+        assert_eq!(&d[..n], b"ok");
         let mut info = std::mem::zeroed::<rbr_conn_info>();
         assert_eq!(
             rbr_conn_get_info(conn, &mut info),
@@ -410,6 +432,169 @@ fn verbs_address_without_device_is_a_clear_status() {
             cstr(rbr_status_str(s))
         );
         assert!(l.is_null());
+        rbr_ctx_destroy(ctx);
+    }
+}
+
+/// Hostile lengths and sizes: every length is checked before a byte is read, the status is
+/// RBR_ERR_INVALID (never a panic), nothing is created or answered, and out-parameters stay
+/// untouched. (Run under ASan, `c_examples/bad_input.c` checks that no byte past the caller's
+/// buffer is read.)
+#[test]
+fn hostile_lengths_and_sizes_are_invalid_and_change_nothing() {
+    // SAFETY: every pointer is valid for what each call reads of it once its lengths are
+    // checked (which is what this test proves), or NULL where allowed.
+    unsafe {
+        let mut ctx = null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let mut cq = null_mut();
+        assert_eq!(rbr_cq_create(&mut cq), RBR_OK);
+        let addr = unique_addr("ffi-hostile");
+        let caddr = std::ffi::CString::new(addr.clone()).unwrap();
+        let mut l = null_mut();
+        assert_eq!(rbr_listen(ctx, caddr.as_ptr(), 4, &mut l), RBR_OK);
+        let pd = [7u8; 48];
+        let mut opts = std::mem::zeroed::<rbr_conn_options>();
+        rbr_conn_options_init(&mut opts);
+        let sentinel = std::ptr::dangling_mut::<rbr_conn>();
+        for len in [49, 4096, usize::MAX] {
+            let bad = rbr_conn_options {
+                private_data: pd.as_ptr().cast(),
+                private_data_len: len,
+                ..opts
+            };
+            let mut conn = sentinel;
+            assert_eq!(
+                rbr_connect(ctx, caddr.as_ptr(), cq, &bad, &mut conn),
+                RBR_ERR_INVALID,
+                "connect, private_data_len {len}"
+            );
+            assert_eq!(conn, sentinel);
+            assert!(
+                cstr(rbr_last_error()).contains("private data"),
+                "{}",
+                cstr(rbr_last_error())
+            );
+        }
+        // struct_size: too large to be a struct, or naming fields this library does not know.
+        #[repr(C)]
+        struct Newer {
+            o: rbr_conn_options,
+            extra: u64,
+        }
+        for (size, extra, want) in [
+            (u32::MAX, 0, RBR_ERR_INVALID),
+            (std::mem::size_of::<Newer>() as u32, 1, RBR_ERR_INVALID),
+            (std::mem::size_of::<Newer>() as u32, 0, RBR_ERR_REFUSED), // valid: nobody there
+        ] {
+            let newer = Newer {
+                o: rbr_conn_options {
+                    struct_size: size,
+                    ..opts
+                },
+                extra,
+            };
+            let mut conn = sentinel;
+            let nobody = std::ffi::CString::new(unique_addr("ffi-nobody")).unwrap();
+            // With u32::MAX the library must refuse the size before reading past `newer`.
+            let r = rbr_connect(ctx, nobody.as_ptr(), cq, &newer.o, &mut conn);
+            assert_eq!(r, want, "struct_size {size}, extra {extra}");
+            assert_eq!(conn, sentinel);
+        }
+        // Accept and reject: a client waits while the server tries the hostile options.
+        let ctx_u = ctx as usize;
+        let client = std::thread::spawn(move || {
+            let ctx = ctx_u as *mut rbr_ctx;
+            let mut ccq = null_mut();
+            assert_eq!(rbr_cq_create(&mut ccq), RBR_OK);
+            let mut conn = null_mut();
+            let c = std::ffi::CString::new(addr).unwrap();
+            let r = rbr_connect(ctx, c.as_ptr(), ccq, null(), &mut conn);
+            rbr_conn_destroy(conn);
+            rbr_cq_destroy(ccq);
+            r
+        });
+        let mut r = null_mut();
+        assert_eq!(rbr_listener_get_request(l, 10_000, &mut r), RBR_OK);
+        for len in [49, 4096, usize::MAX] {
+            assert_eq!(
+                rbr_request_reject(r, pd.as_ptr().cast(), len),
+                RBR_ERR_INVALID
+            );
+            let bad = rbr_conn_options {
+                private_data: pd.as_ptr().cast(),
+                private_data_len: len,
+                ..opts
+            };
+            let mut conn = sentinel;
+            assert_eq!(rbr_request_accept(r, cq, &bad, &mut conn), RBR_ERR_INVALID);
+            assert_eq!(conn, sentinel);
+        }
+        let bad = rbr_conn_options {
+            timeout_ms: -77,
+            ..opts
+        };
+        let mut conn = sentinel;
+        assert_eq!(rbr_request_accept(r, cq, &bad, &mut conn), RBR_ERR_INVALID);
+        // Nothing was answered: the request is still there to accept.
+        let mut conn = null_mut();
+        assert_eq!(rbr_request_accept(r, cq, &opts, &mut conn), RBR_OK);
+        rbr_request_destroy(r);
+        assert_eq!(client.join().unwrap(), RBR_OK);
+        rbr_conn_destroy(conn);
+        // Memory ranges that wrap or exceed the address space.
+        let mut buf = [0u8; 32];
+        let sentinel = std::ptr::dangling_mut::<rbr_mr>();
+        for (p, len) in [
+            (buf.as_mut_ptr(), usize::MAX),
+            (buf.as_mut_ptr(), isize::MAX as usize + 1),
+            ((usize::MAX - 15) as *mut u8, 32),
+        ] {
+            let mut mr = sentinel;
+            assert_eq!(
+                rbr_mr_register(ctx, p.cast(), len, RBR_ACCESS_LOCAL_WRITE, &mut mr),
+                RBR_ERR_INVALID,
+                "{p:p} + {len}"
+            );
+            assert_eq!(mr, sentinel);
+        }
+        let mut mr = sentinel;
+        assert_eq!(
+            rbr_mr_alloc(ctx, usize::MAX, RBR_ACCESS_LOCAL_WRITE, &mut mr),
+            RBR_ERR_INVALID
+        );
+        assert_eq!(mr, sentinel);
+        rbr_listener_destroy(l);
+        rbr_cq_destroy(cq);
+        rbr_ctx_destroy(ctx);
+    }
+}
+
+/// With timeout 0 `rbr_listener_get_request` says RBR_EMPTY when nothing is there: not an
+/// error, so the thread's last error is left as it was.
+#[test]
+fn get_request_with_timeout_zero_is_empty_not_an_error() {
+    // SAFETY: valid pointers throughout.
+    unsafe {
+        let mut ctx = null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let c = std::ffi::CString::new(unique_addr("ffi-empty")).unwrap();
+        let mut l = null_mut();
+        assert_eq!(rbr_listen(ctx, c.as_ptr(), 4, &mut l), RBR_OK);
+        let mut cq = null_mut();
+        assert_eq!(rbr_cq_create(&mut cq), RBR_OK);
+        assert_eq!(rbr_cq_wait(cq, -5), RBR_ERR_INVALID);
+        let before = cstr(rbr_last_error());
+        let sentinel = std::ptr::dangling_mut::<rbr_request>();
+        let mut r = sentinel;
+        let t = std::time::Instant::now();
+        assert_eq!(rbr_listener_get_request(l, 0, &mut r), RBR_EMPTY);
+        assert!(t.elapsed() < std::time::Duration::from_millis(100));
+        assert_eq!(r, sentinel);
+        assert_eq!(cstr(rbr_last_error()), before);
+        assert_eq!(rbr_listener_get_request(l, 10, &mut r), RBR_ERR_TIMEOUT);
+        rbr_cq_destroy(cq);
+        rbr_listener_destroy(l);
         rbr_ctx_destroy(ctx);
     }
 }

@@ -37,6 +37,8 @@ suite_over_shm!(
     idle_connection_stays_up_and_reports_nothing,
     sleepers_wake_for_late_completions_in_both_progress_modes,
     two_threads_polling_one_queue_take_each_completion_once,
+    orderly_close_with_receives_posted_is_always_success,
+    event_loop_accepts_a_burst_without_losing_a_peer,
 );
 
 /// A peer running as another user is turned away (peer credentials), and the listener keeps

@@ -35,6 +35,8 @@ suite_over_verbs!(
     sleepers_wake_for_late_completions_in_both_progress_modes,
     two_threads_polling_one_queue_take_each_completion_once,
     connect_close_cycles_leak_nothing,
+    orderly_close_with_receives_posted_is_always_success,
+    event_loop_accepts_a_burst_without_losing_a_peer,
 );
 
 /// A connect to an address no route reaches fails with its own status, within the timeout.

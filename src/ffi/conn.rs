@@ -7,7 +7,10 @@ use crate::ffi::cq::rbr_cq;
 use crate::ffi::ctx::rbr_ctx;
 use crate::ffi::error::{RBR_OK, fail, rbr_status, status};
 use crate::ffi::mr::rbr_mr;
-use crate::ffi::{arg_ref, arg_str, bytes_arg, ffi_body, ffi_body_or, out_ptr};
+use crate::ffi::{
+    arg_ref, arg_str, bytes_arg, copy_out, ffi_body, ffi_body_or, out_ptr, private_data_arg,
+    struct_arg,
+};
 use crate::{ConnOptions, Connection, Error, SendFlags, Transport};
 
 /// An established connection: reliable, in-order messages, like an RC queue pair. Create with
@@ -20,6 +23,12 @@ pub struct rbr_conn {
 /// Most bytes of private data a connect, accept or reject may carry (every transport).
 pub const RBR_PRIVATE_DATA_MAX: usize = 48;
 const _: () = assert!(RBR_PRIVATE_DATA_MAX == crate::PRIVATE_DATA_MAX);
+
+/// Most bytes of private data the library can hand over from a peer: a peer using this library
+/// sends at most RBR_PRIVATE_DATA_MAX, but a plain librdmacm peer's data arrives as RDMA CM
+/// delivers it, padded with zeros (up to 56 bytes in a request, 196 in an accept, 148 in a
+/// reject). A buffer of this size always holds it whole.
+pub const RBR_PRIVATE_DATA_RECV_MAX: usize = 196;
 
 /// Send flag: report a completion when the send finishes. Without it a send reports only a
 /// failure; post a signaled send at least once per send-queue depth.
@@ -42,12 +51,14 @@ pub struct rbr_conn_options {
     pub recv_queue_depth: u32,
     /// Largest inline send (at most 1024). Default 64.
     pub max_inline: u32,
-    /// `rbr_connect`: how long establishment may take in all, in ms; -1 = no limit. Default
-    /// 5000. Ignored by accept.
+    /// How long the call may wait for the peer, in ms; -1 = no limit. Default 5000.
+    /// `rbr_connect`: establishment in all (address and route resolution, the handshake).
+    /// `rbr_request_accept`: over verbs, the wait for the peer to confirm the accept; shm does
+    /// not wait for the peer (its accept takes about the time of creating the connection).
     pub timeout_ms: i32,
     /// Private data for the peer; copied during the call. NULL when `private_data_len` is 0.
     pub private_data: *const c_void,
-    /// At most `RBR_PRIVATE_DATA_MAX`.
+    /// At most `RBR_PRIVATE_DATA_MAX`; checked before any byte of `private_data` is read.
     pub private_data_len: usize,
     /// Echoed as `conn_context` in every completion of the connection.
     pub context: *mut c_void,
@@ -120,14 +131,9 @@ pub unsafe extern "C" fn rbr_conn_options_init(opts: *mut rbr_conn_options) {
 /// Converts C options (NULL = defaults) into validated Rust options.
 pub(crate) fn options(opts: *const rbr_conn_options) -> Result<ConnOptions, rbr_status> {
     // SAFETY: NULL or a readable struct (caller contract of every function taking options).
-    let Some(o) = (unsafe { opts.as_ref() }) else {
+    let Some(o) = (unsafe { struct_arg(opts, "rbr_conn_options") })? else {
         return Ok(ConnOptions::default());
     };
-    if (o.struct_size as usize) < std::mem::size_of::<rbr_conn_options>() {
-        return Err(fail(Error::invalid(
-            "rbr_conn_options.struct_size is too small (call rbr_conn_options_init)",
-        )));
-    }
     let timeout = match o.timeout_ms {
         -1 => None,
         ms if ms >= 0 => Some(Duration::from_millis(ms as u64)),
@@ -138,7 +144,7 @@ pub(crate) fn options(opts: *const rbr_conn_options) -> Result<ConnOptions, rbr_
         recv_queue_depth: o.recv_queue_depth,
         max_inline: o.max_inline,
         timeout,
-        private_data: bytes_arg(o.private_data, o.private_data_len)?.to_vec(),
+        private_data: private_data_arg(o.private_data, o.private_data_len)?.to_vec(),
         context: o.context as usize,
         retry_count: o.retry_count,
         rnr_retry_count: o.rnr_retry_count,
@@ -257,29 +263,25 @@ pub unsafe extern "C" fn rbr_conn_post_recv(
     })
 }
 
-/// Writes a pointer to the private data the peer sent (the acceptor's on the connecting side,
-/// the requester's on the accepting side) into `*data` and its length into `*len`. The bytes
-/// live as long as the connection.
+/// Copies the private data the peer sent (the acceptor's on the connecting side, the
+/// requester's on the accepting side) into `buf` (at most `cap` bytes) and writes its full
+/// length into `*len`; a `len` above `cap` means it was cut short. `buf` may be NULL when `cap`
+/// is 0, to ask for the length. A buffer of RBR_PRIVATE_DATA_RECV_MAX bytes always suffices.
 ///
 /// # Safety
-/// `conn` live; `data`, `len` writable.
+/// `conn` live; `buf` writable for `cap` bytes; `len` writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rbr_conn_private_data(
     conn: *const rbr_conn,
-    data: *mut *const c_void,
+    buf: *mut c_void,
+    cap: usize,
     len: *mut usize,
 ) -> rbr_status {
     ffi_body!({
         let conn = arg_ref!(conn);
-        let data = out_ptr!(data);
         let len = out_ptr!(len);
-        let pd = conn.inner.private_data();
-        // SAFETY: both non-NULL and writable (caller contract).
-        unsafe {
-            data.write(pd.as_ptr().cast());
-            len.write(pd.len());
-        }
-        RBR_OK
+        // SAFETY: the caller's contract above is copy_out's.
+        unsafe { copy_out(conn.inner.private_data(), buf, cap, len) }
     })
 }
 

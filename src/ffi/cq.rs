@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::cq::{DEFAULT_SPIN, SPIN_MAX};
 use crate::ffi::error::{RBR_EMPTY, RBR_OK, fail, rbr_status};
-use crate::ffi::{arg_ref, ffi_body, ffi_body_or, out_ptr, timeout_arg};
+use crate::ffi::{arg_ref, ffi_body, ffi_body_or, out_ptr, struct_arg, timeout_arg};
 use crate::{Completion, CompletionQueue, CqOptions, Error, Opcode, Progress, WcStatus};
 
 /// A completion queue. Create with `rbr_cq_create`, free with `rbr_cq_destroy`. Thread-safe:
@@ -157,14 +157,9 @@ pub unsafe extern "C" fn rbr_cq_options_init(opts: *mut rbr_cq_options) {
 fn cq_options(opts: *const rbr_cq_options) -> Result<CqOptions, rbr_status> {
     let mut o = CqOptions::default();
     // SAFETY: NULL or a readable struct (caller contract).
-    let Some(c) = (unsafe { opts.as_ref() }) else {
+    let Some(c) = (unsafe { struct_arg(opts, "rbr_cq_options") })? else {
         return Ok(o);
     };
-    if (c.struct_size as usize) < std::mem::size_of::<rbr_cq_options>() {
-        return Err(fail(Error::invalid(
-            "rbr_cq_options.struct_size is too small (call rbr_cq_options_init)",
-        )));
-    }
     o.progress = match c.progress {
         RBR_PROGRESS_DEFAULT => o.progress,
         RBR_PROGRESS_CALLER => Progress::Caller,

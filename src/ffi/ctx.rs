@@ -1,7 +1,7 @@
 //! `rbr_ctx`: the parent of listeners, connections and memory regions.
 
 use crate::ffi::error::{RBR_OK, fail, rbr_status};
-use crate::ffi::{ffi_body, ffi_body_or, out_ptr};
+use crate::ffi::{ffi_body, ffi_body_or, out_ptr, struct_arg};
 use crate::{Context, ContextOptions, Error};
 
 /// A context. Create with `rbr_ctx_create`, free with `rbr_ctx_destroy`. Thread-safe. Objects
@@ -45,10 +45,11 @@ pub unsafe extern "C" fn rbr_ctx_create_ex(
         let out = out_ptr!(out);
         let mut o = ContextOptions::default();
         // SAFETY: NULL or a readable struct (caller contract).
-        if let Some(opts) = unsafe { opts.as_ref() } {
-            if (opts.struct_size as usize) < std::mem::size_of::<rbr_ctx_options>() {
-                return fail(Error::invalid("rbr_ctx_options.struct_size is too small"));
-            }
+        let opts = match unsafe { struct_arg(opts, "rbr_ctx_options") } {
+            Ok(o) => o,
+            Err(s) => return s,
+        };
+        if let Some(opts) = opts {
             if opts.flags & !RBR_CTX_SHM_ANY_UID != 0 {
                 return fail(Error::invalid(format!(
                     "unknown context flags {:#x}",

@@ -148,9 +148,9 @@ pub(crate) fn null_arg(name: &str) -> rbr_status {
     RBR_ERR_NULL
 }
 
-pub(crate) fn panicked() -> rbr_status {
+pub(crate) fn panicked(msg: String) -> rbr_status {
     record(
-        "internal error: a panic was caught at the C boundary".into(),
+        format!("internal error: a panic was caught at the C boundary: {msg}"),
         0,
         None,
     );

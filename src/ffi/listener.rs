@@ -5,9 +5,10 @@ use std::ffi::{c_char, c_void};
 use crate::ffi::conn::{finish, options, rbr_conn, rbr_conn_options};
 use crate::ffi::cq::rbr_cq;
 use crate::ffi::ctx::rbr_ctx;
-use crate::ffi::error::{RBR_OK, fail, rbr_status, status};
+use crate::ffi::error::{RBR_EMPTY, RBR_OK, fail, rbr_status, status};
 use crate::ffi::{
-    arg_mut, arg_ref, arg_str, bytes_arg, ffi_body, ffi_body_or, out_ptr, timeout_arg,
+    arg_mut, arg_ref, arg_str, copy_out, ffi_body, ffi_body_or, out_ptr, private_data_arg,
+    timeout_arg,
 };
 use crate::{ConnRequest, Error, Listener};
 
@@ -68,8 +69,13 @@ pub unsafe extern "C" fn rbr_listener_destroy(l: *mut rbr_listener) {
     })
 }
 
-/// Writes into `*fd` a descriptor that is readable while a connection request may be
-/// waiting (level-triggered), for epoll/poll/select. Owned by the listener.
+/// Writes into `*fd` a descriptor for epoll/poll/select that is readable while a call to
+/// `rbr_listener_get_request` with timeout 0 may make progress (level-triggered). The pattern:
+/// when it is readable, call `rbr_listener_get_request(l, 0, &req)` until RBR_EMPTY. A readable
+/// descriptor may still give RBR_EMPTY (a handshake that has only partly arrived, or a client
+/// that was turned away); a client that connects and says nothing never makes it readable and
+/// is dropped after 2 s. Owned by the listener: do not read or close it. Valid until the
+/// listener is destroyed.
 ///
 /// # Safety
 /// `l` live; `fd` writable.
@@ -84,8 +90,13 @@ pub unsafe extern "C" fn rbr_listener_fd(l: *const rbr_listener, fd: *mut i32) -
     })
 }
 
-/// Waits up to `timeout_ms` (-1 = forever) for the next connection request and writes it into
-/// `*out`. RBR_ERR_TIMEOUT when none came in time.
+/// Takes the next connection request into `*out`, waiting up to `timeout_ms` (-1 = forever).
+/// With `timeout_ms` 0 it never blocks: RBR_OK with a request, or RBR_EMPTY (not an error;
+/// `rbr_last_error` is untouched) when no complete request is there yet. A request whose
+/// handshake has only partly arrived stays with the listener for a later call; no peer is
+/// dropped for being early. With a positive timeout, RBR_ERR_TIMEOUT when none came in time.
+/// Requests beyond the listen backlog wait in the kernel (shm: the connecting side retries
+/// until its own timeout; verbs: the RDMA CM turns them away and the connecting side fails).
 ///
 /// # Safety
 /// `l` live; `out` writable.
@@ -102,43 +113,48 @@ pub unsafe extern "C" fn rbr_listener_get_request(
             Ok(t) => t,
             Err(s) => return s,
         };
-        match l.inner.get_request(timeout) {
-            Ok(r) => {
-                let private_data = r.private_data().to_vec();
-                let req = rbr_request {
-                    inner: Some(r),
-                    private_data,
-                };
-                // SAFETY: non-NULL and writable (caller contract).
-                unsafe { out.write(Box::into_raw(Box::new(req))) };
-                RBR_OK
+        let got = if timeout_ms == 0 {
+            match l.inner.try_get_request() {
+                Ok(Some(r)) => r,
+                Ok(None) => return RBR_EMPTY,
+                Err(e) => return fail(e),
             }
-            Err(e) => fail(e),
-        }
+        } else {
+            match l.inner.get_request(timeout) {
+                Ok(r) => r,
+                Err(e) => return fail(e),
+            }
+        };
+        let private_data = got.private_data().to_vec();
+        let req = rbr_request {
+            inner: Some(got),
+            private_data,
+        };
+        // SAFETY: non-NULL and writable (caller contract).
+        unsafe { out.write(Box::into_raw(Box::new(req))) };
+        RBR_OK
     })
 }
 
-/// Writes a pointer to the request's private data into `*data` and its length into `*len`.
-/// The bytes live as long as the request.
+/// Copies the private data the peer sent with its request into `buf` (at most `cap` bytes) and
+/// writes its full length into `*len`; a `len` above `cap` means it was cut short. `buf` may be
+/// NULL when `cap` is 0, to ask for the length. A buffer of RBR_PRIVATE_DATA_RECV_MAX bytes
+/// always suffices.
 ///
 /// # Safety
-/// `r` live; `data`, `len` writable.
+/// `r` live; `buf` writable for `cap` bytes; `len` writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rbr_request_private_data(
     r: *const rbr_request,
-    data: *mut *const c_void,
+    buf: *mut c_void,
+    cap: usize,
     len: *mut usize,
 ) -> rbr_status {
     ffi_body!({
         let r = arg_ref!(r);
-        let data = out_ptr!(data);
         let len = out_ptr!(len);
-        // SAFETY: both non-NULL and writable (caller contract).
-        unsafe {
-            data.write(r.private_data.as_ptr().cast());
-            len.write(r.private_data.len());
-        }
-        RBR_OK
+        // SAFETY: the caller's contract above is copy_out's.
+        unsafe { copy_out(&r.private_data, buf, cap, len) }
     })
 }
 
@@ -184,13 +200,10 @@ pub unsafe extern "C" fn rbr_request_reject(
 ) -> rbr_status {
     ffi_body!({
         let r = arg_mut!(r);
-        let data = match bytes_arg(data, len) {
+        let data = match private_data_arg(data, len) {
             Ok(d) => d,
             Err(s) => return s,
         };
-        if let Err(e) = crate::conn::check_private_data(data) {
-            return fail(e);
-        }
         let Some(req) = r.inner.take() else {
             return fail(Error::State("the request was already answered"));
         };

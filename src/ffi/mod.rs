@@ -15,14 +15,13 @@ pub mod mr;
 pub use error::rbr_status;
 
 /// Runs an exported function's body inside the panic boundary: a panic becomes
-/// `RBR_ERR_PANIC` (with a last-error message) instead of unwinding into C.
+/// `RBR_ERR_PANIC` (its message goes to `rbr_last_error`, never to stderr) instead of unwinding
+/// into C.
 macro_rules! ffi_body {
     ($body:block) => {{
-        match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(
-            || -> $crate::ffi::error::rbr_status { $body },
-        )) {
+        match $crate::panic::catch(|| -> $crate::ffi::error::rbr_status { $body }) {
             Ok(status) => status,
-            Err(_) => $crate::ffi::error::panicked(),
+            Err(msg) => $crate::ffi::error::panicked(msg),
         }
     }};
 }
@@ -31,10 +30,10 @@ macro_rules! ffi_body {
 /// as the thread's last error) and `$default` is returned.
 macro_rules! ffi_body_or {
     ($default:expr, $body:block) => {{
-        match ::std::panic::catch_unwind(::std::panic::AssertUnwindSafe(|| $body)) {
+        match $crate::panic::catch(|| $body) {
             Ok(v) => v,
-            Err(_) => {
-                $crate::ffi::error::panicked();
+            Err(msg) => {
+                $crate::ffi::error::panicked(msg);
                 $default
             }
         }
@@ -105,6 +104,87 @@ pub(crate) fn timeout_arg(ms: i32) -> Result<Option<std::time::Duration>, rbr_st
             "timeout {ms} ms (use -1 for none)"
         )))),
     }
+}
+
+/// Largest `struct_size` an options struct may claim: bytes past what this library knows must
+/// be zero, and nobody's struct grows this large.
+const STRUCT_SIZE_MAX: usize = 4096;
+
+/// Reads a versioned input struct whose first field is `u32 struct_size` (NULL = `None`).
+/// `struct_size` below this library's size is refused (call the struct's `_init`); above it,
+/// the extra bytes (fields of a newer header) must all be zero, so that nothing the caller
+/// set is silently ignored.
+///
+/// # Safety
+/// `p` is NULL or readable for `struct_size` bytes (the C contract of every such struct).
+pub(crate) unsafe fn struct_arg<'a, T>(
+    p: *const T,
+    name: &str,
+) -> Result<Option<&'a T>, rbr_status> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-NULL and readable (caller contract); every such struct starts with its size.
+    let size = unsafe { p.cast::<u32>().read() } as usize;
+    let known = std::mem::size_of::<T>();
+    if size < known {
+        return Err(error::fail(crate::Error::invalid(format!(
+            "{name}.struct_size {size} is smaller than this library's {known} (call the _init function)"
+        ))));
+    }
+    if size > STRUCT_SIZE_MAX {
+        return Err(error::fail(crate::Error::invalid(format!(
+            "{name}.struct_size {size} is not a struct size (at most {STRUCT_SIZE_MAX})"
+        ))));
+    }
+    // SAFETY: the caller's struct is `size` readable bytes, of which `known` are ours.
+    let extra = unsafe { std::slice::from_raw_parts(p.cast::<u8>().add(known), size - known) };
+    if extra.iter().any(|&b| b != 0) {
+        return Err(error::fail(crate::Error::invalid(format!(
+            "{name} sets fields this library does not know (struct_size {size}, library {known})"
+        ))));
+    }
+    // SAFETY: non-NULL, readable and at least `known` bytes (checked above).
+    Ok(Some(unsafe { &*p }))
+}
+
+/// Views private data given as pointer and length, checking the length against
+/// `RBR_PRIVATE_DATA_MAX` before reading any byte.
+pub(crate) fn private_data_arg<'a>(
+    p: *const std::ffi::c_void,
+    len: usize,
+) -> Result<&'a [u8], rbr_status> {
+    if len > crate::PRIVATE_DATA_MAX {
+        return Err(error::fail(crate::Error::invalid(format!(
+            "private data of {len} bytes over RBR_PRIVATE_DATA_MAX ({})",
+            crate::PRIVATE_DATA_MAX
+        ))));
+    }
+    bytes_arg(p, len)
+}
+
+/// Copies `data` into the caller's `buf` (at most `cap` bytes) and its full length into
+/// `*len`. `buf` may be NULL when `cap` is 0.
+///
+/// # Safety
+/// `buf` writable for `cap` bytes; `len` non-NULL and writable.
+pub(crate) unsafe fn copy_out(
+    data: &[u8],
+    buf: *mut std::ffi::c_void,
+    cap: usize,
+    len: *mut usize,
+) -> rbr_status {
+    if cap > 0 && buf.is_null() {
+        return error::null_arg("buf");
+    }
+    let n = data.len().min(cap);
+    // SAFETY: `buf` is writable for `cap >= n` bytes (caller contract) and cannot overlap the
+    // library's own copy of the data; `len` is non-NULL and writable.
+    unsafe {
+        std::ptr::copy_nonoverlapping(data.as_ptr(), buf.cast::<u8>(), n);
+        len.write(data.len());
+    }
+    error::RBR_OK
 }
 
 /// Views a C byte buffer (`NULL` allowed when `len` is 0).

@@ -116,11 +116,7 @@ impl Engine {
 
     /// Runs until the connection ends, then completes everything and reports the disconnect.
     pub(crate) fn run(mut self) {
-        let end = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.main_loop()))
-        {
-            Ok(end) => end,
-            Err(_) => End::Protocol,
-        };
+        let end = crate::panic::catch(|| self.main_loop()).unwrap_or(End::Protocol);
         self.teardown(end);
     }
 
@@ -466,6 +462,11 @@ impl Engine {
                     return match e.kind() {
                         std::io::ErrorKind::WouldBlock => Ok(()),
                         std::io::ErrorKind::Interrupted => continue,
+                        // A peer that closes with doorbells of ours still unread makes the
+                        // kernel report a reset before the packets it sent first - its goodbye
+                        // among them. The report is consumed by reading it: read on, and the
+                        // goodbye (if it said one) and the end of file follow.
+                        std::io::ErrorKind::ConnectionReset => continue,
                         _ => Err(End::Peer { clean: false }),
                     };
                 }

@@ -9,7 +9,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::conn::{ConnOptions, PRIVATE_DATA_MAX};
@@ -183,7 +183,11 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, O
     // SAFETY: `mh` points at live local buffers of the sizes it states.
     let n = unsafe { libc::recvmsg(sock, &mut mh, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
     if n < 0 {
-        return Err(Error::Connect(io::Error::last_os_error()));
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::WouldBlock {
+            return Ok(None);
+        }
+        return Err(Error::Connect(e));
     }
     // Take ownership of every descriptor that arrived before judging the message, so none leaks.
     let mut fds = Vec::new();
@@ -213,11 +217,41 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, O
     Ok(Some((buf[..n as usize].to_vec(), fds.pop())))
 }
 
+/// Most accepted sockets whose hello has not arrived yet; beyond that, further connections wait
+/// in the kernel's backlog until some of these are answered or time out.
+const PENDING_MAX: usize = 1024;
+/// The epoll tag of the listening socket itself (pending sockets are tagged with their fd).
+const LISTEN_TAG: u64 = u64::MAX;
+
+/// A connected client whose hello has not fully arrived yet.
+#[derive(Debug)]
+struct Pending {
+    sock: OwnedFd,
+    since: Instant,
+}
+
 /// A listening shm endpoint.
+///
+/// Its descriptor is an epoll set of the listening socket and of every accepted socket whose
+/// hello has not arrived yet, so it is readable exactly while a call may make progress; a
+/// client that connects and says nothing never makes it readable, and is dropped after
+/// [`HELLO_TIMEOUT`]. Taking a request never waits for a half-arrived hello and never loses one:
+/// accepted sockets stay pending across calls until their hello is complete.
 #[derive(Debug)]
 pub(crate) struct Listener {
     sock: OwnedFd,
+    epoll: OwnedFd,
+    pending: Mutex<Vec<Pending>>,
     ctx: Arc<ContextInner>,
+}
+
+fn epoll_ctl(epoll: RawFd, op: libc::c_int, fd: RawFd, tag: u64) -> io::Result<()> {
+    let mut ev = libc::epoll_event {
+        events: libc::EPOLLIN as u32,
+        u64: tag,
+    };
+    // SAFETY: plain syscall on descriptors we own; `ev` is a live local.
+    cvt(unsafe { libc::epoll_ctl(epoll, op, fd, &mut ev) }).map(drop)
 }
 
 impl Listener {
@@ -235,24 +269,118 @@ impl Listener {
         let backlog = backlog.clamp(1, libc::SOMAXCONN as u32) as libc::c_int;
         // SAFETY: plain syscall on our socket.
         cvt(unsafe { libc::listen(sock.as_raw_fd(), backlog) }).map_err(Error::Listen)?;
-        Ok(Listener { sock, ctx })
+        // SAFETY: plain syscall; a non-negative result is a new descriptor we own.
+        let epoll =
+            cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) }).map_err(Error::Listen)?;
+        // SAFETY: fresh descriptor owned by nobody else.
+        let epoll = unsafe { OwnedFd::from_raw_fd(epoll) };
+        epoll_ctl(
+            epoll.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            sock.as_raw_fd(),
+            LISTEN_TAG,
+        )
+        .map_err(Error::Listen)?;
+        Ok(Listener {
+            sock,
+            epoll,
+            pending: Mutex::new(Vec::new()),
+            ctx,
+        })
     }
 
     pub(crate) fn fd(&self) -> RawFd {
-        self.sock.as_raw_fd()
+        self.epoll.as_raw_fd()
     }
 
-    pub(crate) fn get_request(&self, timeout: Option<Duration>) -> Result<Request> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+    /// Takes the next complete request, waiting until `deadline` (`None` = forever, a past
+    /// deadline = do not wait). `Ok(None)` when none is complete by then.
+    pub(crate) fn get_request(&self, deadline: Option<Instant>) -> Result<Option<Request>> {
         loop {
-            let left = sys::remaining(deadline);
-            if !sys::poll_one(self.fd(), libc::POLLIN, left).map_err(Error::Accept)? {
-                return Err(Error::Timeout("waiting for a connection request"));
+            let next_expiry = {
+                let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(req) = self.step(&mut pending)? {
+                    return Ok(Some(req));
+                }
+                pending.iter().map(|p| p.since + HELLO_TIMEOUT).min()
+            };
+            let now = Instant::now();
+            if deadline.is_some_and(|d| d <= now) {
+                return Ok(None);
             }
+            // Sleep until something is readable, the deadline, or the oldest pending hello
+            // expires (so a silent client is dropped even if nothing else happens).
+            let wake = match (deadline, next_expiry) {
+                (Some(d), Some(e)) => Some(d.min(e)),
+                (d, e) => d.or(e),
+            };
+            sys::poll_one(self.fd(), libc::POLLIN, sys::remaining(wake)).map_err(Error::Accept)?;
+        }
+    }
+
+    /// One round without waiting: accepts what the backlog holds, reads the hellos that have
+    /// arrived, drops clients whose hello is overdue. Returns the first complete request.
+    fn step(&self, pending: &mut Vec<Pending>) -> Result<Option<Request>> {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        // SAFETY: `events` is a live local array of the length passed; timeout 0 never blocks.
+        let n = unsafe {
+            libc::epoll_wait(
+                self.fd(),
+                events.as_mut_ptr(),
+                events.len() as libc::c_int,
+                0,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(Error::Accept(e));
+            }
+        }
+        let ready: Vec<u64> = events[..n.max(0) as usize].iter().map(|e| e.u64).collect();
+        let mut found = None;
+        for tag in ready {
+            if tag == LISTEN_TAG {
+                self.accept_backlog(pending)?;
+                continue;
+            }
+            if found.is_some() {
+                // Level-triggered: it will be reported again on the next call.
+                continue;
+            }
+            let Some(i) = pending
+                .iter()
+                .position(|p| p.sock.as_raw_fd() as u64 == tag)
+            else {
+                continue;
+            };
+            match recv_msg(pending[i].sock.as_raw_fd(), Some(Duration::ZERO)) {
+                // Readable but nothing to read (a spurious wake-up): keep waiting for it.
+                Ok(None) => {}
+                Ok(Some((buf, fd))) => {
+                    let p = self.forget(pending, i);
+                    if fd.is_none() {
+                        found = self.read_hello(p.sock, &buf);
+                    }
+                }
+                // The client hung up or sent something malformed: drop it.
+                Err(_) => drop(self.forget(pending, i)),
+            }
+        }
+        let now = Instant::now();
+        while let Some(i) = pending.iter().position(|p| now >= p.since + HELLO_TIMEOUT) {
+            drop(self.forget(pending, i));
+        }
+        Ok(found)
+    }
+
+    /// Accepts every connection in the backlog (up to [`PENDING_MAX`] pending in all).
+    fn accept_backlog(&self, pending: &mut Vec<Pending>) -> Result<()> {
+        while pending.len() < PENDING_MAX {
             // SAFETY: accept4 on our listening socket without an address buffer.
             let fd = unsafe {
                 libc::accept4(
-                    self.fd(),
+                    self.sock.as_raw_fd(),
                     std::ptr::null_mut(),
                     std::ptr::null_mut(),
                     libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
@@ -260,29 +388,41 @@ impl Listener {
             };
             if fd < 0 {
                 let e = io::Error::last_os_error();
-                match e.raw_os_error() {
-                    Some(libc::EAGAIN) | Some(libc::EINTR) | Some(libc::ECONNABORTED) => continue,
-                    _ => return Err(Error::Accept(e)),
-                }
+                return match e.raw_os_error() {
+                    Some(libc::EAGAIN) => Ok(()),
+                    Some(libc::EINTR) | Some(libc::ECONNABORTED) => continue,
+                    // Out of descriptors or memory: leave the rest in the backlog for later.
+                    Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOBUFS)
+                    | Some(libc::ENOMEM) => Ok(()),
+                    _ => Err(Error::Accept(e)),
+                };
             }
             // SAFETY: a fresh descriptor from accept4, owned by nobody else.
             let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-            if let Some(req) = self.read_hello(sock, deadline)? {
-                return Ok(req);
+            if epoll_ctl(self.fd(), libc::EPOLL_CTL_ADD, fd, fd as u64).is_err() {
+                continue; // dropped: the client sees its connection closed
             }
+            pending.push(Pending {
+                sock,
+                since: Instant::now(),
+            });
         }
+        Ok(())
     }
 
-    /// Reads and checks a client's hello. `None` means the client was turned away (and told
-    /// why, when it is an rdmabridge peer); the listener goes on waiting.
-    fn read_hello(&self, sock: OwnedFd, deadline: Option<Instant>) -> Result<Option<Request>> {
-        let wait = sys::remaining(deadline).map_or(HELLO_TIMEOUT, |d| d.min(HELLO_TIMEOUT));
-        let msg = match recv_msg(sock.as_raw_fd(), Some(wait)) {
-            Ok(Some((buf, None))) => match decode(&buf) {
-                Ok(m) if m.kind == HELLO => m,
-                _ => return Ok(None),
-            },
-            _ => return Ok(None),
+    /// Takes pending client `i` out of the epoll set and the list.
+    fn forget(&self, pending: &mut Vec<Pending>, i: usize) -> Pending {
+        let p = pending.swap_remove(i);
+        let _ = epoll_ctl(self.fd(), libc::EPOLL_CTL_DEL, p.sock.as_raw_fd(), 0);
+        p
+    }
+
+    /// Checks a client's hello. `None` means the client was turned away (and told why, when it
+    /// is an rdmabridge peer).
+    fn read_hello(&self, sock: OwnedFd, buf: &[u8]) -> Option<Request> {
+        let msg = match decode(buf) {
+            Ok(m) if m.kind == HELLO => m,
+            _ => return None,
         };
         if msg.version != VERSION {
             let _ = send_msg(
@@ -290,7 +430,7 @@ impl Listener {
                 &encode(REJECT_VERSION, VERSION.into(), 0, &[]),
                 None,
             );
-            return Ok(None);
+            return None;
         }
         let uid_ok = match peer_uid(sock.as_raw_fd()) {
             Ok(uid) => uid == my_uid() || self.ctx.opts.shm_allow_any_uid,
@@ -302,13 +442,13 @@ impl Listener {
                 &encode(REJECT_PERMISSION, 0, 0, &[]),
                 None,
             );
-            return Ok(None);
+            return None;
         }
-        Ok(Some(Request {
+        Some(Request {
             sock: Some(sock),
             private_data: msg.data,
             ctx: self.ctx.clone(),
-        }))
+        })
     }
 }
 

@@ -298,11 +298,13 @@ impl Listener {
         self.ch.fd()
     }
 
-    pub(crate) fn get_request(&self, timeout: Option<Duration>) -> Result<Request> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+    /// Takes the next connection request, waiting until `deadline` (`None` = forever, a past
+    /// deadline = do not wait); `Ok(None)` when none came by then. A CONNECT_REQUEST event is
+    /// complete when it arrives, so nothing is ever half-taken.
+    pub(crate) fn get_request(&self, deadline: Option<Instant>) -> Result<Option<Request>> {
         loop {
             let Some(ev) = self.ch.get_event(deadline)? else {
-                return Err(Error::Timeout("waiting for a connection request"));
+                return Ok(None);
             };
             match ev.kind {
                 RDMA_CM_EVENT_CONNECT_REQUEST => {
@@ -310,13 +312,13 @@ impl Listener {
                     let ch = EventChannel::new()?;
                     id.migrate(&ch)?;
                     let (library_peer, private_data) = parse_preamble(&ev.private_data);
-                    return Ok(Request {
+                    return Ok(Some(Request {
                         id: Some(id),
                         ch: Some(ch),
                         library_peer,
                         private_data,
                         ctx: self.ctx.clone(),
-                    });
+                    }));
                 }
                 RDMA_CM_EVENT_DEVICE_REMOVAL if ev.id == self.id.0 => {
                     return Err(Error::DeviceRemoved);

@@ -709,3 +709,198 @@ pub fn two_threads_polling_one_queue_take_each_completion_once(net: &Net) {
         );
     }
 }
+
+/// An orderly close is reported as one, whichever side closes and with receives posted on both:
+/// every outstanding receive is flushed, then both sides' disconnect records say success.
+pub fn orderly_close_with_receives_posted_is_always_success(net: &Net) {
+    let pairs = match net {
+        Net::Shm => 2000,
+        Net::Verbs(_) => 40,
+    };
+    let ctx = Context::new().unwrap();
+    let addr = net.addr("close");
+    let l = ctx.listen(&addr, 16).unwrap();
+    let mr = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    let ccq = CompletionQueue::new().unwrap();
+    let scq = CompletionQueue::new().unwrap();
+    // Takes one connection's records up to its disconnect: `recvs` flushed receives, then the
+    // disconnect, whose status is returned.
+    let drain = |cq: &CompletionQueue, recvs: usize, i: usize| {
+        let mut flushed = 0;
+        loop {
+            let c = next(cq);
+            match c.opcode {
+                Opcode::Recv => {
+                    assert_eq!(c.status, WcStatus::Flushed, "pair {i}: {c:?}");
+                    flushed += 1;
+                }
+                Opcode::Disconnected => {
+                    assert_eq!(flushed, recvs, "pair {i}: flushed receives");
+                    return c.status;
+                }
+                _ => panic!("pair {i}: unexpected {c:?}"),
+            }
+        }
+    };
+    for i in 0..pairs {
+        let (c, s) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| {
+                l.get_request(Some(Duration::from_secs(10)))
+                    .unwrap()
+                    .accept(&scq, &ConnOptions::default())
+                    .unwrap()
+            });
+            let c = ctx.connect(&addr, &ccq, &ConnOptions::default()).unwrap();
+            (c, h.join().unwrap())
+        });
+        for k in 0..4u64 {
+            let off = k as usize * 1024;
+            c.post_recv(&mr, off, 1024, k).unwrap();
+            s.post_recv(&mr, off, 1024, k).unwrap();
+        }
+        // Alternate which side closes.
+        let (closer, closer_cq, peer, peer_cq) = if i % 2 == 0 {
+            (c, &ccq, s, &scq)
+        } else {
+            (s, &scq, c, &ccq)
+        };
+        drop(closer);
+        assert_eq!(
+            drain(closer_cq, 4, i),
+            WcStatus::Success,
+            "pair {i}: closer"
+        );
+        assert_eq!(drain(peer_cq, 4, i), WcStatus::Success, "pair {i}: peer");
+        drop(peer);
+        assert!(
+            ccq.poll().is_none() && scq.poll().is_none(),
+            "pair {i}: records after the disconnect"
+        );
+    }
+}
+
+/// Accepting from an event loop: `try_get_request` never blocks and never loses a peer. A burst
+/// of clients connecting at once, served by a loop that only takes requests without waiting
+/// when the listener's descriptor is readable, all get connected; over shm, clients that connect
+/// and then say nothing neither make the descriptor readable nor stall the loop.
+pub fn event_loop_accepts_a_burst_without_losing_a_peer(net: &Net) {
+    let clients = match net {
+        Net::Shm => 200,
+        Net::Verbs(_) => 20,
+    };
+    let ctx = Context::new().unwrap();
+    let addr = net.addr("burst");
+    let l = ctx.listen(&addr, 256).unwrap();
+    let fd = l.fd();
+    let readable = |ms: i32| {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        unsafe { libc::poll(&mut p, 1, ms) == 1 }
+    };
+    let t = Instant::now();
+    assert!(l.try_get_request().unwrap().is_none());
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(!readable(0), "readable with nobody connecting");
+    // Silent peers (shm): connected sockets that never send a hello.
+    let silent: Vec<std::os::fd::OwnedFd> = match net {
+        Net::Shm => (0..3).map(|_| silent_shm_peer(&addr)).collect(),
+        Net::Verbs(_) => Vec::new(),
+    };
+    if !silent.is_empty() {
+        assert!(
+            readable(1000),
+            "a connecting peer makes the listener readable"
+        );
+        let t = Instant::now();
+        assert!(
+            l.try_get_request().unwrap().is_none(),
+            "a silent peer is no request"
+        );
+        assert!(
+            t.elapsed() < Duration::from_millis(100),
+            "{:?}",
+            t.elapsed()
+        );
+        assert!(!readable(0), "silent peers keep the descriptor readable");
+    }
+    let scq = CompletionQueue::new().unwrap();
+    let barrier = std::sync::Barrier::new(clients);
+    let accepted = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..clients)
+            .map(|_| {
+                s.spawn(|| {
+                    let cq = CompletionQueue::new().unwrap();
+                    let opts = ConnOptions {
+                        timeout: Some(Duration::from_secs(60)),
+                        ..Default::default()
+                    };
+                    barrier.wait();
+                    let c = ctx
+                        .connect(&addr, &cq, &opts)
+                        .expect("every client connects");
+                    // Stay connected until the server has taken everybody.
+                    loop {
+                        let r = next(&cq);
+                        if r.opcode == Opcode::Disconnected {
+                            break;
+                        }
+                    }
+                    drop(c);
+                })
+            })
+            .collect();
+        let mut conns = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while conns.len() < clients {
+            assert!(
+                Instant::now() < deadline,
+                "accepted {} of {clients}",
+                conns.len()
+            );
+            if !readable(100) {
+                continue;
+            }
+            while let Some(req) = l.try_get_request().unwrap() {
+                conns.push(req.accept(&scq, &ConnOptions::default()).unwrap());
+            }
+        }
+        let n = conns.len();
+        drop(conns); // the clients see their disconnect and end
+        for h in handles {
+            h.join().unwrap();
+        }
+        n
+    });
+    assert_eq!(accepted, clients);
+    drop(silent);
+}
+
+/// A connected shm socket to the listener at `addr` that never says anything.
+fn silent_shm_peer(addr: &str) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    let name = addr.strip_prefix("shm://").unwrap();
+    // SAFETY: plain libc socket calls on locals; every buffer is live and sized; the new
+    // descriptor is owned by the returned OwnedFd only.
+    unsafe {
+        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0);
+        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let mut sa: libc::sockaddr_un = std::mem::zeroed();
+        sa.sun_family = libc::AF_UNIX as _;
+        let path = format!("rdmabridge/{name}");
+        for (i, b) in path.bytes().enumerate() {
+            sa.sun_path[i + 1] = b as _;
+        }
+        let len = (2 + 1 + path.len()) as libc::socklen_t;
+        assert_eq!(libc::connect(fd, (&raw const sa).cast(), len), 0);
+        owned
+    }
+}
