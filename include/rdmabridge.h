@@ -11,6 +11,44 @@
  * - Out-parameters come last and are written only on success (RBR_EMPTY says which it writes).
  * - Bad input returns a status and changes nothing. No call ever blocks without a timeout.
  * - Every *_destroy function accepts NULL and does nothing with it.
+ * - rbr_last_error() is not cleared by a successful call: read it right after a call failed.
+ *
+ * Handles, in the order a program meets them: rbr_ctx (the parent of everything), rbr_mr
+ * (memory a work request may use; it belongs to the context that made it, and posting it on a
+ * connection of another context is RBR_ERR_INVALID), rbr_cq (where completions arrive),
+ * rbr_listener and rbr_request (the server side), rbr_conn (a connection).
+ *
+ * Timeouts, in milliseconds, -1 = no limit:
+ * - rbr_listener_get_request: 0 never blocks (RBR_EMPTY when nothing is ready).
+ * - rbr_cq_wait: 0 looks once without sleeping (RBR_OK if a completion is queued, else
+ *   RBR_ERR_TIMEOUT).
+ * - rbr_conn_options.timeout_ms (connect; accept over verbs): 0 is invalid.
+ *
+ * Limits:
+ * - Addresses: `shm://NAME` (NAME 1 to 96 bytes, no '/' or NUL; the same user's processes on
+ *   this host only, unless RBR_CTX_SHM_ANY_UID), `rdma://HOST:PORT`, or `HOST:PORT` (shm for
+ *   loopback and `localhost`, verbs for other hosts; RBR_TRANSPORT=shm|verbs|auto overrides).
+ * - Largest message: 4 GiB - 1 bytes over shm (a completion's byte_len is 32 bits); over verbs
+ *   the device's maximum message size (its max_msg_sz attribute; 2 GiB on most devices),
+ *   and 4 GiB - 1 at most.
+ * - Private data: at most RBR_PRIVATE_DATA_MAX bytes sent; received data fits in
+ *   RBR_PRIVATE_DATA_RECV_MAX.
+ * - Queue depths and max_inline are granted as asked or not at all: a device that cannot
+ *   provide them fails the connect or accept with RBR_ERR_INVALID naming them
+ *   (rbr_conn_get_info reports what was granted).
+ *
+ * Lifetimes and shutdown:
+ * - Objects keep alive what they use: a context, queue or region may be destroyed while
+ *   connections or posted work still use it; the memory goes once the last user is done.
+ * - A connection's records (its completions, then RBR_OP_DISCONNECTED, always last) are all
+ *   queued by the time rbr_conn_destroy returns. Destroying a connection after its
+ *   RBR_OP_DISCONNECTED emits nothing more. The connection's `context` pointer may be freed
+ *   once its RBR_OP_DISCONNECTED has been polled, or once its queue is destroyed.
+ * - Shutting a server down with live connections: rbr_listener_destroy (requests not yet taken
+ *   are turned away; requests already taken stay valid), rbr_conn_destroy each connection (its
+ *   peer sees RBR_OP_DISCONNECTED with RBR_WC_SUCCESS), poll the queue until each
+ *   RBR_OP_DISCONNECTED has come (or simply destroy it), then destroy the regions, the queue
+ *   and the context. Every destroy returns in bounded time whatever the peers do.
  */
 
 #ifndef RDMABRIDGE_H
@@ -228,7 +266,8 @@ typedef struct rbr_conn_options {
    */
   uint32_t max_inline;
   /**
-   * How long the call may wait for the peer, in ms; -1 = no limit. Default 5000.
+   * How long the call may wait for the peer, in ms; -1 = no limit; 0 is invalid (it would
+   * leave no time for the peer to answer). Default 5000.
    * `rbr_connect`: establishment in all (address and route resolution, the handshake).
    * `rbr_request_accept`: over verbs, the wait for the peer to confirm the accept; shm does
    * not wait for the peer (its accept takes about the time of creating the connection).
@@ -356,7 +395,9 @@ typedef struct rbr_completion {
    */
   int32_t status;
   /**
-   * Bytes received (receives only).
+   * Bytes received (receives only). On a receive that failed with RBR_WC_LOCAL_LENGTH, shm
+   * gives the length of the message that did not fit; verbs gives 0 (devices do not tell).
+   * 0 on every other failure.
    */
   uint32_t byte_len;
   /**
@@ -676,8 +717,9 @@ void rbr_cq_destroy(struct rbr_cq *cq);
 
 /**
  * Takes up to `max` completions into `out[0..max]`, oldest first, without blocking.
- * Returns RBR_OK with `*n >= 1`, or RBR_EMPTY with `*n = 0` when none is queued. With
- * RBR_PROGRESS_CALLER this is where verbs completions are taken from the device.
+ * Returns RBR_OK with `*n >= 1`, or RBR_EMPTY with `*n = 0` when none is queued. `max` 0 is
+ * RBR_ERR_INVALID. With RBR_PROGRESS_CALLER this is where verbs completions are taken from
+ * the device.
  *
  * # Safety
  * `out` must be writable for `max` records; `n` must be writable.
@@ -765,9 +807,10 @@ rbr_status rbr_last_reject_data(void *buf, size_t cap, size_t *len);
 const char *rbr_version(void);
 
 /**
- * Listens on `addr` (`shm://NAME`, `rdma://HOST:PORT` or `HOST:PORT`) with room for
- * `backlog` unanswered requests; writes the listener into `*out`.
- * RBR_ERR_ADDR_IN_USE when another listener has the address.
+ * Listens on `addr` (`shm://NAME`, `rdma://HOST:PORT` or `HOST:PORT`; see "Limits" above)
+ * with room for `backlog` requests not yet taken; writes the listener into `*out`.
+ * RBR_ERR_ADDR_IN_USE when another listener has the address; RBR_ERR_ADDRESS when it is
+ * malformed.
  *
  * # Safety
  * `ctx` live; `addr` a NUL-terminated string; `out` writable.
@@ -834,6 +877,10 @@ rbr_status rbr_request_private_data(const struct rbr_request *r,
  * Bad options return RBR_ERR_INVALID and leave the request unanswered; otherwise the request
  * is answered (even if accepting then fails) and only `rbr_request_destroy` remains.
  * RBR_ERR_STATE if it was already answered.
+ * How long it blocks: over shm it does not wait for the peer (it creates the connection's
+ * shared memory and answers: typically well under a millisecond); over verbs it creates the
+ * queue pair and waits for the peer to confirm, one round trip on the network, at most
+ * `opts->timeout_ms` (RBR_ERR_TIMEOUT, and the peer's connect fails).
  *
  * # Safety
  * `r`, `cq` live; `opts` NULL or readable; `out` writable.
@@ -863,7 +910,13 @@ void rbr_request_destroy(struct rbr_request *r);
 /**
  * Registers caller memory `addr[0..len]` with `access` (`RBR_ACCESS_*`) into `*out`.
  * The memory stays the caller's: it must remain valid until the region is destroyed and
- * every work request posted with it has completed.
+ * every work request posted with it has completed. `access` 0 is allowed and enough to send
+ * from; receiving into a region needs RBR_ACCESS_LOCAL_WRITE. A range that wraps past the end
+ * of the address space is RBR_ERR_INVALID. The region belongs to `ctx`: only connections of
+ * that context may post it. Over verbs the region is registered with a device when a
+ * connection on that device first posts it, not here; a memory-lock limit too low for it
+ * (RLIMIT_MEMLOCK, `ulimit -l`) then fails that post with RBR_ERR_NO_MEMORY, and
+ * `rbr_last_error` names the limit.
  *
  * # Safety
  * `ctx` live; `addr` valid for `len` bytes as above; `out` writable.
@@ -877,7 +930,7 @@ rbr_status rbr_mr_register(struct rbr_ctx *ctx,
 /**
  * Allocates `len` zeroed bytes the library owns, as a region with `access`, into `*out`.
  * `rbr_mr_addr` gives the address; the memory is freed once the region is destroyed and no
- * posted work uses it.
+ * posted work uses it. Access, context and registration as for `rbr_mr_register`.
  *
  * # Safety
  * `ctx` live; `out` writable.

@@ -34,7 +34,9 @@ pub struct ConnOptions {
     pub recv_queue_depth: u32,
     /// Largest send that may be posted inline (copied at post time). Default 64.
     pub max_inline: u32,
-    /// Connect: how long establishment may take in all. `None` waits forever. Default 5 s.
+    /// How long the call may wait for the peer. Connect: establishment in all (address and
+    /// route resolution, the handshake). Accept: over verbs, the wait for the peer to confirm
+    /// (shm does not wait for the peer). `None` waits forever; zero is invalid. Default 5 s.
     pub timeout: Option<Duration>,
     /// Private data for the peer (at most [`PRIVATE_DATA_MAX`] bytes).
     pub private_data: Vec<u8>,
@@ -96,6 +98,11 @@ impl ConnOptions {
         }
         if self.ack_timeout > 31 {
             return Err(Error::invalid("ack_timeout goes from 0 to 31"));
+        }
+        if self.timeout == Some(Duration::ZERO) {
+            return Err(Error::invalid(
+                "timeout 0 leaves no time for the peer: use a positive timeout, or none",
+            ));
         }
         if let Some(k) = self.keepalive
             && !(Duration::from_millis(1)..=Duration::from_secs(3600)).contains(&k)

@@ -191,6 +191,10 @@ fn bad_values_are_invalid() {
                 ..opts
             },
             rbr_conn_options {
+                timeout_ms: 0,
+                ..opts
+            },
+            rbr_conn_options {
                 rnr_retry_count: 8,
                 ..opts
             },

@@ -155,3 +155,27 @@ fn listener_survives_garbage_and_refuses_other_versions() {
         drop(c);
     });
 }
+
+/// A listener that goes away before answering fails the connect with a connection error that
+/// says so (not an OS error), at once rather than at the timeout.
+#[test]
+fn listener_gone_before_answering_fails_the_connect_at_once() {
+    let ctx = Context::new().unwrap();
+    let addr = unique_addr("gone");
+    let l = ctx.listen(&addr, 4).unwrap();
+    let t = std::time::Instant::now();
+    let r = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let cq = CompletionQueue::new().unwrap();
+            ctx.connect(&addr, &cq, &ConnOptions::default())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        drop(l);
+        h.join().unwrap()
+    });
+    match r {
+        Err(Error::ConnectFailed(m)) => assert!(m.contains("closed the connection"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+}

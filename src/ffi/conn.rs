@@ -51,7 +51,8 @@ pub struct rbr_conn_options {
     pub recv_queue_depth: u32,
     /// Largest inline send (at most 1024). Default 64.
     pub max_inline: u32,
-    /// How long the call may wait for the peer, in ms; -1 = no limit. Default 5000.
+    /// How long the call may wait for the peer, in ms; -1 = no limit; 0 is invalid (it would
+    /// leave no time for the peer to answer). Default 5000.
     /// `rbr_connect`: establishment in all (address and route resolution, the handshake).
     /// `rbr_request_accept`: over verbs, the wait for the peer to confirm the accept; shm does
     /// not wait for the peer (its accept takes about the time of creating the connection).

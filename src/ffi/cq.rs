@@ -66,7 +66,9 @@ pub struct rbr_completion {
     pub opcode: u32,
     /// `RBR_WC_*`.
     pub status: i32,
-    /// Bytes received (receives only).
+    /// Bytes received (receives only). On a receive that failed with RBR_WC_LOCAL_LENGTH, shm
+    /// gives the length of the message that did not fit; verbs gives 0 (devices do not tell).
+    /// 0 on every other failure.
     pub byte_len: u32,
     /// Immediate data when `flags & RBR_WC_WITH_IMM`.
     pub imm_data: u32,
@@ -232,8 +234,9 @@ pub unsafe extern "C" fn rbr_cq_destroy(cq: *mut rbr_cq) {
 }
 
 /// Takes up to `max` completions into `out[0..max]`, oldest first, without blocking.
-/// Returns RBR_OK with `*n >= 1`, or RBR_EMPTY with `*n = 0` when none is queued. With
-/// RBR_PROGRESS_CALLER this is where verbs completions are taken from the device.
+/// Returns RBR_OK with `*n >= 1`, or RBR_EMPTY with `*n = 0` when none is queued. `max` 0 is
+/// RBR_ERR_INVALID. With RBR_PROGRESS_CALLER this is where verbs completions are taken from
+/// the device.
 ///
 /// # Safety
 /// `out` must be writable for `max` records; `n` must be writable.

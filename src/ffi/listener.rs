@@ -27,9 +27,10 @@ pub struct rbr_request {
     private_data: Vec<u8>,
 }
 
-/// Listens on `addr` (`shm://NAME`, `rdma://HOST:PORT` or `HOST:PORT`) with room for
-/// `backlog` unanswered requests; writes the listener into `*out`.
-/// RBR_ERR_ADDR_IN_USE when another listener has the address.
+/// Listens on `addr` (`shm://NAME`, `rdma://HOST:PORT` or `HOST:PORT`; see "Limits" above)
+/// with room for `backlog` requests not yet taken; writes the listener into `*out`.
+/// RBR_ERR_ADDR_IN_USE when another listener has the address; RBR_ERR_ADDRESS when it is
+/// malformed.
 ///
 /// # Safety
 /// `ctx` live; `addr` a NUL-terminated string; `out` writable.
@@ -162,6 +163,10 @@ pub unsafe extern "C" fn rbr_request_private_data(
 /// Bad options return RBR_ERR_INVALID and leave the request unanswered; otherwise the request
 /// is answered (even if accepting then fails) and only `rbr_request_destroy` remains.
 /// RBR_ERR_STATE if it was already answered.
+/// How long it blocks: over shm it does not wait for the peer (it creates the connection's
+/// shared memory and answers: typically well under a millisecond); over verbs it creates the
+/// queue pair and waits for the peer to confirm, one round trip on the network, at most
+/// `opts->timeout_ms` (RBR_ERR_TIMEOUT, and the peer's connect fails).
 ///
 /// # Safety
 /// `r`, `cq` live; `opts` NULL or readable; `out` writable.

@@ -37,7 +37,13 @@ fn finish(r: crate::Result<Arc<MemoryRegion>>, out: *mut *mut rbr_mr) -> rbr_sta
 
 /// Registers caller memory `addr[0..len]` with `access` (`RBR_ACCESS_*`) into `*out`.
 /// The memory stays the caller's: it must remain valid until the region is destroyed and
-/// every work request posted with it has completed.
+/// every work request posted with it has completed. `access` 0 is allowed and enough to send
+/// from; receiving into a region needs RBR_ACCESS_LOCAL_WRITE. A range that wraps past the end
+/// of the address space is RBR_ERR_INVALID. The region belongs to `ctx`: only connections of
+/// that context may post it. Over verbs the region is registered with a device when a
+/// connection on that device first posts it, not here; a memory-lock limit too low for it
+/// (RLIMIT_MEMLOCK, `ulimit -l`) then fails that post with RBR_ERR_NO_MEMORY, and
+/// `rbr_last_error` names the limit.
 ///
 /// # Safety
 /// `ctx` live; `addr` valid for `len` bytes as above; `out` writable.
@@ -65,7 +71,7 @@ pub unsafe extern "C" fn rbr_mr_register(
 
 /// Allocates `len` zeroed bytes the library owns, as a region with `access`, into `*out`.
 /// `rbr_mr_addr` gives the address; the memory is freed once the region is destroyed and no
-/// posted work uses it.
+/// posted work uses it. Access, context and registration as for `rbr_mr_register`.
 ///
 /// # Safety
 /// `ctx` live; `out` writable.

@@ -544,8 +544,29 @@ pub(crate) fn connect(
         opts.recv_queue_depth,
         &opts.private_data,
     );
-    send_msg(sock.as_raw_fd(), &hello, None).map_err(Error::Connect)?;
-    let Some((buf, fd)) = recv_msg(sock.as_raw_fd(), sys::remaining(deadline))? else {
+    // The listener closing the connection before it answers (it went away, or dropped a client
+    // that stayed silent too long) is a failed establishment, not an OS error.
+    let hung_up = |e: &io::Error| {
+        matches!(e.raw_os_error(), Some(libc::EPIPE) | Some(libc::ECONNRESET))
+            || e.kind() == io::ErrorKind::ConnectionReset
+    };
+    let closed = || {
+        Error::ConnectFailed(format!(
+            "shm://{name}: the listener closed the connection before answering"
+        ))
+    };
+    send_msg(sock.as_raw_fd(), &hello, None).map_err(|e| {
+        if hung_up(&e) {
+            closed()
+        } else {
+            Error::Connect(e)
+        }
+    })?;
+    let reply = match recv_msg(sock.as_raw_fd(), sys::remaining(deadline)) {
+        Err(Error::Connect(e)) if hung_up(&e) => return Err(closed()),
+        r => r?,
+    };
+    let Some((buf, fd)) = reply else {
         return Err(timed_out());
     };
     let msg = decode(&buf)?;
