@@ -23,6 +23,10 @@
  * RBR_OP_DISCONNECTED is a connection's last record: the loop then destroys
  * the connection, its region and its struct peer.
  *
+ * Over verbs, accepting waits one network round trip for the client to
+ * confirm (at most ACCEPT_TIMEOUT_MS), and the loop serves nothing else
+ * meanwhile; over shm accepting does not wait for the client.
+ *
  * Either descriptor's work is done in bounded portions (at most
  * ACCEPT_BUDGET requests or POLL_BUDGET completions per readiness): what is
  * left keeps the descriptor readable, so epoll reports it again at once, and
@@ -69,6 +73,10 @@
 #define ACCEPT_BUDGET 64   /* requests taken per listener readiness */
 #define POLL_BATCH 64
 #define POLL_BUDGET 1024   /* completions taken per queue readiness */
+/* Over verbs rbr_request_accept waits for the peer to confirm (one round
+ * trip), and the loop with it: at most this long for a peer that never
+ * does.  Over shm it does not wait for the peer. */
+#define ACCEPT_TIMEOUT_MS 2000
 #define EX_REJECT_REASON "rbr-epoll-server: unknown client"
 
 struct server_opts {
@@ -304,6 +312,7 @@ static void accept_peer(struct server *s, rbr_request *req)
     copts.recv_queue_depth = s->o->recvs;
     copts.private_data = EX_SERVER_HELLO;
     copts.private_data_len = strlen(EX_SERVER_HELLO);
+    copts.timeout_ms = ACCEPT_TIMEOUT_MS;
     copts.context = p;
     if (ex_check(rbr_request_accept(req, s->cq, &copts, &p->conn),
                  "rbr_request_accept"))
@@ -435,6 +444,16 @@ static int take_completions(struct server *s)
     return 0;
 }
 
+/* At shutdown: takes whatever is queued, without looking at it. */
+static void discard_completions(rbr_cq *cq)
+{
+    rbr_completion wc[POLL_BATCH];
+    size_t n = 0;
+
+    while (rbr_cq_poll(cq, wc, POLL_BATCH, &n) == RBR_OK)
+        ;
+}
+
 /* Milliseconds until the deadline (0 = none) for epoll_pwait: -1 for no
  * deadline, rounded up so that a wait really passes it. */
 static int wait_ms(uint64_t deadline)
@@ -521,6 +540,7 @@ int main(int argc, char **argv)
     struct server_opts o;
     struct server s;
     struct sigaction sa;
+    struct peer *p;
     sigset_t stop_set;
     sigset_t old_mask;
     int listener_fd = -1;
@@ -587,12 +607,15 @@ int main(int argc, char **argv)
            (unsigned long long)s.bytes, (unsigned long long)s.failed);
 
     /* Connections still up (after a signal, the time limit or an error):
-     * destroying one queues its last records, which nobody polls. */
-    while (s.peers != NULL) {
-        struct peer *p = s.peers;
-
-        s.peers = p->next;
+     * every record of a connection is queued by the time rbr_conn_destroy
+     * returns, so destroy them all, take their records unread, and only
+     * then free the peers those records point to. */
+    for (p = s.peers; p != NULL; p = p->next)
         rbr_conn_destroy(p->conn);
+    discard_completions(s.cq);
+    while (s.peers != NULL) {
+        p = s.peers;
+        s.peers = p->next;
         rbr_mr_destroy(p->mr);
         free(p);
     }
