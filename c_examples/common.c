@@ -30,11 +30,14 @@ void ex_error(const char *fmt, ...)
 {
     va_list ap;
 
+    /* One line at a time, even from many threads. */
+    flockfile(stderr);
     fprintf(stderr, "%s: ", ex_progname);
     va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);
     va_end(ap);
     fputc('\n', stderr);
+    funlockfile(stderr);
 }
 
 int ex_check(rbr_status st, const char *what)

@@ -30,7 +30,8 @@ void ex_die_on_status(rbr_status st, const char *what);
 /* Shorthand for ex_check(expr, #expr). */
 #define EX_CHECK(expr) ex_check((expr), #expr)
 
-/* Prints the message to stderr, prefixed with the program name. */
+/* Prints the message to stderr as one line, prefixed with the program name;
+ * lines from different threads do not mix. */
 void ex_error(const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 1, 2)))

@@ -3,15 +3,16 @@
 # each under `timeout`, and fails unless both exit 0.  The server is killed
 # if the client fails.
 #
-# usage: run_pair.sh SERVER CLIENT [ARGS...] [-- CLIENT_ARGS...]
+# usage: run_pair.sh SERVER CLIENT [ARGS...] [-- CLIENT_ARGS... [-- SERVER_ARGS...]]
 #   ARGS go to both programs (e.g. -a shm://name -n 10000 -s 64 -v);
-#   CLIENT_ARGS only to the client (e.g. -w 16).
+#   CLIENT_ARGS only to the client (e.g. -w 16), SERVER_ARGS only to the
+#   server (e.g. -c 200).
 # environment: RUN_PAIR_TIMEOUT  seconds allowed for each program (120)
 #              RUN_PAIR_READY    seconds to wait for "listening on" (30)
 set -u
 
 if [ $# -lt 2 ]; then
-    echo "usage: $0 SERVER CLIENT [ARGS...] [-- CLIENT_ARGS...]" >&2
+    echo "usage: $0 SERVER CLIENT [ARGS...] [-- CLIENT_ARGS... [-- SERVER_ARGS...]]" >&2
     exit 2
 fi
 server=$1
@@ -19,15 +20,18 @@ client=$2
 shift 2
 common=()
 client_only=()
-while [ $# -gt 0 ]; do
-    if [ "$1" = "--" ]; then
-        shift
-        client_only=("$@")
-        break
-    fi
+server_only=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
     common+=("$1")
     shift
 done
+[ $# -eq 0 ] || shift
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+    client_only+=("$1")
+    shift
+done
+[ $# -eq 0 ] || shift
+server_only=("$@")
 
 limit=${RUN_PAIR_TIMEOUT:-120}
 ready=${RUN_PAIR_READY:-30}
@@ -48,7 +52,7 @@ show_server_log() {
     sed 's/^/[server] /' "$log"
 }
 
-timeout "$limit" "$server" "${common[@]}" >"$log" 2>&1 &
+timeout "$limit" "$server" "${common[@]}" "${server_only[@]}" >"$log" 2>&1 &
 spid=$!
 
 # Wait until the server is listening, or has died.

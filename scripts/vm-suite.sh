@@ -40,6 +40,11 @@ stock_server() { # stock rdma_server, our client
   [ "$c" -eq 0 ] && [ "$r" -eq 0 ]
 }
 
+epoll_burst() { # the epoll server (one thread, two descriptors) and a burst of verbs clients
+  RUN_PAIR_TIMEOUT=300 c_examples/run_pair.sh "$build/rbr_epoll_server" "$build/rbr_burst_client" \
+    -a "rdma://$ip:7476" -s 4096 -- -n 20 -m 100 -t 240 -- -c 20 -t 270
+}
+
 step "rust suite over verbs" "$verbs_bin" --ignored --test-threads=1 --exact \
   --skip local_link_down_fails_idle_connections_within_bound
 # The tests of completions and teardown again, with progress threads instead of progress on the
@@ -59,6 +64,7 @@ for size in 1 4096 1048576; do
 done
 step "C examples over verbs, progress threads, 2000 x 4096 B" \
   c_examples/run_pair.sh "$build/rbr_server" "$build/rbr_client" -a "rdma://$ip:7490" -n 2000 -s 4096 -v -p thread
+step "C epoll server, 20 clients x 100 x 4096 B at once over verbs" epoll_burst
 step "C server with the stock rdma_client" stock_client
 step "C client with the stock rdma_server" stock_server
 # Last, since it takes the interface down for a while.

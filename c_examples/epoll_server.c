@@ -1,0 +1,633 @@
+/*
+ * rbr_epoll_server: a single-threaded echo server for many clients, driven
+ * by epoll.
+ *
+ * Shows how one thread serves any number of connections with exactly two
+ * descriptors in its epoll set, both level-triggered:
+ *   - the listener's (rbr_listener_fd), readable while a connection request
+ *     may be ready.  The loop then takes requests with timeout 0 until
+ *     RBR_EMPTY and accepts each.  A timeout of 0 never blocks, so a peer
+ *     that connects and then says nothing cannot stall the loop; a readable
+ *     descriptor may still give RBR_EMPTY (a request not yet complete), and
+ *     the loop simply tries again at the next readiness.
+ *   - the completion queue's (rbr_cq_fd), readable exactly while completions
+ *     are queued.  All connections share this one queue; the loop polls it
+ *     until RBR_EMPTY.
+ * Each connection has a struct peer, given to the library as
+ * rbr_conn_options.context, so every completion's conn_context leads
+ * straight to its connection.  A peer owns one memory region of RECVS slots
+ * of MAX_MSG bytes, all posted as receives when it is accepted.  A message
+ * is echoed from the slot it arrived in (no copy), and the slot is posted as
+ * a receive again once the echo's send has completed; asking for send and
+ * receive queues of RECVS entries means a send never finds its queue full.
+ * RBR_OP_DISCONNECTED is a connection's last record: the loop then destroys
+ * the connection, its region and its struct peer.
+ *
+ * Over verbs, accepting waits one network round trip for the client to
+ * confirm (at most ACCEPT_TIMEOUT_MS), and the loop serves nothing else
+ * meanwhile; over shm accepting does not wait for the client.
+ *
+ * Either descriptor's work is done in bounded portions (at most
+ * ACCEPT_BUDGET requests or POLL_BUDGET completions per readiness): what is
+ * left keeps the descriptor readable, so epoll reports it again at once, and
+ * a stream of completions cannot keep new clients waiting, nor a stream of
+ * clients the echoes.
+ *
+ * SIGINT and SIGTERM are blocked except inside epoll_pwait, so they end the
+ * loop cleanly (with the summary) and never interrupt the library's threads.
+ *
+ * Usage: rbr_epoll_server [-a ADDR] [-s MAX_MSG] [-r RECVS] [-c N] [-t SECS]
+ *                         [-v]
+ *   -a ADDR     address to listen on (default shm://rdmabridge-demo)
+ *   -s MAX_MSG  largest message in bytes, K/M suffixes (default 4096)
+ *   -r RECVS    receives posted per connection (default 16)
+ *   -c N        exit once N clients have come and gone (default 0: serve
+ *               until SIGINT or SIGTERM)
+ *   -t SECS     give up with an error after SECS seconds (default 0: never)
+ *   -v          one line per connection
+ *
+ * The line "listening on ADDR" is printed (and flushed) once both
+ * descriptors are in the epoll set, so that scripts know when clients may
+ * connect.  At the end it prints "served N clients, echoed M messages
+ * (B bytes), F failed".  A client failed if it was rejected (it did not
+ * send rbr_client's hello as private data), its accept failed, one of its
+ * work requests failed, or it went away without an orderly disconnect.
+ * Exit status 0 only if the server stopped because N clients had come and
+ * gone (-c) or because of a signal, and no client failed.
+ */
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
+
+#include "common.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#define LISTEN_BACKLOG 128
+#define ACCEPT_BUDGET 64   /* requests taken per listener readiness */
+#define POLL_BATCH 64
+#define POLL_BUDGET 1024   /* completions taken per queue readiness */
+/* Over verbs rbr_request_accept waits for the peer to confirm (one round
+ * trip), and the loop with it: at most this long for a peer that never
+ * does.  Over shm it does not wait for the peer. */
+#define ACCEPT_TIMEOUT_MS 2000
+#define EX_REJECT_REASON "rbr-epoll-server: unknown client"
+
+struct server_opts {
+    const char *addr;
+    size_t max_msg;
+    uint32_t recvs;
+    uint64_t clients; /* -c: 0 = forever */
+    uint64_t secs;    /* -t: 0 = no limit */
+    int verbose;
+};
+
+/* One accepted connection; the library hands it back as conn_context. */
+struct peer {
+    rbr_conn *conn;
+    rbr_mr *mr;        /* `slots` receive slots of `stride` bytes */
+    uint8_t *base;
+    uint64_t id;       /* rbr_conn_id, for messages */
+    uint32_t slots;    /* receives posted at accept, as granted */
+    uint64_t echoed;
+    int down;          /* a post said RBR_ERR_DISCONNECTED: stop posting */
+    int failed;
+    struct peer *prev; /* list of live peers, for teardown */
+    struct peer *next;
+};
+
+struct server {
+    const struct server_opts *o;
+    rbr_ctx *ctx;
+    rbr_cq *cq;
+    rbr_listener *listener;
+    size_t stride;
+    struct peer *peers;
+    uint64_t requests; /* requests taken */
+    uint64_t served;   /* clients that came and went in order */
+    uint64_t failed;   /* clients that came and went otherwise */
+    uint64_t echoed;
+    uint64_t bytes;
+};
+
+static volatile sig_atomic_t stop_signal;
+
+static void on_signal(int sig)
+{
+    stop_signal = sig;
+}
+
+static void usage(const char *argv0)
+{
+    fprintf(stderr,
+            "usage: %s [-a ADDR] [-s MAX_MSG] [-r RECVS] [-c N] [-t SECS] "
+            "[-v]\n"
+            "  -a ADDR     listen address (default %s)\n"
+            "  -s MAX_MSG  largest message in bytes (default 4096)\n"
+            "  -r RECVS    receives posted per connection (default 16)\n"
+            "  -c N        exit after N clients have come and gone (default\n"
+            "              0: until SIGINT or SIGTERM)\n"
+            "  -t SECS     give up with an error after SECS seconds\n"
+            "              (default 0: never)\n"
+            "  -v          one line per connection\n",
+            argv0, EX_DEFAULT_ADDR);
+}
+
+static int parse_opts(int argc, char **argv, struct server_opts *o)
+{
+    uint64_t v;
+    int ch;
+
+    o->addr = EX_DEFAULT_ADDR;
+    o->max_msg = 4096;
+    o->recvs = 16;
+    o->clients = 0;
+    o->secs = 0;
+    o->verbose = 0;
+    while ((ch = getopt(argc, argv, "a:s:r:c:t:vh")) != -1) {
+        switch (ch) {
+        case 'a':
+            o->addr = optarg;
+            break;
+        case 's':
+            /* byte_len in a completion is 32 bits wide. */
+            if (ex_parse_size(optarg, &v) != 0 || v > UINT32_MAX) {
+                ex_error("bad message size '%s'", optarg);
+                return -1;
+            }
+            o->max_msg = (size_t)v;
+            break;
+        case 'r':
+            if (ex_parse_size(optarg, &v) != 0 || v == 0 || v > 16384) {
+                ex_error("bad receive count '%s' (1..16384)", optarg);
+                return -1;
+            }
+            o->recvs = (uint32_t)v;
+            break;
+        case 'c':
+            if (ex_parse_size(optarg, &v) != 0) {
+                ex_error("bad client count '%s'", optarg);
+                return -1;
+            }
+            o->clients = v;
+            break;
+        case 't':
+            if (ex_parse_size(optarg, &v) != 0 || v > 86400u * 365u) {
+                ex_error("bad time limit '%s'", optarg);
+                return -1;
+            }
+            o->secs = v;
+            break;
+        case 'v':
+            o->verbose = 1;
+            break;
+        default:
+            usage(argv[0]);
+            return -1;
+        }
+    }
+    if (optind != argc) {
+        usage(argv[0]);
+        return -1;
+    }
+    return 0;
+}
+
+/* Marks the peer failed and starts its disconnect; its RBR_OP_DISCONNECTED
+ * record, which always comes, frees it. */
+static void peer_fail(struct peer *p)
+{
+    p->failed = 1;
+    ex_check(rbr_conn_disconnect(p->conn), "rbr_conn_disconnect");
+}
+
+/*
+ * A post that returns RBR_ERR_DISCONNECTED means the client is leaving (for
+ * instance, it disconnected as soon as it had its last echo while this
+ * side's send completion was still on its way): not a failure; the
+ * RBR_OP_DISCONNECTED record says how the connection ended.
+ */
+static void check_post(struct peer *p, rbr_status st, const char *what)
+{
+    if (st == RBR_ERR_DISCONNECTED)
+        p->down = 1;
+    else if (ex_check(st, what))
+        peer_fail(p);
+}
+
+static void post_recv(const struct server *s, struct peer *p, uint32_t slot)
+{
+    if (p->down || p->failed)
+        return;
+    check_post(p, rbr_conn_post_recv(p->conn, p->mr, (size_t)slot * s->stride,
+                                     s->o->max_msg, slot),
+               "rbr_conn_post_recv");
+}
+
+/* The connection is accepted and owns p: from now on only its
+ * RBR_OP_DISCONNECTED record frees p. */
+static void peer_start(struct server *s, struct peer *p)
+{
+    rbr_conn_info info;
+    uint32_t i;
+
+    p->next = s->peers;
+    if (s->peers != NULL)
+        s->peers->prev = p;
+    s->peers = p;
+    p->id = rbr_conn_id(p->conn);
+
+    memset(&info, 0, sizeof info);
+    info.struct_size = sizeof info;
+    if (EX_CHECK(rbr_conn_get_info(p->conn, &info))) {
+        peer_fail(p);
+        return;
+    }
+    /* The library may grant less than asked. */
+    p->slots = s->o->recvs;
+    if (info.recv_queue_depth < p->slots)
+        p->slots = info.recv_queue_depth;
+    if (info.send_queue_depth < p->slots)
+        p->slots = info.send_queue_depth;
+    if (p->slots == 0) {
+        ex_error("connection %llu: granted queue depths %u/%u",
+                 (unsigned long long)p->id, (unsigned)info.send_queue_depth,
+                 (unsigned)info.recv_queue_depth);
+        peer_fail(p);
+        return;
+    }
+    for (i = 0; i < p->slots; i++)
+        post_recv(s, p, i);
+    if (s->o->verbose)
+        printf("client %llu connected over %s, %u receives posted\n",
+               (unsigned long long)p->id,
+               info.transport == RBR_TRANSPORT_SHM ? "shm" : "verbs",
+               (unsigned)p->slots);
+}
+
+/* Answers one request; a client that cannot be served is counted as
+ * failed, and the server goes on. */
+static void accept_peer(struct server *s, rbr_request *req)
+{
+    char hello[RBR_PRIVATE_DATA_RECV_MAX];
+    size_t hello_len = 0;
+    rbr_conn_options copts;
+    struct peer *p;
+
+    if (EX_CHECK(rbr_request_private_data(req, hello, sizeof hello,
+                                          &hello_len)))
+        goto out_request;
+    if (hello_len != strlen(EX_CLIENT_HELLO) ||
+        memcmp(hello, EX_CLIENT_HELLO, hello_len) != 0) {
+        ex_error("request with %zu bytes of private data that are not "
+                 "\"%s\": rejected", hello_len, EX_CLIENT_HELLO);
+        EX_CHECK(rbr_request_reject(req, EX_REJECT_REASON,
+                                    strlen(EX_REJECT_REASON)));
+        goto out_request;
+    }
+
+    p = calloc(1, sizeof *p);
+    if (p == NULL) {
+        ex_error("out of memory");
+        goto out_request;
+    }
+    if (ex_check(rbr_mr_alloc(s->ctx, s->stride * s->o->recvs,
+                              RBR_ACCESS_LOCAL_WRITE, &p->mr),
+                 "rbr_mr_alloc"))
+        goto out_peer;
+    p->base = rbr_mr_addr(p->mr);
+    if (p->base == NULL) {
+        ex_error("rbr_mr_addr returned NULL");
+        goto out_mr;
+    }
+
+    rbr_conn_options_init(&copts);
+    copts.send_queue_depth = s->o->recvs;
+    copts.recv_queue_depth = s->o->recvs;
+    copts.private_data = EX_SERVER_HELLO;
+    copts.private_data_len = strlen(EX_SERVER_HELLO);
+    copts.timeout_ms = ACCEPT_TIMEOUT_MS;
+    copts.context = p;
+    if (ex_check(rbr_request_accept(req, s->cq, &copts, &p->conn),
+                 "rbr_request_accept"))
+        goto out_mr;
+    rbr_request_destroy(req);
+    peer_start(s, p);
+    return;
+
+out_mr:
+    rbr_mr_destroy(p->mr);
+out_peer:
+    free(p);
+out_request:
+    rbr_request_destroy(req);
+    s->failed++;
+}
+
+/* Listener readiness: takes requests with timeout 0 until RBR_EMPTY (or
+ * the budget is spent).  Returns -1 only if the listener itself fails. */
+static int take_requests(struct server *s)
+{
+    int i;
+
+    for (i = 0; i < ACCEPT_BUDGET; i++) {
+        rbr_request *req = NULL;
+        rbr_status st = rbr_listener_get_request(s->listener, 0, &req);
+
+        if (st == RBR_EMPTY)
+            return 0;
+        if (ex_check(st, "rbr_listener_get_request"))
+            return -1;
+        s->requests++;
+        accept_peer(s, req);
+    }
+    return 0;
+}
+
+/* RBR_OP_DISCONNECTED: nothing of the connection follows; free it all. */
+static void peer_end(struct server *s, struct peer *p, const rbr_completion *c)
+{
+    if (c->status != RBR_WC_SUCCESS) {
+        ex_error("client %llu: connection ended with status %s (%d)",
+                 (unsigned long long)p->id, ex_wc_status_str(c->status),
+                 (int)c->status);
+        p->failed = 1;
+    }
+    if (p->failed)
+        s->failed++;
+    else
+        s->served++;
+    if (s->o->verbose)
+        printf("client %llu gone after %llu echoes%s\n",
+               (unsigned long long)p->id, (unsigned long long)p->echoed,
+               p->failed ? ", FAILED" : "");
+
+    if (p->prev != NULL)
+        p->prev->next = p->next;
+    else
+        s->peers = p->next;
+    if (p->next != NULL)
+        p->next->prev = p->prev;
+    rbr_conn_destroy(p->conn);
+    rbr_mr_destroy(p->mr);
+    free(p);
+}
+
+static void handle_completion(struct server *s, const rbr_completion *c)
+{
+    struct peer *p = c->conn_context;
+    uint32_t slot = (uint32_t)c->wr_id;
+
+    if (c->opcode == RBR_OP_DISCONNECTED) {
+        peer_end(s, p, c);
+        return;
+    }
+    if (c->status == RBR_WC_FLUSHED)
+        return; /* the connection is going down; its record follows */
+    if (c->status != RBR_WC_SUCCESS ||
+        (c->opcode != RBR_OP_RECV && c->opcode != RBR_OP_SEND) ||
+        c->wr_id >= p->slots) {
+        ex_report_completion("unexpected completion", c);
+        peer_fail(p);
+        return;
+    }
+    if (c->opcode == RBR_OP_RECV) {
+        /* Echo from the slot it arrived in; the slot is posted again once
+         * the send completes. */
+        if (p->down || p->failed)
+            return;
+        check_post(p, rbr_conn_post_send(p->conn, p->mr,
+                                         (size_t)slot * s->stride, c->byte_len,
+                                         slot, RBR_SEND_SIGNALED),
+                   "rbr_conn_post_send");
+        if (!p->down && !p->failed) {
+            p->echoed++;
+            s->echoed++;
+            s->bytes += c->byte_len;
+        }
+    } else {
+        post_recv(s, p, slot);
+    }
+}
+
+/* Queue readiness: polls until RBR_EMPTY (or the budget is spent).
+ * Returns -1 only if the queue itself fails. */
+static int take_completions(struct server *s)
+{
+    rbr_completion wc[POLL_BATCH];
+    size_t taken = 0;
+
+    while (taken < POLL_BUDGET) {
+        size_t n = 0;
+        size_t i;
+        rbr_status st = rbr_cq_poll(s->cq, wc, POLL_BATCH, &n);
+
+        if (st == RBR_EMPTY)
+            return 0;
+        if (ex_check(st, "rbr_cq_poll"))
+            return -1;
+        for (i = 0; i < n; i++) {
+            if (wc[i].conn_context == NULL) {
+                ex_report_completion("completion without a context", &wc[i]);
+                return -1;
+            }
+            handle_completion(s, &wc[i]);
+        }
+        taken += n;
+    }
+    return 0;
+}
+
+/* At shutdown: takes whatever is queued, without looking at it. */
+static void discard_completions(rbr_cq *cq)
+{
+    rbr_completion wc[POLL_BATCH];
+    size_t n = 0;
+
+    while (rbr_cq_poll(cq, wc, POLL_BATCH, &n) == RBR_OK)
+        ;
+}
+
+/* Milliseconds until the deadline (0 = none) for epoll_pwait: -1 for no
+ * deadline, rounded up so that a wait really passes it. */
+static int wait_ms(uint64_t deadline)
+{
+    uint64_t now;
+    uint64_t ms;
+
+    if (deadline == 0)
+        return -1;
+    now = ex_now_ns();
+    if (now >= deadline)
+        return 0;
+    ms = (deadline - now + 999999u) / 1000000u;
+    return ms > 60000 ? 60000 : (int)ms;
+}
+
+static int event_loop(struct server *s, int ep, int listener_fd,
+                      const sigset_t *unblocked)
+{
+    uint64_t deadline = 0;
+
+    if (s->o->secs > 0)
+        deadline = ex_now_ns() + s->o->secs * 1000000000u;
+    for (;;) {
+        struct epoll_event ev[2];
+        int n;
+        int i;
+
+        if (s->o->clients > 0 && s->served + s->failed >= s->o->clients)
+            return 0;
+        if (stop_signal != 0) {
+            printf("stopping on signal %d\n", (int)stop_signal);
+            return 0;
+        }
+        if (deadline != 0 && ex_now_ns() >= deadline) {
+            if (s->o->clients > 0)
+                ex_error("gave up after %llu s: %llu of %llu clients came "
+                         "and went (%llu requests taken)",
+                         (unsigned long long)s->o->secs,
+                         (unsigned long long)(s->served + s->failed),
+                         (unsigned long long)s->o->clients,
+                         (unsigned long long)s->requests);
+            else
+                ex_error("time limit of %llu s reached (%llu requests "
+                         "taken)", (unsigned long long)s->o->secs,
+                         (unsigned long long)s->requests);
+            return -1;
+        }
+        n = epoll_pwait(ep, ev, 2, wait_ms(deadline), unblocked);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            ex_error("epoll_pwait: %s", strerror(errno));
+            return -1;
+        }
+        /* EPOLLERR or EPOLLHUP too: the call below reports what is wrong. */
+        for (i = 0; i < n; i++) {
+            if (ev[i].data.fd == listener_fd) {
+                if (take_requests(s))
+                    return -1;
+            } else if (take_completions(s)) {
+                return -1;
+            }
+        }
+    }
+}
+
+static int epoll_add(int ep, int fd)
+{
+    struct epoll_event ev;
+
+    memset(&ev, 0, sizeof ev);
+    ev.events = EPOLLIN; /* level-triggered */
+    ev.data.fd = fd;
+    if (epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        ex_error("epoll_ctl(EPOLL_CTL_ADD, %d): %s", fd, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct server_opts o;
+    struct server s;
+    struct sigaction sa;
+    struct peer *p;
+    sigset_t stop_set;
+    sigset_t old_mask;
+    int listener_fd = -1;
+    int cq_fd = -1;
+    int ep = -1;
+    int rc = EXIT_FAILURE;
+
+    ex_set_progname(argv[0]);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (parse_opts(argc, argv, &o))
+        return EXIT_FAILURE;
+    memset(&s, 0, sizeof s);
+    s.o = &o;
+    s.stride = ex_slot_stride(o.max_msg);
+    if (s.stride > SIZE_MAX / o.recvs) {
+        ex_error("%u receives of %zu bytes do not fit in memory",
+                 (unsigned)o.recvs, o.max_msg);
+        return EXIT_FAILURE;
+    }
+
+    /* Block the stop signals before the library starts any thread (its
+     * threads inherit the mask); epoll_pwait unblocks them while it sleeps. */
+    sigemptyset(&stop_set);
+    sigaddset(&stop_set, SIGINT);
+    sigaddset(&stop_set, SIGTERM);
+    if (sigprocmask(SIG_BLOCK, &stop_set, &old_mask) != 0) {
+        ex_error("sigprocmask: %s", strerror(errno));
+        return EXIT_FAILURE;
+    }
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGINT, &sa, NULL) != 0 ||
+        sigaction(SIGTERM, &sa, NULL) != 0) {
+        ex_error("sigaction: %s", strerror(errno));
+        goto out_signals;
+    }
+
+    if (EX_CHECK(rbr_ctx_create(&s.ctx)))
+        goto out_signals;
+    if (EX_CHECK(rbr_cq_create(&s.cq)))
+        goto out_ctx;
+    if (ex_check(rbr_listen(s.ctx, o.addr, LISTEN_BACKLOG, &s.listener),
+                 "rbr_listen"))
+        goto out_cq;
+    if (EX_CHECK(rbr_listener_fd(s.listener, &listener_fd)) ||
+        EX_CHECK(rbr_cq_fd(s.cq, &cq_fd)))
+        goto out_listener;
+    ep = epoll_create1(EPOLL_CLOEXEC);
+    if (ep < 0) {
+        ex_error("epoll_create1: %s", strerror(errno));
+        goto out_listener;
+    }
+    if (epoll_add(ep, listener_fd) || epoll_add(ep, cq_fd))
+        goto out_epoll;
+    printf("listening on %s\n", o.addr);
+    fflush(stdout);
+
+    if (event_loop(&s, ep, listener_fd, &old_mask) == 0 && s.failed == 0)
+        rc = EXIT_SUCCESS;
+    printf("served %llu clients, echoed %llu messages (%llu bytes), "
+           "%llu failed\n",
+           (unsigned long long)s.served, (unsigned long long)s.echoed,
+           (unsigned long long)s.bytes, (unsigned long long)s.failed);
+
+    /* Connections still up (after a signal, the time limit or an error):
+     * every record of a connection is queued by the time rbr_conn_destroy
+     * returns, so destroy them all, take their records unread, and only
+     * then free the peers those records point to. */
+    for (p = s.peers; p != NULL; p = p->next)
+        rbr_conn_destroy(p->conn);
+    discard_completions(s.cq);
+    while (s.peers != NULL) {
+        p = s.peers;
+        s.peers = p->next;
+        rbr_mr_destroy(p->mr);
+        free(p);
+    }
+out_epoll:
+    close(ep);
+out_listener:
+    rbr_listener_destroy(s.listener);
+out_cq:
+    rbr_cq_destroy(s.cq);
+out_ctx:
+    rbr_ctx_destroy(s.ctx);
+out_signals:
+    sigprocmask(SIG_SETMASK, &old_mask, NULL);
+    return rc;
+}
