@@ -179,3 +179,132 @@ fn listener_gone_before_answering_fails_the_connect_at_once() {
     }
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
 }
+
+/// Whether `fd` is readable within `ms`.
+fn readable(fd: i32, ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    unsafe { libc::poll(&mut p, 1, ms) == 1 }
+}
+
+/// A connected seqpacket socket to the shm listener at `addr` that says nothing.
+fn silent_peer(addr: &str) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    let name = addr.strip_prefix("shm://").unwrap();
+    // SAFETY: plain libc socket calls on locals; the new descriptor is owned by the result.
+    unsafe {
+        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let mut sa: libc::sockaddr_un = std::mem::zeroed();
+        sa.sun_family = libc::AF_UNIX as _;
+        let path = format!("rdmabridge/{name}");
+        for (i, b) in path.bytes().enumerate() {
+            sa.sun_path[i + 1] = b as _;
+        }
+        let len = (2 + 1 + path.len()) as libc::socklen_t;
+        assert_eq!(libc::connect(fd, (&raw const sa).cast(), len), 0);
+        owned
+    }
+}
+
+/// In an event loop, clients that connect and say nothing are dropped after about 2 s: the
+/// listener's descriptor turns readable when their time is up, and the next call drops them.
+#[test]
+fn event_loop_drops_silent_peers_when_their_time_is_up() {
+    use std::os::fd::AsRawFd;
+    let ctx = Context::new().unwrap();
+    let addr = unique_addr("silent-drop");
+    let l = ctx.listen(&addr, 16).unwrap();
+    let peers: Vec<_> = (0..3).map(|_| silent_peer(&addr)).collect();
+    assert!(readable(l.fd(), 1000));
+    assert!(l.try_get_request().unwrap().is_none());
+    assert!(
+        !readable(l.fd(), 0),
+        "silent peers keep the descriptor readable"
+    );
+    let t = std::time::Instant::now();
+    assert!(
+        readable(l.fd(), 5000),
+        "not readable when the silent peers' time is up"
+    );
+    let waited = t.elapsed();
+    assert!(
+        waited > Duration::from_millis(1500) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    assert!(l.try_get_request().unwrap().is_none());
+    assert!(
+        !readable(l.fd(), 0),
+        "readable after the overdue peers were dropped"
+    );
+    for p in &peers {
+        let mut b = [0u8; 8];
+        // SAFETY: receives into a live local buffer; the socket is ours.
+        let n = unsafe { libc::recv(p.as_raw_fd(), b.as_mut_ptr().cast(), 8, libc::MSG_DONTWAIT) };
+        assert_eq!(n, 0, "a dropped peer sees its connection closed");
+    }
+}
+
+/// More silent clients than the listener keeps pending (1,024) do not keep its descriptor
+/// readable (an event loop would spin), and a real client still gets through once room is made.
+#[test]
+fn a_flood_of_silent_peers_does_not_make_the_loop_spin() {
+    // SAFETY: reads and raises this process's own descriptor limit (soft up to hard).
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        if r.rlim_cur < 4096 {
+            r.rlim_cur = r.rlim_max.min(8192);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+        }
+    }
+    let ctx = Context::new().unwrap();
+    let addr = unique_addr("flood");
+    let l = ctx.listen(&addr, 4096).unwrap();
+    let peers: Vec<_> = (0..1100).map(|_| silent_peer(&addr)).collect();
+    assert!(readable(l.fd(), 1000));
+    assert!(l.try_get_request().unwrap().is_none());
+    assert!(
+        !readable(l.fd(), 0),
+        "1,100 silent peers keep the descriptor readable"
+    );
+    // When their time is up the pending ones are dropped, the rest are taken in and dropped in
+    // turn, and a real client is served.
+    std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let cq = CompletionQueue::new().unwrap();
+            let opts = ConnOptions {
+                timeout: Some(Duration::from_secs(20)),
+                ..Default::default()
+            };
+            ctx.connect(&addr, &cq, &opts).map(drop)
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        let mut wakeups = 0;
+        let req = loop {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the real client was not served"
+            );
+            if !readable(l.fd(), 100) {
+                continue;
+            }
+            wakeups += 1;
+            if let Some(r) = l.try_get_request().unwrap() {
+                break r;
+            }
+        };
+        assert!(wakeups < 100, "{wakeups} wake-ups: the loop spun");
+        let conn = req
+            .accept(&CompletionQueue::new().unwrap(), &ConnOptions::default())
+            .unwrap();
+        h.join().unwrap().unwrap();
+        drop(conn);
+    });
+    drop(peers);
+}

@@ -211,6 +211,10 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, O
             io::ErrorKind::ConnectionReset,
         )));
     }
+    if mh.msg_flags & libc::MSG_CTRUNC != 0 && fds.is_empty() {
+        // A descriptor was sent but could not be installed: this process is out of them.
+        return Err(Error::Connect(io::Error::from_raw_os_error(libc::EMFILE)));
+    }
     if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || fds.len() > 1 {
         return Err(Error::Protocol("handshake: oversized message".into()));
     }
@@ -222,6 +226,8 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, O
 const PENDING_MAX: usize = 1024;
 /// The epoll tag of the listening socket itself (pending sockets are tagged with their fd).
 const LISTEN_TAG: u64 = u64::MAX;
+/// The epoll tag of the timer that fires when the oldest pending hello is overdue.
+const TIMER_TAG: u64 = u64::MAX - 1;
 
 /// A connected client whose hello has not fully arrived yet.
 #[derive(Debug)]
@@ -232,17 +238,28 @@ struct Pending {
 
 /// A listening shm endpoint.
 ///
-/// Its descriptor is an epoll set of the listening socket and of every accepted socket whose
-/// hello has not arrived yet, so it is readable exactly while a call may make progress; a
-/// client that connects and says nothing never makes it readable, and is dropped after
-/// [`HELLO_TIMEOUT`]. Taking a request never waits for a half-arrived hello and never loses one:
-/// accepted sockets stay pending across calls until their hello is complete.
+/// Its descriptor is an epoll set of the listening socket, of every accepted socket whose
+/// hello has not arrived yet, and of a timer, so it is readable exactly while a call may make
+/// progress: a client that connects and says nothing never makes it readable until its
+/// [`HELLO_TIMEOUT`] is up, when the timer does and the next call drops it. Taking a request
+/// never waits for a half-arrived hello and never loses one: accepted sockets stay pending
+/// across calls until their hello is complete. With [`PENDING_MAX`] clients pending, the
+/// listening socket leaves the set until one of them is answered or dropped, so a flood of
+/// silent clients cannot keep the descriptor readable.
 #[derive(Debug)]
 pub(crate) struct Listener {
     sock: OwnedFd,
     epoll: OwnedFd,
-    pending: Mutex<Vec<Pending>>,
+    timer: OwnedFd,
+    pending: Mutex<PendingSet>,
     ctx: Arc<ContextInner>,
+}
+
+#[derive(Debug)]
+struct PendingSet {
+    clients: Vec<Pending>,
+    /// Whether the listening socket is in the epoll set (it leaves it while the set is full).
+    listening: bool,
 }
 
 fn epoll_ctl(epoll: RawFd, op: libc::c_int, fd: RawFd, tag: u64) -> io::Result<()> {
@@ -281,10 +298,31 @@ impl Listener {
             LISTEN_TAG,
         )
         .map_err(Error::Listen)?;
+        // SAFETY: plain syscall; a non-negative result is a new descriptor we own.
+        let timer = cvt(unsafe {
+            libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            )
+        })
+        .map_err(Error::Listen)?;
+        // SAFETY: fresh descriptor owned by nobody else.
+        let timer = unsafe { OwnedFd::from_raw_fd(timer) };
+        epoll_ctl(
+            epoll.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            timer.as_raw_fd(),
+            TIMER_TAG,
+        )
+        .map_err(Error::Listen)?;
         Ok(Listener {
             sock,
             epoll,
-            pending: Mutex::new(Vec::new()),
+            timer,
+            pending: Mutex::new(PendingSet {
+                clients: Vec::new(),
+                listening: true,
+            }),
             ctx,
         })
     }
@@ -298,11 +336,13 @@ impl Listener {
     pub(crate) fn get_request(&self, deadline: Option<Instant>) -> Result<Option<Request>> {
         loop {
             let next_expiry = {
-                let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(req) = self.step(&mut pending)? {
+                let mut set = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+                let found = self.step(&mut set.clients)?;
+                self.update(&mut set)?;
+                if let Some(req) = found {
                     return Ok(Some(req));
                 }
-                pending.iter().map(|p| p.since + HELLO_TIMEOUT).min()
+                set.clients.iter().map(|p| p.since + HELLO_TIMEOUT).min()
             };
             let now = Instant::now();
             if deadline.is_some_and(|d| d <= now) {
@@ -344,6 +384,13 @@ impl Listener {
                 self.accept_backlog(pending)?;
                 continue;
             }
+            if tag == TIMER_TAG {
+                // Fired: read it so it stops being readable; the overdue are dropped below.
+                let mut ticks = 0u64;
+                // SAFETY: reads 8 bytes into a live local from our non-blocking timerfd.
+                unsafe { libc::read(self.timer.as_raw_fd(), (&raw mut ticks).cast(), 8) };
+                continue;
+            }
             if found.is_some() {
                 // Level-triggered: it will be reported again on the next call.
                 continue;
@@ -372,6 +419,38 @@ impl Listener {
             drop(self.forget(pending, i));
         }
         Ok(found)
+    }
+
+    /// After a round: the listening socket is in the epoll set exactly while there is room for
+    /// more pending clients, and the timer fires when the oldest pending hello is overdue.
+    fn update(&self, set: &mut PendingSet) -> Result<()> {
+        let room = set.clients.len() < PENDING_MAX;
+        if room != set.listening {
+            let op = if room {
+                libc::EPOLL_CTL_ADD
+            } else {
+                libc::EPOLL_CTL_DEL
+            };
+            epoll_ctl(self.fd(), op, self.sock.as_raw_fd(), LISTEN_TAG).map_err(Error::Accept)?;
+            set.listening = room;
+        }
+        let next = set.clients.iter().map(|p| p.since + HELLO_TIMEOUT).min();
+        // SAFETY: itimerspec is plain data; all zero disarms the timer.
+        let mut spec: libc::itimerspec = unsafe { std::mem::zeroed() };
+        if let Some(at) = next {
+            // At least 1 ns: an all-zero value would disarm the timer instead.
+            let d = at
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_nanos(1));
+            spec.it_value.tv_sec = d.as_secs() as libc::time_t;
+            spec.it_value.tv_nsec = d.subsec_nanos() as libc::c_long;
+        }
+        // SAFETY: plain syscall on our timerfd with a live, initialised itimerspec (relative).
+        cvt(unsafe {
+            libc::timerfd_settime(self.timer.as_raw_fd(), 0, &spec, std::ptr::null_mut())
+        })
+        .map_err(Error::Accept)?;
+        Ok(())
     }
 
     /// Accepts every connection in the backlog (up to [`PENDING_MAX`] pending in all).
