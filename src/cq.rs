@@ -71,13 +71,17 @@ pub struct Completion {
 #[non_exhaustive]
 pub enum Progress {
     /// The thread that polls or waits on the queue takes verbs completions straight from the
-    /// device: no thread hand-off and no system call on the busy path. Each connection's own
-    /// thread still handles connection events, keepalives and teardown, and takes completions
-    /// only while a caller sleeps in [`CompletionQueue::wait`] or watches
-    /// [`CompletionQueue::fd`]. The default (it measured faster; see the README).
+    /// device, and moves shm messages between the shared rings and the posted receives (a post
+    /// writes its message into the ring itself when it can): no thread hand-off and no system
+    /// call on the busy path. Each connection's own thread still handles connection events,
+    /// keepalives and teardown, and moves work only while a caller sleeps in
+    /// [`CompletionQueue::wait`] or watches [`CompletionQueue::fd`] (and, over shm, for sends
+    /// that wait for the peer's receive or ring space). The default (it measured faster; see the
+    /// README).
     Caller,
-    /// Each connection's own thread waits for the device's completion events and moves every
-    /// completion into the queue; callers only take them from there.
+    /// Each connection's own thread moves its work and every completion into the queue (verbs:
+    /// on the device's completion events; shm: between the rings and the posted buffers);
+    /// callers only take completions from there.
     Thread,
 }
 

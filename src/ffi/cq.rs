@@ -115,11 +115,16 @@ pub const RBR_PROGRESS_DEFAULT: u32 = 0;
 /// polls. It is the default because it measured faster than RBR_PROGRESS_THREAD, side by side
 /// with perftest on soft-RoCE: 2 B one-way latency 1.7x ib_send_lat (progress threads: 14.6x),
 /// 64 KiB streaming 0.9x ib_send_bw (0.7x); README, "Progress". Connection events, keepalives
-/// and teardown still run on each connection's own thread.
+/// and teardown still run on each connection's own thread. Over shm a post writes its message
+/// straight into the shared ring when the peer has a receive posted and the ring has room, and
+/// the poller takes incoming messages straight into the posted receives: messages move when
+/// either side posts, polls or waits (a thread that sleeps in `rbr_cq_wait` or on `rbr_cq_fd`
+/// hands the moving to the connection's thread meanwhile), so a receiver that neither polls nor
+/// waits holds its peer's sends back, as a full socket buffer would.
 pub const RBR_PROGRESS_CALLER: u32 = 1;
-/// Progress: each verbs connection's own thread waits for the device's completion events and
-/// queues every completion; callers only take them from the queue. Shared-memory connections
-/// always work this way.
+/// Progress: each connection's own thread moves its work and queues every completion (verbs:
+/// it waits for the device's completion events; shm: it moves messages between the rings and
+/// the posted buffers); callers only take completions from the queue.
 pub const RBR_PROGRESS_THREAD: u32 = 2;
 
 /// Options of `rbr_cq_create_ex`. Fill with `rbr_cq_options_init`, then change fields. Fields
