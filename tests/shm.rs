@@ -79,19 +79,11 @@ fn peer_of_another_user_is_refused() {
 /// Connects a raw seqpacket socket to a listener's abstract address and sends `msg`; returns
 /// the reply (if one came within 2 s).
 fn raw_hello(addr: &str, msg: &[u8]) -> Option<Vec<u8>> {
-    let name = addr.strip_prefix("shm://").unwrap();
-    // SAFETY: plain libc socket calls on locals; every buffer is live and sized.
+    use std::os::fd::AsRawFd;
+    let sock = raw_shm_peer(addr);
+    let fd = sock.as_raw_fd();
+    // SAFETY: plain libc socket calls on our socket; every buffer is live and sized.
     unsafe {
-        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET, 0);
-        assert!(fd >= 0);
-        let mut sa: libc::sockaddr_un = std::mem::zeroed();
-        sa.sun_family = libc::AF_UNIX as _;
-        let path = format!("rdmabridge/{name}");
-        for (i, b) in path.bytes().enumerate() {
-            sa.sun_path[i + 1] = b as _;
-        }
-        let len = (2 + 1 + path.len()) as libc::socklen_t;
-        assert_eq!(libc::connect(fd, (&raw const sa).cast(), len), 0);
         libc::send(fd, msg.as_ptr().cast(), msg.len(), 0);
         let mut p = libc::pollfd {
             fd,
@@ -106,7 +98,6 @@ fn raw_hello(addr: &str, msg: &[u8]) -> Option<Vec<u8>> {
                 reply = Some(buf[..n as usize].to_vec());
             }
         }
-        libc::close(fd);
         reply
     }
 }
@@ -191,27 +182,6 @@ fn readable(fd: i32, ms: i32) -> bool {
     unsafe { libc::poll(&mut p, 1, ms) == 1 }
 }
 
-/// A connected seqpacket socket to the shm listener at `addr` that says nothing.
-fn silent_peer(addr: &str) -> std::os::fd::OwnedFd {
-    use std::os::fd::FromRawFd;
-    let name = addr.strip_prefix("shm://").unwrap();
-    // SAFETY: plain libc socket calls on locals; the new descriptor is owned by the result.
-    unsafe {
-        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0);
-        assert!(fd >= 0, "{}", std::io::Error::last_os_error());
-        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
-        let mut sa: libc::sockaddr_un = std::mem::zeroed();
-        sa.sun_family = libc::AF_UNIX as _;
-        let path = format!("rdmabridge/{name}");
-        for (i, b) in path.bytes().enumerate() {
-            sa.sun_path[i + 1] = b as _;
-        }
-        let len = (2 + 1 + path.len()) as libc::socklen_t;
-        assert_eq!(libc::connect(fd, (&raw const sa).cast(), len), 0);
-        owned
-    }
-}
-
 /// In an event loop, clients that connect and say nothing are dropped after about 2 s: the
 /// listener's descriptor turns readable when their time is up, and the next call drops them.
 #[test]
@@ -220,7 +190,7 @@ fn event_loop_drops_silent_peers_when_their_time_is_up() {
     let ctx = Context::new().unwrap();
     let addr = unique_addr("silent-drop");
     let l = ctx.listen(&addr, 16).unwrap();
-    let peers: Vec<_> = (0..3).map(|_| silent_peer(&addr)).collect();
+    let peers: Vec<_> = (0..3).map(|_| raw_shm_peer(&addr)).collect();
     assert!(readable(l.fd(), 1000));
     assert!(l.try_get_request().unwrap().is_none());
     assert!(
@@ -266,7 +236,7 @@ fn a_flood_of_silent_peers_does_not_make_the_loop_spin() {
     let ctx = Context::new().unwrap();
     let addr = unique_addr("flood");
     let l = ctx.listen(&addr, 4096).unwrap();
-    let peers: Vec<_> = (0..1100).map(|_| silent_peer(&addr)).collect();
+    let peers: Vec<_> = (0..1100).map(|_| raw_shm_peer(&addr)).collect();
     assert!(readable(l.fd(), 1000));
     assert!(l.try_get_request().unwrap().is_none());
     assert!(

@@ -128,3 +128,26 @@ pub fn our_map_count() -> usize {
         .filter(|l| l.contains("memfd:rdmabridge"))
         .count()
 }
+
+/// A seqpacket socket connected to the shm listener at `addr` (`shm://NAME`) that has said
+/// nothing yet: a raw peer for tests of the handshake.
+pub fn raw_shm_peer(addr: &str) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    let name = addr.strip_prefix("shm://").unwrap();
+    // SAFETY: plain libc socket calls on locals; every buffer is live and sized; the new
+    // descriptor is owned by the returned OwnedFd only.
+    unsafe {
+        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let mut sa: libc::sockaddr_un = std::mem::zeroed();
+        sa.sun_family = libc::AF_UNIX as _;
+        let path = format!("rdmabridge/{name}");
+        for (i, b) in path.bytes().enumerate() {
+            sa.sun_path[i + 1] = b as _;
+        }
+        let len = (2 + 1 + path.len()) as libc::socklen_t;
+        assert_eq!(libc::connect(fd, (&raw const sa).cast(), len), 0);
+        owned
+    }
+}

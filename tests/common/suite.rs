@@ -817,7 +817,7 @@ pub fn event_loop_accepts_a_burst_without_losing_a_peer(net: &Net) {
     assert!(!readable(0), "readable with nobody connecting");
     // Silent peers (shm): connected sockets that never send a hello.
     let silent: Vec<std::os::fd::OwnedFd> = match net {
-        Net::Shm => (0..3).map(|_| silent_shm_peer(&addr)).collect(),
+        Net::Shm => (0..3).map(|_| raw_shm_peer(&addr)).collect(),
         Net::Verbs(_) => Vec::new(),
     };
     if !silent.is_empty() {
@@ -887,26 +887,4 @@ pub fn event_loop_accepts_a_burst_without_losing_a_peer(net: &Net) {
     });
     assert_eq!(accepted, clients);
     drop(silent);
-}
-
-/// A connected shm socket to the listener at `addr` that never says anything.
-fn silent_shm_peer(addr: &str) -> std::os::fd::OwnedFd {
-    use std::os::fd::FromRawFd;
-    let name = addr.strip_prefix("shm://").unwrap();
-    // SAFETY: plain libc socket calls on locals; every buffer is live and sized; the new
-    // descriptor is owned by the returned OwnedFd only.
-    unsafe {
-        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0);
-        assert!(fd >= 0);
-        let owned = std::os::fd::OwnedFd::from_raw_fd(fd);
-        let mut sa: libc::sockaddr_un = std::mem::zeroed();
-        sa.sun_family = libc::AF_UNIX as _;
-        let path = format!("rdmabridge/{name}");
-        for (i, b) in path.bytes().enumerate() {
-            sa.sun_path[i + 1] = b as _;
-        }
-        let len = (2 + 1 + path.len()) as libc::socklen_t;
-        assert_eq!(libc::connect(fd, (&raw const sa).cast(), len), 0);
-        owned
-    }
 }
