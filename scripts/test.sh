@@ -17,6 +17,8 @@ git diff --exit-code -- include/rdmabridge.h || {
 }
 echo "== cargo test (release)"
 cargo test --release
+echo "== the shm suite again with progress threads (RBR_PROGRESS=thread)"
+RBR_PROGRESS=thread cargo test --release --test shm
 echo "== C examples (Debug: ASan + UBSan) under ctest"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build -j2
