@@ -35,6 +35,7 @@ suite_over_verbs!(
     sleepers_wake_for_late_completions_in_both_progress_modes,
     two_threads_polling_one_queue_take_each_completion_once,
     connect_close_cycles_leak_nothing,
+    late_receive_send_waits_and_completes,
 );
 
 /// A connect to an address no route reaches fails with its own status, within the timeout.
