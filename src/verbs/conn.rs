@@ -1384,7 +1384,15 @@ impl Engine {
             if fds[1].revents != 0 {
                 match self.res().ch.get_event(Some(Instant::now())) {
                     Ok(Some(ev)) => match ev.kind {
-                        RDMA_CM_EVENT_DISCONNECTED => return End::Peer,
+                        RDMA_CM_EVENT_DISCONNECTED => {
+                            // A failed work request the device reported before the disconnect
+                            // (the peer often disconnects because of it) says why the
+                            // connection ended: look before calling it an orderly close.
+                            return match self.drain_cq().0 {
+                                Some(fail) => End::Failed(fail),
+                                None => End::Peer,
+                            };
+                        }
                         RDMA_CM_EVENT_DEVICE_REMOVAL => return End::Failed(WcStatus::Transport),
                         _ => {}
                     },
