@@ -812,10 +812,17 @@ impl Shared {
         Ok(())
     }
 
-    /// A failure of the library's own posting fails the connection, as a failed keepalive does.
-    fn fail(&self, st: &mut PostState) {
+    /// A failure of the library's own posting (error number `r`) fails the connection, as a
+    /// failed keepalive does. The device refuses work on a queue pair it can no longer send on
+    /// (seen when the link goes down): a transport failure. ENOMEM (a full send queue) would be
+    /// the library's own accounting error.
+    fn fail(&self, st: &mut PostState, r: i32) {
         if st.failed.is_none() {
-            st.failed = Some(WcStatus::General);
+            st.failed = Some(if r == libc::ENOMEM {
+                WcStatus::General
+            } else {
+                WcStatus::Transport
+            });
         }
         self.wake.signal();
     }
@@ -833,9 +840,9 @@ impl Shared {
             let h = c.held.pop_front().expect("not empty");
             match self.post_user_send(st, h) {
                 Ok(()) => st.credits.as_mut().expect("credits").sent += 1,
-                Err((_, h)) => {
+                Err((r, h)) => {
                     st.credits.as_mut().expect("credits").held.push_front(h);
-                    self.fail(st);
+                    self.fail(st, r);
                     return;
                 }
             }
@@ -883,7 +890,7 @@ impl Shared {
                 c.pushed = count;
                 c.owed = false;
             }
-            Err(_) => self.fail(st),
+            Err(r) => self.fail(st, r),
         }
     }
 
