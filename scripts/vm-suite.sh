@@ -4,7 +4,11 @@
 #   2. the C examples talking to each other over verbs, every message verified
 #   3. the C examples against the stock librdmacm peers: our server serving rdma_client, our
 #      client talking to rdma_server
-#   4. the local link taken down under idle connections
+#      and the library accepting the stock ucmatose client, which asks for no RNR retries: a send
+#      that finds no receive fails at once (README, Verbs specifics)
+#   4. a non-root client under `ulimit -l 64`: its first post of a 1 MiB region fails, naming
+#      RLIMIT_MEMLOCK, its value and the size
+#   5. the local link taken down under idle connections
 # Usage (in the guest): scripts/vm-suite.sh VERBS_TEST_BINARY C_BUILD_DIR
 # Prints one line per step and a closing "N passed, N failed"; exits non-zero if any failed.
 set -u
@@ -45,8 +49,29 @@ epoll_burst() { # the epoll server (one thread, two descriptors) and a burst of 
     -a "rdma://$ip:7476" -s 4096 -- -n 20 -m 100 -t 240 -- -c 20 -t 270
 }
 
+wait_listening() { # LOG: waits (up to 20 s) for the server's "listening on" line
+  for _ in $(seq 100); do grep -q '^listening on' "$1" && return 0; sleep 0.2; done
+  return 1
+}
+
+memlock_limit() { # non-root client, ulimit -l 64, 1 MiB messages: the error names the limit
+  local port=7474 log=/tmp/memlock.log slog=/tmp/memlock_server.log
+  timeout 60 "$build/rbr_server" -a "rdma://$ip:$port" -n 1 -s 1M >"$slog" 2>&1 & local s=$!
+  wait_listening "$slog"
+  setpriv --reuid=65534 --regid=65534 --clear-groups bash -c \
+    'ulimit -l 64 && exec timeout 30 "$0" -a "$1" -n 1 -s 1M' \
+    "$(realpath "$build/rbr_client")" "rdma://$ip:$port" >"$log" 2>&1
+  local c=$?
+  kill "$s" 2>/dev/null; wait "$s" 2>/dev/null
+  cat "$log"
+  echo "rbr_client (uid 65534, ulimit -l 64) exit $c"
+  [ "$c" -ne 0 ] && grep -q 'RBR_ERR_NO_MEMORY' "$log" &&
+    grep -Eq 'registration of [0-9]+ bytes failed: .*RLIMIT_MEMLOCK \(ulimit -l\) to 65536 bytes' "$log"
+}
+
 step "rust suite over verbs" "$verbs_bin" --ignored --test-threads=1 --exact \
-  --skip local_link_down_fails_idle_connections_within_bound
+  --skip local_link_down_fails_idle_connections_within_bound \
+  --skip plain_client_without_rnr_retries_fails_a_send_that_finds_no_receive
 # The tests of completions and teardown again, with progress threads instead of progress on the
 # caller's thread (connection set-up does not depend on it; the tests that switch modes
 # themselves ran in both above).
@@ -67,6 +92,9 @@ step "C examples over verbs, progress threads, 2000 x 4096 B" \
 step "C epoll server, 20 clients x 100 x 4096 B at once over verbs" epoll_burst
 step "C server with the stock rdma_client" stock_client
 step "C client with the stock rdma_server" stock_server
+step "library server with the stock ucmatose client (no RNR retries)" "$verbs_bin" --ignored \
+  --exact plain_client_without_rnr_retries_fails_a_send_that_finds_no_receive --nocapture
+step "non-root C client over RLIMIT_MEMLOCK: the error names the limit" memlock_limit
 # Last, since it takes the interface down for a while.
 step "local link down under idle connections" "$verbs_bin" --ignored --exact \
   local_link_down_fails_idle_connections_within_bound --nocapture

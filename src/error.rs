@@ -94,6 +94,23 @@ pub enum Error {
     /// Allocating or registering a memory region failed.
     #[error("memory registration failed: {0}")]
     MemoryRegion(#[source] io::Error),
+    /// Registering a memory region with an RDMA device failed with ENOMEM or EPERM: pinned
+    /// memory counts against the locked-memory limit (RLIMIT_MEMLOCK, `ulimit -l`), which
+    /// this reports with the size asked. Registration happens at the region's first use with
+    /// a device (its first post), not when it is allocated.
+    #[error(
+        "memory registration of {len} bytes failed: {source}; locked memory is limited by \
+         RLIMIT_MEMLOCK (ulimit -l) to {limit} (raise it, or register less)"
+    )]
+    MemoryLock {
+        /// Bytes the registration asked to pin.
+        len: usize,
+        /// The limit at the time, as text (e.g. "65536 bytes, hard limit 65536 bytes").
+        limit: String,
+        /// What the device reported.
+        #[source]
+        source: io::Error,
+    },
     /// Creating or waiting on a completion queue failed.
     #[error("completion queue failed: {0}")]
     CompletionQueue(#[source] io::Error),
@@ -111,6 +128,7 @@ impl Error {
             | Error::Accept(e)
             | Error::SharedMemory(e)
             | Error::MemoryRegion(e)
+            | Error::MemoryLock { source: e, .. }
             | Error::CompletionQueue(e)
             | Error::Thread(e) => e.raw_os_error(),
             _ => None,

@@ -37,6 +37,7 @@ suite_over_verbs!(
     connect_close_cycles_leak_nothing,
     orderly_close_with_receives_posted_is_always_success,
     event_loop_accepts_a_burst_without_losing_a_peer,
+    late_receive_send_waits_and_completes,
 );
 
 /// A connect to an address no route reaches fails with its own status, within the timeout.
@@ -141,4 +142,76 @@ fn local_link_down_fails_idle_connections_within_bound() {
     }
     drop(down);
     drop((c, s));
+}
+
+/// Toward a plain librdmacm client the library's accepting side takes its RNR retry count from
+/// the client's connect request (README, Verbs specifics): the stock `ucmatose` asks for none,
+/// so a send of ours that finds no receive posted fails at once with TRANSPORT, and the
+/// connection with it. A `ucmatose -C 1` client posts one receive before it connects, waits for
+/// one message, replies with one and waits for the server's disconnect; we send two.
+#[test]
+#[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+fn plain_client_without_rnr_retries_fails_a_send_that_finds_no_receive() {
+    use rdmabridge::{Access, CompletionQueue, ConnOptions, Context, Opcode, SendFlags, WcStatus};
+    use std::time::{Duration, Instant};
+    let net = Net::verbs_from_env();
+    let addr = net.addr("ucmatose");
+    let port = addr.rsplit(':').next().unwrap().to_owned();
+    let Net::Verbs(ip) = &net else { unreachable!() };
+    let ctx = Context::new().unwrap();
+    let l = ctx.listen(&addr, 4).unwrap();
+    let mut client = std::process::Command::new("timeout")
+        .args([
+            "30", "ucmatose", "-s", ip, "-p", &port, "-C", "1", "-S", "100",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("ucmatose (rdmacm-utils) must be installed in the VM");
+    let cq = CompletionQueue::new().unwrap();
+    let conn = l
+        .get_request(Some(Duration::from_secs(20)))
+        .unwrap()
+        .accept(&cq, &ConnOptions::default())
+        .unwrap();
+    let mr = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    conn.post_recv(&mr, 0, 100, 1).unwrap();
+    // The first send takes ucmatose's one receive; the second finds none.
+    let t0 = Instant::now();
+    conn.post_send(&mr, 1024, 100, 2, SendFlags::SIGNALED)
+        .unwrap();
+    conn.post_send(&mr, 2048, 100, 3, SendFlags::SIGNALED)
+        .unwrap();
+    let mut sends = Vec::new();
+    let mut took = None;
+    loop {
+        let c = common::next(&cq);
+        match c.opcode {
+            Opcode::Send => {
+                if c.wr_id == 3 {
+                    took = Some(t0.elapsed());
+                }
+                sends.push((c.wr_id, c.status));
+            }
+            // ucmatose's reply may or may not arrive before our queue pair fails.
+            Opcode::Recv => assert!(
+                [WcStatus::Success, WcStatus::Flushed].contains(&c.status),
+                "{c:?}"
+            ),
+            Opcode::Disconnected => {
+                assert_eq!(c.status, WcStatus::Transport);
+                break;
+            }
+            _ => panic!("unexpected {c:?}"),
+        }
+    }
+    assert_eq!(
+        sends,
+        [(2, WcStatus::Success), (3, WcStatus::Transport)],
+        "a send toward a client that asked for no RNR retries"
+    );
+    let took = took.unwrap();
+    eprintln!("send without a receive at the plain peer failed after {took:?}");
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    drop(conn);
+    let _ = client.wait();
 }

@@ -87,6 +87,7 @@ fn status_of(e: &Error) -> rbr_status {
         | Error::Accept(io)
         | Error::SharedMemory(io)
         | Error::MemoryRegion(io)
+        | Error::MemoryLock { source: io, .. }
         | Error::CompletionQueue(io)
         | Error::Thread(io) => {
             if io.raw_os_error() == Some(libc::ENOMEM) {

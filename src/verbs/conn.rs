@@ -29,10 +29,16 @@ use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::sys::EventFd;
 use crate::verbs::cm::{CmEvent, CmId, EventChannel, set_nonblocking, sockaddr};
+use crate::verbs::credit::{
+    CREDIT_WRITES_MAX, CreditMr, Credits, FLAG_CREDITS, HELLO_LEN, Held, INTERNAL_SLOTS, Remote,
+    SIGNAL_EVERY,
+};
 use crate::verbs::res::{CompChannel, Cq, DeviceEvents, Pd, device_events};
 
 const MAGIC: [u8; 4] = *b"RBRv";
-const PREAMBLE_VERSION: u8 = 1;
+/// Version 2: library peers speak credits (see [`crate::verbs::credit`]). A version-1 peer is
+/// treated as a plain librdmacm program, and treats this one as such: plain RC both ways.
+const PREAMBLE_VERSION: u8 = 2;
 const PREAMBLE: usize = 8;
 /// `rdma_set_option` level and name for the ACK timeout (rdma_cma.h; not in the bindings).
 const RDMA_OPTION_ID: i32 = 0;
@@ -40,6 +46,12 @@ const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
 /// rdma_cm's reject reason when nobody listens on the port (IB_CM_REJ_INVALID_SERVICE_ID).
 const REJ_NO_LISTENER: i32 = 8;
 const RECV_BIT: u64 = 1 << 63;
+/// The work-request id of a server's internal receive for the client's hello.
+const HELLO_WR_ID: u64 = RECV_BIT | (1 << 62);
+/// How long the connection's thread first sleeps while sends wait for credits (or a credit
+/// write is owed), doubling up to [`CREDIT_POLL_MAX`].
+const CREDIT_POLL_MIN: Duration = Duration::from_micros(50);
+const CREDIT_POLL_MAX: Duration = Duration::from_millis(4);
 /// How long teardown waits for the device to flush outstanding work before reporting the
 /// rest as flushed itself.
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
@@ -47,12 +59,24 @@ const FLUSH_WAIT: Duration = Duration::from_secs(2);
 /// device CQ with progress on the caller's thread), at the least.
 const TICK: Duration = Duration::from_secs(1);
 
-fn with_preamble(user: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(PREAMBLE + user.len());
+/// The private data of a library peer: magic, version, flags, length of the caller's data, the
+/// caller's data, then `ext` (what the flags announce).
+fn with_preamble(user: &[u8], flags: u8, ext: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(PREAMBLE + user.len() + ext.len());
     v.extend_from_slice(&MAGIC);
-    v.extend_from_slice(&[PREAMBLE_VERSION, 0, user.len() as u8, 0]);
+    v.extend_from_slice(&[PREAMBLE_VERSION, flags, user.len() as u8, 0]);
     v.extend_from_slice(user);
+    v.extend_from_slice(ext);
     v
+}
+
+/// The credit extension of a library peer's accept: the peer's credit word, if it offers one.
+fn parse_credit_ext(data: &[u8]) -> Option<Remote> {
+    if !parse_preamble(data).0 || data[5] & FLAG_CREDITS == 0 {
+        return None;
+    }
+    let at = PREAMBLE + data[6] as usize;
+    Remote::decode(data.get(at..)?)
 }
 
 /// Splits received private data into (is a library peer, the caller's data).
@@ -140,6 +164,9 @@ struct Resources {
     /// The device's port events, and the port this connection uses.
     dev: Arc<DeviceEvents>,
     port: u8,
+    /// The credit word toward a library peer: after the QP in drop order, since the peer's
+    /// device may write into it while the QP lives.
+    credit: Option<CreditMr>,
 }
 
 /// Destroys the id's QP on drop.
@@ -179,16 +206,23 @@ impl Resources {
         let comp = CompChannel(comp);
         // SAFETY: the channel is live.
         set_nonblocking(unsafe { (*comp.0).fd })?;
-        let cq = Cq::new(device, &comp, opts.send_queue_depth + opts.recv_queue_depth)?;
+        // Room for the internal work: credit writes, keepalive and hello (send side), and the
+        // server's hello receive.
+        let cq = Cq::new(
+            device,
+            &comp,
+            opts.send_queue_depth + opts.recv_queue_depth + INTERNAL_SLOTS + 1,
+        )?;
         // SAFETY: ibv_qp_init_attr is plain data; zero is a valid start.
         let mut attr: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         attr.send_cq = cq.raw;
         attr.recv_cq = cq.raw;
         attr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
         attr.sq_sig_all = 0;
-        // One slot more than asked for: the engine's keepalive must never take the caller's.
-        attr.cap.max_send_wr = opts.send_queue_depth + 1;
-        attr.cap.max_recv_wr = opts.recv_queue_depth;
+        // Slots beyond the caller's: the library's own work (keepalive, hello, credit writes)
+        // must never take the caller's, nor the server's hello receive.
+        attr.cap.max_send_wr = opts.send_queue_depth + INTERNAL_SLOTS;
+        attr.cap.max_recv_wr = opts.recv_queue_depth + 1;
         attr.cap.max_send_sge = 1;
         attr.cap.max_recv_sge = 1;
         attr.cap.max_inline_data = opts.max_inline;
@@ -213,7 +247,31 @@ impl Resources {
             port,
             id,
             ch,
+            credit: None,
         })
+    }
+
+    /// Posts the server's internal receive for the client's hello into `credit`'s block.
+    fn post_hello_recv(&self, credit: &CreditMr) -> Result<()> {
+        let mut sge = sys::ibv_sge {
+            addr: credit.hello_addr(),
+            length: HELLO_LEN as u32,
+            lkey: credit.lkey(),
+        };
+        let mut wr = sys::ibv_recv_wr {
+            wr_id: HELLO_WR_ID,
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+        };
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the id owns a live QP; the work request and SGE are live locals; the block
+        // is registered and outlives the QP (`credit` field order, then the shared state).
+        let r = unsafe { sys::ibv_post_recv((*self.id.0).qp, &mut wr, &mut bad) };
+        if r != 0 {
+            return Err(post_error(r, "receive"));
+        }
+        Ok(())
     }
 
     /// Sets the local ACK timeout the queue pair gets when it becomes ready to send: without
@@ -355,9 +413,16 @@ impl Request {
             self.id.take().expect("unanswered"),
             self.ch.take().expect("unanswered"),
         );
-        let res = Resources::new(&self.ctx, id, ch, opts)?;
+        let mut res = Resources::new(&self.ctx, id, ch, opts)?;
         let data = if self.library_peer {
-            with_preamble(&opts.private_data)
+            // Credits: the client's hello must find a receive, so one is posted before the
+            // accept (first in the receive queue); the accept tells the client where this side's
+            // credit word is.
+            let credit = CreditMr::new(&res.pd)?;
+            res.post_hello_recv(&credit)?;
+            let ext = credit.encode_remote();
+            res.credit = Some(credit);
+            with_preamble(&opts.private_data, FLAG_CREDITS, &ext)
         } else {
             opts.private_data.clone()
         };
@@ -376,13 +441,23 @@ impl Request {
             "peer",
         )?;
         let pd = std::mem::take(&mut self.private_data);
-        Conn::start(self.ctx.clone(), cq, opts, res, pd, self.library_peer)
+        // The server learns the client's word from the hello.
+        let credits = res.credit.take().map(|c| (c, None));
+        Conn::start(
+            self.ctx.clone(),
+            cq,
+            opts,
+            res,
+            pd,
+            self.library_peer,
+            credits,
+        )
     }
 
     pub(crate) fn reject(mut self, private_data: &[u8]) -> Result<()> {
         let id = self.id.take().expect("unanswered");
         let data = if self.library_peer {
-            with_preamble(private_data)
+            with_preamble(private_data, 0, &[])
         } else {
             private_data.to_vec()
         };
@@ -453,8 +528,9 @@ pub(crate) fn connect(
         "resolving the route",
         &target,
     )?;
-    let res = Resources::new(&ctx, id, ch, opts)?;
-    let data = with_preamble(&opts.private_data);
+    let mut res = Resources::new(&ctx, id, ch, opts)?;
+    res.credit = Some(CreditMr::new(&res.pd)?);
+    let data = with_preamble(&opts.private_data, FLAG_CREDITS, &[]);
     res.set_ack_timeout(opts)?;
     let mut param = res.conn_param(&data, opts);
     // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
@@ -469,15 +545,23 @@ pub(crate) fn connect(
         &target,
     )?;
     let (library_peer, peer_data) = parse_preamble(&ev.private_data);
-    Conn::start(ctx, cq, opts, res, peer_data, library_peer)
+    // Credits only if the server offers its word; otherwise plain RC.
+    let credits = match parse_credit_ext(&ev.private_data) {
+        Some(peer) => res.credit.take().map(|c| (c, Some(peer))),
+        None => None,
+    };
+    Conn::start(ctx, cq, opts, res, peer_data, library_peer, credits)
 }
 
 struct SendEntry {
     seq: u64,
     wr_id: u64,
     signaled: bool,
-    /// A keepalive of the library's own: never reported, but its failure fails the connection.
+    /// The library's own (keepalive, hello, credit write): never reported, but its failure
+    /// fails the connection.
     internal: bool,
+    /// Whether the device reports its completion (an unsignaled one is reaped by a later one).
+    hw_signaled: bool,
     _mr: Option<Arc<MemoryRegion>>,
 }
 
@@ -495,8 +579,17 @@ struct PostState {
     /// The first error that failed the queue pair, as whoever polled the device found it.
     failed: Option<WcStatus>,
     next_seq: u64,
+    /// Everything handed to the device's send queue, in order.
     sends: VecDeque<SendEntry>,
     recvs: VecDeque<RecvEntry>,
+    /// The caller's sends outstanding: on the device or held for credits.
+    user_sends: usize,
+    /// The library's own work requests on the device, not yet reaped.
+    internal_out: u32,
+    /// Unsignaled internal work requests posted since the last signaled one.
+    unsignaled_run: u32,
+    /// Toward a library peer: receive credits, and the sends held for them.
+    credits: Option<Credits>,
 }
 
 struct Shared {
@@ -567,6 +660,9 @@ impl Shared {
                 break;
             }
         }
+        if st.credits.is_some() {
+            self.push_credits(st);
+        }
         n
     }
 
@@ -579,10 +675,23 @@ impl Shared {
         emit: &mut dyn FnMut(Completion),
     ) -> usize {
         let mut n = 0;
+        if wc.wr_id == HELLO_WR_ID {
+            // The client's hello: where this side's credit writes go from now on.
+            if status == WcStatus::Success
+                && let Some(c) = st.credits.as_mut()
+            {
+                c.peer = Some(c.mr.read_hello());
+                c.owed = c.posted > c.pushed;
+            }
+            return 0;
+        }
         if wc.wr_id & RECV_BIT != 0 {
             let seq = wc.wr_id & !RECV_BIT;
             while st.recvs.front().is_some_and(|e| e.seq <= seq) {
                 let e = st.recvs.pop_front().expect("front exists");
+                if let Some(c) = st.credits.as_mut() {
+                    c.consumed += 1;
+                }
                 let (status, len) = if e.seq == seq {
                     (status, wc.byte_len)
                 } else {
@@ -599,6 +708,11 @@ impl Shared {
             // Sends complete in order: the unsignaled ones before `seq` finished successfully.
             while st.sends.front().is_some_and(|e| e.seq <= seq) {
                 let e = st.sends.pop_front().expect("front exists");
+                if e.internal {
+                    st.internal_out -= 1;
+                } else {
+                    st.user_sends -= 1;
+                }
                 let s = if e.seq == seq {
                     status
                 } else {
@@ -620,6 +734,175 @@ impl Shared {
             unsafe { sys::ibv_req_notify_cq(self.hw_cq, 0) };
         }
     }
+
+    /// Hands one of the caller's sends to the device (`st.user_sends` already counts it).
+    fn post_user_send(&self, st: &mut PostState, h: Held) -> std::result::Result<(), (i32, Held)> {
+        let seq = st.next_seq;
+        let mut sge = sys::ibv_sge {
+            addr: h.ptr as u64,
+            length: h.len,
+            lkey: h.lkey,
+        };
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = seq;
+        wr.sg_list = &mut sge;
+        wr.num_sge = if h.len == 0 { 0 } else { 1 };
+        wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+        let mut f = 0;
+        if h.signaled {
+            f |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        if h.inline {
+            f |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
+        }
+        wr.send_flags = f;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is live while `closed` is false (callers check it under the lock); the
+        // work request and SGE are live locals; the buffer is valid until the send completes
+        // (held by `mr`) or, inline, copied during the call (from the caller's slice, or from
+        // the staging slot that no later send reuses before this one left).
+        let r = unsafe { sys::ibv_post_send(self.qp, &mut wr, &mut bad) };
+        if r != 0 {
+            return Err((r, h));
+        }
+        st.next_seq += 1;
+        st.sends.push_back(SendEntry {
+            seq,
+            wr_id: h.wr_id,
+            signaled: h.signaled,
+            internal: false,
+            hw_signaled: h.signaled,
+            _mr: h.mr,
+        });
+        Ok(())
+    }
+
+    /// Posts one of the library's own send work requests; signals every [`SIGNAL_EVERY`]th
+    /// (or when `signal`), so their slots are reaped. Returns the post's error number.
+    fn post_internal(
+        &self,
+        st: &mut PostState,
+        wr: &mut sys::ibv_send_wr,
+        signal: bool,
+    ) -> std::result::Result<(), i32> {
+        let seq = st.next_seq;
+        let signal = signal || st.unsignaled_run + 1 >= SIGNAL_EVERY;
+        wr.wr_id = seq;
+        if signal {
+            wr.send_flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is live while `closed` is false (callers check it under the lock); the
+        // work request and its SGE (if any) are live for the call and point into the
+        // connection's registered credit block, which outlives the QP.
+        let r = unsafe { sys::ibv_post_send(self.qp, wr, &mut bad) };
+        if r != 0 {
+            return Err(r);
+        }
+        st.next_seq += 1;
+        st.internal_out += 1;
+        st.unsignaled_run = if signal { 0 } else { st.unsignaled_run + 1 };
+        st.sends.push_back(SendEntry {
+            seq,
+            wr_id: 0,
+            signaled: false,
+            internal: true,
+            hw_signaled: signal,
+            _mr: None,
+        });
+        Ok(())
+    }
+
+    /// A failure of the library's own posting (error number `r`) fails the connection, as a
+    /// failed keepalive does. The device refuses work on a queue pair it can no longer send on
+    /// (seen when the link goes down): a transport failure. ENOMEM (a full send queue) would be
+    /// the library's own accounting error.
+    fn fail(&self, st: &mut PostState, r: i32) {
+        if st.failed.is_none() {
+            st.failed = Some(if r == libc::ENOMEM {
+                WcStatus::General
+            } else {
+                WcStatus::Transport
+            });
+        }
+        self.wake.signal();
+    }
+
+    /// Starts held sends, in order, for as many as the peer has receives posted.
+    fn pump(&self, st: &mut PostState) {
+        if st.closed || st.failed.is_some() {
+            return;
+        }
+        loop {
+            let Some(c) = st.credits.as_mut() else { return };
+            if c.held.is_empty() || !c.available() {
+                return;
+            }
+            let h = c.held.pop_front().expect("not empty");
+            match self.post_user_send(st, h) {
+                Ok(()) => st.credits.as_mut().expect("credits").sent += 1,
+                Err((r, h)) => {
+                    st.credits.as_mut().expect("credits").held.push_front(h);
+                    self.fail(st, r);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Writes this side's count of receives posted into the peer's credit word, if due (see
+    /// [`Credits::push_due`]) and possible; otherwise notes it as owed.
+    fn push_credits(&self, st: &mut PostState) {
+        if st.closed || st.failed.is_some() {
+            return;
+        }
+        let internal_out = st.internal_out;
+        let Some(c) = st.credits.as_mut() else { return };
+        if !c.push_due() {
+            return;
+        }
+        let Some(peer) = c.peer else {
+            c.owed = true;
+            return;
+        };
+        if internal_out >= CREDIT_WRITES_MAX {
+            c.owed = true;
+            return;
+        }
+        let count = c.posted;
+        // Relaxed: the device reads the word during the post below, whose system call orders
+        // it; the value only grows, so a later read still finds a true count.
+        c.mr.block().src.store(count, Ordering::Relaxed);
+        let mut sge = sys::ibv_sge {
+            addr: c.mr.src_addr(),
+            length: 8,
+            lkey: c.mr.lkey(),
+        };
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.wr.rdma.remote_addr = peer.addr;
+        wr.wr.rdma.rkey = peer.rkey;
+        match self.post_internal(st, &mut wr, false) {
+            Ok(()) => {
+                let c = st.credits.as_mut().expect("credits");
+                c.pushed = count;
+                c.owed = false;
+            }
+            Err(r) => self.fail(st, r),
+        }
+    }
+
+    /// Whether the connection's thread must look again soon: sends wait for credits, or a
+    /// credit write is owed.
+    fn credit_busy(st: &PostState) -> bool {
+        st.credits
+            .as_ref()
+            .is_some_and(|c| !c.held.is_empty() || c.owed)
+    }
 }
 
 /// With [`Progress::Caller`], the completion queue's pollers take this connection's completions
@@ -633,6 +916,9 @@ impl Source for Shared {
         let mut st = self.lock();
         if st.closed {
             return 0;
+        }
+        if st.credits.as_ref().is_some_and(|c| !c.held.is_empty()) {
+            self.pump(&mut st);
         }
         let failed = st.failed.is_some();
         let cq = &self.report.cq;
@@ -680,17 +966,26 @@ impl Conn {
         res: Resources,
         peer_data: Vec<u8>,
         library_peer: bool,
+        credits: Option<(CreditMr, Option<Remote>)>,
     ) -> Result<Conn> {
         let info = ConnInfo {
             id: next_conn_id(),
-            send_queue_depth: (res.caps.max_send_wr - 1).min(opts.send_queue_depth),
-            recv_queue_depth: res.caps.max_recv_wr.min(opts.recv_queue_depth),
+            send_queue_depth: (res.caps.max_send_wr - INTERNAL_SLOTS).min(opts.send_queue_depth),
+            recv_queue_depth: (res.caps.max_recv_wr - 1).min(opts.recv_queue_depth),
             max_inline: res.caps.max_inline_data.min(opts.max_inline),
             transport: Transport::Verbs,
         };
         // SAFETY: the id owns a live QP (created in Resources::new).
         let qp = unsafe { (*res.id.0).qp };
         let caller_polls = cq.options().progress == Progress::Caller;
+        // A client that speaks credits sends its hello first (see `crate::verbs::credit`).
+        let client_hello = credits.as_ref().is_some_and(|(_, peer)| peer.is_some());
+        let credits = credits.map(|(mut mr, peer)| {
+            if peer.is_some() {
+                mr.fill_hello();
+            }
+            Credits::new(mr, peer, info.send_queue_depth, info.recv_queue_depth)
+        });
         let sh = Arc::new(Shared {
             info,
             report: Reporter {
@@ -708,13 +1003,34 @@ impl Conn {
                 closed: false,
                 failed: None,
                 next_seq: 0,
-                sends: VecDeque::new(),
-                recvs: VecDeque::new(),
+                sends: VecDeque::with_capacity((info.send_queue_depth + INTERNAL_SLOTS) as usize),
+                recvs: VecDeque::with_capacity(info.recv_queue_depth as usize),
+                user_sends: 0,
+                internal_out: 0,
+                unsignaled_run: 0,
+                credits,
             }),
             stop: AtomicBool::new(false),
             wake: EventFd::new().map_err(Error::Thread)?,
             keepalive: opts.keepalive.filter(|_| library_peer),
         });
+        if client_hello {
+            let mut st = sh.lock();
+            let c = st.credits.as_ref().expect("credits");
+            let mut sge = sys::ibv_sge {
+                addr: c.mr.hello_addr(),
+                length: HELLO_LEN as u32,
+                lkey: c.mr.lkey(),
+            };
+            // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+            let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+            if let Err(r) = sh.post_internal(&mut st, &mut wr, true) {
+                return Err(post_error(r, "send"));
+            }
+        }
         if caller_polls {
             sh.report.cq.add_source(sh.clone());
         }
@@ -723,6 +1039,7 @@ impl Conn {
             res: Some(res),
             caller_polls,
             port_grace: retry_bound(opts),
+            credit_poll: CREDIT_POLL_MIN,
         };
         let thread = std::thread::Builder::new()
             .name(format!("rbr-verbs-{}", info.id))
@@ -786,45 +1103,39 @@ impl Conn {
         if st.closed {
             return Err(Error::Disconnected);
         }
-        if st.sends.len() >= self.sh.info.send_queue_depth as usize {
+        if st.user_sends >= self.sh.info.send_queue_depth as usize {
             return Err(Error::QueueFull("send"));
         }
-        let seq = st.next_seq;
-        let mut sge = sys::ibv_sge {
-            addr: ptr as u64,
-            length: len as u32,
+        let mut h = Held {
+            ptr,
+            len: len as u32,
             lkey,
-        };
-        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
-        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = seq;
-        wr.sg_list = &mut sge;
-        wr.num_sge = if len == 0 { 0 } else { 1 };
-        wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
-        let mut f = 0;
-        if flags.signaled() {
-            f |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
-        }
-        if inline {
-            f |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
-        }
-        wr.send_flags = f;
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: the QP is live while `closed` is false (checked under the lock); the work
-        // request and SGE are live locals; the buffer is valid until the send completes (held
-        // by `mr`) or, inline, copied during the call.
-        let r = unsafe { sys::ibv_post_send(self.sh.qp, &mut wr, &mut bad) };
-        if r != 0 {
-            return Err(post_error(r, "send"));
-        }
-        st.next_seq += 1;
-        st.sends.push_back(SendEntry {
-            seq,
             wr_id,
             signaled: flags.signaled(),
-            internal: false,
-            _mr: mr,
-        });
+            inline,
+            mr,
+        };
+        if let Some(c) = st.credits.as_mut()
+            && (!c.held.is_empty() || !c.available())
+        {
+            // The peer has no receive for it yet: held, and started in order when credits
+            // arrive. An inline send's bytes are copied now, as the caller may reuse them.
+            if inline {
+                // SAFETY: `ptr`/`len` are the caller's slice (post_send_inline).
+                let data = unsafe { std::slice::from_raw_parts(ptr, len) };
+                h.ptr = c.stage(data, self.sh.info.send_queue_depth, self.sh.info.max_inline);
+            }
+            c.held.push_back(h);
+            st.user_sends += 1;
+            return Ok(());
+        }
+        if let Err((r, _)) = self.sh.post_user_send(&mut st, h) {
+            return Err(post_error(r, "send"));
+        }
+        st.user_sends += 1;
+        if let Some(c) = st.credits.as_mut() {
+            c.sent += 1;
+        }
         Ok(())
     }
 
@@ -869,6 +1180,10 @@ impl Conn {
             wr_id,
             _mr: mr.clone(),
         });
+        if let Some(c) = st.credits.as_mut() {
+            c.posted += 1;
+            self.sh.push_credits(&mut st);
+        }
         Ok(())
     }
 
@@ -876,6 +1191,34 @@ impl Conn {
         self.sh.stop.store(true, Ordering::SeqCst);
         self.sh.wake.signal();
     }
+}
+
+/// Waits on `fds` for at most `timeout`, with microsecond resolution (the credit poll's first
+/// sleeps are well under a millisecond). Returns how many are ready; an interruption counts as
+/// a timeout.
+fn poll_fine(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<usize> {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `fds` is a live, exclusively borrowed slice of pollfd and its length is passed;
+    // `ts` is a live timespec; no signal mask.
+    let n = unsafe {
+        libc::ppoll(
+            fds.as_mut_ptr(),
+            fds.len() as libc::nfds_t,
+            &ts,
+            std::ptr::null(),
+        )
+    };
+    if n >= 0 {
+        return Ok(n as usize);
+    }
+    let e = io::Error::last_os_error();
+    if e.kind() == io::ErrorKind::Interrupted {
+        return Ok(0);
+    }
+    Err(e)
 }
 
 /// ibv_post_* return the errno itself (they do not set errno).
@@ -930,6 +1273,8 @@ struct Engine {
     /// How long the connection's port may stay down before the connection fails: as long as
     /// the device's resends would take to give up on a peer that stopped answering.
     port_grace: Duration,
+    /// How long the thread sleeps next while sends wait for credits.
+    credit_poll: Duration,
 }
 
 /// How long a queue pair resends an unacknowledged packet before it fails:
@@ -954,11 +1299,15 @@ impl Engine {
     }
 
     fn main_loop(&mut self) -> End {
+        // When the connection last had anything to do: a keepalive goes out after a whole
+        // keepalive period without.
+        let mut active = Instant::now();
         loop {
             if self.sh.stop.load(Ordering::SeqCst) {
                 return End::Local;
             }
-            if let Some(fail) = self.drain_cq() {
+            let (failed, credit_busy) = self.drain_cq();
+            if let Some(fail) = failed {
                 return End::Failed(fail);
             }
             let port_down = {
@@ -1005,16 +1354,32 @@ impl Engine {
                     revents: 0,
                 },
             ];
-            let idle = self.sh.keepalive.unwrap_or(TICK);
-            let tick = port_down.map_or(idle, |since| {
+            let idle = self
+                .sh
+                .keepalive
+                .map_or(TICK, |k| k.saturating_sub(active.elapsed()));
+            let mut tick = port_down.map_or(idle, |since| {
                 idle.min(self.port_grace.saturating_sub(since.elapsed()))
             });
-            let ready = match crate::sys::poll(&mut fds, Some(tick)) {
+            if credit_busy {
+                // Sends wait for credits, which arrive as an RDMA write (no event): look at the
+                // word again soon, backing off while nothing comes.
+                tick = tick.min(self.credit_poll);
+                self.credit_poll = (self.credit_poll * 2).min(CREDIT_POLL_MAX);
+            } else {
+                self.credit_poll = CREDIT_POLL_MIN;
+            }
+            let ready = match poll_fine(&mut fds, tick) {
                 Ok(n) => n,
                 Err(_) => return End::Failed(WcStatus::General),
             };
-            if ready == 0 && self.sh.keepalive.is_some() {
+            if ready > 0 {
+                active = Instant::now();
+            } else if let Some(k) = self.sh.keepalive
+                && active.elapsed() >= k
+            {
                 self.send_keepalive();
+                active = Instant::now();
             }
             if fds[2].revents != 0 {
                 self.sh.wake.clear();
@@ -1028,7 +1393,15 @@ impl Engine {
             if fds[1].revents != 0 {
                 match self.res().ch.get_event(Some(Instant::now())) {
                     Ok(Some(ev)) => match ev.kind {
-                        RDMA_CM_EVENT_DISCONNECTED => return End::Peer,
+                        RDMA_CM_EVENT_DISCONNECTED => {
+                            // A failed work request the device reported before the disconnect
+                            // (the peer often disconnects because of it) says why the
+                            // connection ended: look before calling it an orderly close.
+                            return match self.drain_cq().0 {
+                                Some(fail) => End::Failed(fail),
+                                None => End::Peer,
+                            };
+                        }
                         RDMA_CM_EVENT_DEVICE_REMOVAL => return End::Failed(WcStatus::Transport),
                         _ => {}
                     },
@@ -1041,32 +1414,19 @@ impl Engine {
 
     /// Posts a keepalive when nothing is outstanding on the send queue (so the queue pair has
     /// been idle for a whole keepalive period); a busy connection needs none.
+    /// (Unsignaled credit writes that finished long ago do not count: the device reports
+    /// nothing more of them.)
     fn send_keepalive(&self) {
         let mut st = self.sh.lock();
-        if st.closed || !st.sends.is_empty() {
+        if st.closed || st.sends.iter().any(|e| !e.internal || e.hw_signaled) {
             return;
         }
-        let seq = st.next_seq;
         // SAFETY: ibv_send_wr is plain data; zero is a valid start (no SGE, remote address 0,
         // rkey 0: a zero-length RDMA write checks neither).
         let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = seq;
         wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-        wr.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: the QP is live while `closed` is false (checked under the lock); the work
-        // request is a live local with no buffers.
-        let r = unsafe { sys::ibv_post_send(self.sh.qp, &mut wr, &mut bad) };
-        if r == 0 {
-            st.next_seq += 1;
-            st.sends.push_back(SendEntry {
-                seq,
-                wr_id: 0,
-                signaled: false,
-                internal: true,
-                _mr: None,
-            });
-        }
+        // A failed post is left for the next period.
+        let _ = self.sh.post_internal(&mut st, &mut wr, true);
     }
 
     /// Takes pending notifications from the completion channel and re-arms the CQ (with
@@ -1097,11 +1457,14 @@ impl Engine {
 
     /// Polls the CQ dry and queues the completions of the work it reports. Returns the error
     /// that failed the queue pair, if any (found now, or earlier by a caller's poll).
-    fn drain_cq(&mut self) -> Option<WcStatus> {
+    /// Also starts sends whose credits arrived and makes owed credit writes; says whether
+    /// sends still wait for credits (or a write is still owed).
+    fn drain_cq(&mut self) -> (Option<WcStatus>, bool) {
         let sh = &self.sh;
         let mut st = sh.lock();
+        sh.pump(&mut st);
         sh.take_hw(&mut st, usize::MAX, &mut |c| sh.report.cq.push(c));
-        st.failed
+        (st.failed, Shared::credit_busy(&st))
     }
 
     /// Disconnects, waits (bounded) for the device to flush every outstanding work request,
@@ -1118,7 +1481,8 @@ impl Engine {
             self.drain_cq();
             let outstanding = {
                 let st = self.sh.lock();
-                !st.sends.is_empty() || !st.recvs.is_empty()
+                // Unsignaled internal work that finished is never reported: not waited for.
+                st.sends.iter().any(|e| !e.internal || e.hw_signaled) || !st.recvs.is_empty()
             };
             if !outstanding || Instant::now() >= deadline {
                 break;
@@ -1136,6 +1500,13 @@ impl Engine {
                         .report
                         .complete(e.wr_id, Opcode::Send, WcStatus::Flushed, 0, None);
                 }
+            }
+            // Sends held for credits never reached the device: flushed, after those that did.
+            let held = st.credits.as_mut().map(|c| std::mem::take(&mut c.held));
+            for h in held.into_iter().flatten() {
+                self.sh
+                    .report
+                    .complete(h.wr_id, Opcode::Send, WcStatus::Flushed, 0, None);
             }
             while let Some(e) = st.recvs.pop_front() {
                 self.sh

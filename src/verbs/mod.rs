@@ -6,6 +6,8 @@ mod cm;
 #[cfg(feature = "verbs")]
 mod conn;
 #[cfg(feature = "verbs")]
+mod credit;
+#[cfg(feature = "verbs")]
 mod res;
 
 #[cfg(feature = "verbs")]

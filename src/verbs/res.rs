@@ -107,11 +107,41 @@ impl Registrations {
         // contract), and the registration is dropped before the memory is released.
         let mr = unsafe { sys::ibv_reg_mr(pd.raw, addr.cast(), len, flags as i32) };
         if mr.is_null() {
-            return Err(Error::MemoryRegion(io::Error::last_os_error()));
+            return Err(registration_error(io::Error::last_os_error(), len));
         }
         regs.push((pd.clone(), mr));
         // SAFETY: just registered.
         Ok(unsafe { (*mr).lkey })
+    }
+}
+
+/// The error of a failed registration of `len` bytes. ENOMEM and EPERM from ibv_reg_mr mostly
+/// mean the pinned memory would pass the locked-memory limit: say which limit, and its value.
+fn registration_error(e: io::Error, len: usize) -> Error {
+    if !matches!(e.raw_os_error(), Some(libc::ENOMEM) | Some(libc::EPERM)) {
+        return Error::MemoryRegion(e);
+    }
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limit into the live `rl`.
+    let limit = if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) } == 0 {
+        let show = |v: libc::rlim_t| {
+            if v == libc::RLIM_INFINITY {
+                "unlimited".to_owned()
+            } else {
+                format!("{v} bytes")
+            }
+        };
+        format!("{}, hard limit {}", show(rl.rlim_cur), show(rl.rlim_max))
+    } else {
+        format!("an unknown value ({})", io::Error::last_os_error())
+    };
+    Error::MemoryLock {
+        len,
+        limit,
+        source: e,
     }
 }
 

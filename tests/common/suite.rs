@@ -888,3 +888,82 @@ pub fn event_loop_accepts_a_burst_without_losing_a_peer(net: &Net) {
     assert_eq!(accepted, clients);
     drop(silent);
 }
+
+/// A send whose receive is posted 10 s late waits for it and completes with the right bytes,
+/// with the default options, while the sender sleeps in `wait`: the library, not the device's
+/// receiver-not-ready retries (which soft-RoCE bounds by `retry_count`, ~4 s), holds it back.
+/// Both a 2-byte inline send and a 64 KiB send from a region, in both progress modes; the
+/// connection works on afterwards.
+pub fn late_receive_send_waits_and_completes(net: &Net) {
+    const LATE: Duration = Duration::from_secs(10);
+    const BIG: usize = 64 << 10;
+    for progress in [Progress::Caller, Progress::Thread] {
+        let ctx = Context::new().unwrap();
+        let cq_opts = CqOptions {
+            progress,
+            ..Default::default()
+        };
+        let opts = ConnOptions::default();
+        let (c, ccq, s, scq) = pair_with(net, &ctx, &opts, &opts, cq_opts);
+        let smr = ctx.alloc_mr(BIG, Access::LOCAL_WRITE).unwrap();
+        smr.write(0, &pattern(7, BIG)).unwrap();
+        let rmr = ctx.alloc_mr(BIG + 64, Access::LOCAL_WRITE).unwrap();
+        let t0 = Instant::now();
+        c.post_send_inline(&[0xa5, 0x5a], 1, SendFlags::SIGNALED)
+            .unwrap();
+        c.post_send(&smr, 0, BIG, 2, SendFlags::SIGNALED).unwrap();
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                std::thread::sleep(LATE);
+                s.post_recv(&rmr, 0, 64, 10).unwrap();
+                s.post_recv(&rmr, 64, BIG, 11).unwrap();
+            });
+            // The sender sleeps meanwhile; it wakes for its first completion only once the
+            // receives exist.
+            assert!(
+                ccq.wait(Some(LATE + Duration::from_secs(20))).unwrap(),
+                "{progress:?}: no send completion within {:?}",
+                LATE + Duration::from_secs(20)
+            );
+            let woke = t0.elapsed();
+            assert!(
+                woke >= LATE,
+                "{progress:?}: a send completed after {woke:?}"
+            );
+            eprintln!("{progress:?}: first send completion after {woke:?}");
+        });
+        for wr_id in [1, 2] {
+            let sc = next(&ccq);
+            assert_eq!(
+                (sc.opcode, sc.status, sc.wr_id),
+                (Opcode::Send, WcStatus::Success, wr_id),
+                "{progress:?}"
+            );
+        }
+        for (wr_id, len) in [(10, 2), (11, BIG as u32)] {
+            let r = next(&scq);
+            assert_eq!(
+                (r.opcode, r.status, r.wr_id, r.byte_len),
+                (Opcode::Recv, WcStatus::Success, wr_id, len),
+                "{progress:?}"
+            );
+        }
+        let mut got = vec![0u8; BIG];
+        rmr.read(0, &mut got[..2]).unwrap();
+        assert_eq!(got[..2], [0xa5, 0x5a], "{progress:?}");
+        rmr.read(64, &mut got).unwrap();
+        assert!(
+            got == pattern(7, BIG),
+            "{progress:?}: 64 KiB message differs"
+        );
+        // Still connected, both ways.
+        c.post_recv(&rmr, 0, 64, 20).unwrap();
+        s.post_send_inline(b"ok", 21, SendFlags::SIGNALED).unwrap();
+        let r = next(&ccq);
+        assert_eq!((r.wr_id, r.status, r.byte_len), (20, WcStatus::Success, 2));
+        let sc = next(&scq);
+        assert_eq!((sc.wr_id, sc.status), (21, WcStatus::Success));
+        assert!(ccq.is_empty() && scq.is_empty());
+        drop((c, s));
+    }
+}

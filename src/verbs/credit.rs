@@ -1,0 +1,271 @@
+//! Library-level receive credits between two library peers, so the device never meets a peer
+//! without a receive posted (receiver not ready). Soft-RoCE counts its retransmit-timer expiries
+//! during an RNR wait against `retry_count`, so an RNR wait longer than about
+//! (retry_count + 1) x ack timeout fails the connection although `rnr_retry_count` is 7.
+//!
+//! Each side owns a small registered block. Its `word` holds the peer's cumulative count of
+//! receives posted, which the peer writes with an RDMA WRITE (a SEND would take one of the
+//! receives it counts). A send goes to the device only while (the peer's count) > (sends handed
+//! to the device); otherwise it is held by the library and started, in order, when the count
+//! grows.
+//!
+//! Address exchange: the connect request has no room for an address and key (56 bytes, of
+//! which the caller may use 48), so the server puts its word's address and key in its accept
+//! (after the caller's data, flag [`FLAG_CREDITS`]), and pre-posts one internal receive before
+//! accepting; the client's first send is an internal hello carrying its own word's address and
+//! key, which that receive takes.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rdma_sys as sys;
+
+use crate::error::{Error, Result};
+use crate::verbs::res::Pd;
+
+/// Preamble flag (byte 5): the sender speaks credits. In a connect request: the client can; in
+/// an accept: the server does, and its word's address and key follow the caller's data.
+pub(crate) const FLAG_CREDITS: u8 = 1;
+/// Bytes the accept carries after the caller's data with [`FLAG_CREDITS`]: address, key.
+pub(crate) const EXT_LEN: usize = 12;
+/// Bytes of the hello message: the client's word's address and key (and 4 spare).
+pub(crate) const HELLO_LEN: usize = 16;
+/// Send-queue slots the library keeps for itself beyond the caller's depth: the hello, a
+/// keepalive, and up to [`CREDIT_WRITES_MAX`] credit writes not yet reaped.
+pub(crate) const INTERNAL_SLOTS: u32 = 2 + CREDIT_WRITES_MAX;
+/// Most internal work requests in flight (not yet reaped) before a credit write waits.
+pub(crate) const CREDIT_WRITES_MAX: u32 = 16;
+/// Every this many internal work requests one is signaled, so their slots are reaped.
+pub(crate) const SIGNAL_EVERY: u32 = 8;
+
+/// The registered block: the word the peer writes, the source of this side's writes, and the
+/// hello (sent by a client, received by a server).
+#[repr(C, align(64))]
+pub(crate) struct Block {
+    /// The peer's cumulative count of receives posted (written by the peer's device).
+    pub(crate) word: AtomicU64,
+    /// This side's count, as the source of its credit writes. Only ever grows, so a device that
+    /// reads it after a later update still writes a true count.
+    pub(crate) src: AtomicU64,
+    pub(crate) hello: [u8; HELLO_LEN],
+}
+
+/// A [`Block`] registered with a protection domain (local write, remote write). Deregistered
+/// before the block is freed; must outlive the queue pair that may write into it.
+pub(crate) struct CreditMr {
+    block: Box<Block>,
+    mr: *mut sys::ibv_mr,
+    _pd: Arc<Pd>,
+}
+
+// SAFETY: the block is shared with the device only through its atomics and the hello bytes
+// (written before the hello is posted, read after its receive completed); the MR is only
+// read (keys) and deregistered once, on drop.
+unsafe impl Send for CreditMr {}
+// SAFETY: as above.
+unsafe impl Sync for CreditMr {}
+
+impl CreditMr {
+    pub(crate) fn new(pd: &Arc<Pd>) -> Result<CreditMr> {
+        let mut block = Box::new(Block {
+            word: AtomicU64::new(0),
+            src: AtomicU64::new(0),
+            hello: [0; HELLO_LEN],
+        });
+        let flags = sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+            | sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        // SAFETY: the block is a live heap allocation of size_of::<Block>() bytes that stays
+        // put (boxed) and is freed only after the registration is dropped (field order in
+        // Drop below).
+        let mr = unsafe {
+            sys::ibv_reg_mr(
+                pd.raw,
+                (&raw mut *block).cast(),
+                std::mem::size_of::<Block>(),
+                flags as i32,
+            )
+        };
+        if mr.is_null() {
+            return Err(Error::MemoryRegion(io::Error::new(
+                io::Error::last_os_error().kind(),
+                format!(
+                    "registering the connection's credit word failed: {}",
+                    io::Error::last_os_error()
+                ),
+            )));
+        }
+        Ok(CreditMr {
+            block,
+            mr,
+            _pd: pd.clone(),
+        })
+    }
+
+    pub(crate) fn block(&self) -> &Block {
+        &self.block
+    }
+
+    pub(crate) fn lkey(&self) -> u32 {
+        // SAFETY: live registration.
+        unsafe { (*self.mr).lkey }
+    }
+
+    fn rkey(&self) -> u32 {
+        // SAFETY: live registration.
+        unsafe { (*self.mr).rkey }
+    }
+
+    pub(crate) fn word_addr(&self) -> u64 {
+        (&raw const self.block.word) as u64
+    }
+
+    pub(crate) fn src_addr(&self) -> u64 {
+        (&raw const self.block.src) as u64
+    }
+
+    pub(crate) fn hello_addr(&self) -> u64 {
+        (&raw const self.block.hello) as u64
+    }
+
+    /// Where the peer writes: address and key, as the accept extension or the hello carry it.
+    pub(crate) fn encode_remote(&self) -> [u8; EXT_LEN] {
+        let mut b = [0u8; EXT_LEN];
+        b[..8].copy_from_slice(&self.word_addr().to_le_bytes());
+        b[8..].copy_from_slice(&self.rkey().to_le_bytes());
+        b
+    }
+
+    /// Fills the hello with this side's word address and key (before it is posted).
+    pub(crate) fn fill_hello(&mut self) {
+        let r = self.encode_remote();
+        self.block.hello[..EXT_LEN].copy_from_slice(&r);
+    }
+
+    /// The peer's word as its hello carried it (after the hello's receive completed).
+    pub(crate) fn read_hello(&self) -> Remote {
+        // SAFETY: the device wrote the hello bytes before reporting the receive; read them
+        // volatile, as memory written behind the compiler's back.
+        let h: [u8; HELLO_LEN] = unsafe { std::ptr::read_volatile(&raw const self.block.hello) };
+        Remote::decode(&h[..EXT_LEN]).expect("EXT_LEN bytes")
+    }
+
+    /// The peer's count of receives posted, as its last credit write left it.
+    pub(crate) fn peer_count(&self) -> u64 {
+        // Acquire: pairs with nothing in this process (the device writes the word); it keeps
+        // later reads from moving before this one.
+        self.block.word.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for CreditMr {
+    fn drop(&mut self) {
+        // SAFETY: registered in `new`, deregistered once; the queue pair that could write into
+        // the block is destroyed before the connection's shared state (and this) is dropped.
+        unsafe { sys::ibv_dereg_mr(self.mr) };
+    }
+}
+
+/// The peer's word: where this side's credit writes go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Remote {
+    pub(crate) addr: u64,
+    pub(crate) rkey: u32,
+}
+
+impl Remote {
+    pub(crate) fn decode(b: &[u8]) -> Option<Remote> {
+        if b.len() < EXT_LEN {
+            return None;
+        }
+        Some(Remote {
+            addr: u64::from_le_bytes(b[..8].try_into().ok()?),
+            rkey: u32::from_le_bytes(b[8..12].try_into().ok()?),
+        })
+    }
+}
+
+/// A send the peer has no receive for yet, held by the library until credits arrive.
+pub(crate) struct Held {
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: u32,
+    pub(crate) lkey: u32,
+    pub(crate) wr_id: u64,
+    pub(crate) signaled: bool,
+    /// For an inline send, `ptr` points into the connection's staging area.
+    pub(crate) inline: bool,
+    pub(crate) mr: Option<Arc<crate::mr::MemoryRegion>>,
+}
+
+/// The credit state of one connection (under the connection's lock).
+pub(crate) struct Credits {
+    pub(crate) mr: CreditMr,
+    /// The peer's word; a server learns it from the hello.
+    pub(crate) peer: Option<Remote>,
+    /// Caller's sends handed to the device.
+    pub(crate) sent: u64,
+    /// Caller's receives posted.
+    pub(crate) posted: u64,
+    /// The count last written to the peer.
+    pub(crate) pushed: u64,
+    /// Caller's receives seen completed.
+    pub(crate) consumed: u64,
+    /// Push when the peer's credit as this side knows it (pushed - consumed) falls below this.
+    pub(crate) low: u64,
+    /// A credit write is due but could not go out yet (no hello, or no free internal slot).
+    pub(crate) owed: bool,
+    pub(crate) held: std::collections::VecDeque<Held>,
+    /// Copies of held inline sends, one slot of `max_inline` bytes per send-queue entry (made
+    /// on the first held inline send).
+    pub(crate) staging: Vec<u8>,
+    pub(crate) staging_next: usize,
+}
+
+impl Credits {
+    pub(crate) fn new(
+        mr: CreditMr,
+        peer: Option<Remote>,
+        send_depth: u32,
+        recv_depth: u32,
+    ) -> Self {
+        Credits {
+            mr,
+            peer,
+            sent: 0,
+            posted: 0,
+            pushed: 0,
+            consumed: 0,
+            low: u64::from((recv_depth / 4).clamp(1, 16)),
+            owed: false,
+            held: std::collections::VecDeque::with_capacity(send_depth as usize),
+            staging: Vec::new(),
+            staging_next: 0,
+        }
+    }
+
+    /// Whether the peer is known to have a receive posted for one more send.
+    pub(crate) fn available(&self) -> bool {
+        self.mr.peer_count() > self.sent
+    }
+
+    /// Whether a credit write should go out now (lazily: only when the peer's credit as this
+    /// side knows it runs low, or one is owed).
+    pub(crate) fn push_due(&self) -> bool {
+        self.posted > self.pushed
+            && (self.owed || self.pushed.saturating_sub(self.consumed) < self.low)
+    }
+
+    /// Copies an inline send into its staging slot; returns where it now lives.
+    pub(crate) fn stage(&mut self, data: &[u8], depth: u32, max_inline: u32) -> *mut u8 {
+        let slot = max_inline.max(1) as usize;
+        if self.staging.is_empty() {
+            self.staging = vec![0; slot * depth as usize];
+        }
+        // Held sends leave in order and at most `depth` are held, so slot i is free again by
+        // the time it comes round.
+        let at = (self.staging_next % depth as usize) * slot;
+        self.staging_next = self.staging_next.wrapping_add(1);
+        self.staging[at..at + data.len()].copy_from_slice(data);
+        self.staging[at..].as_mut_ptr()
+    }
+}
