@@ -296,8 +296,10 @@ typedef struct rbr_conn_options {
    */
   uint8_t retry_count;
   /**
-   * Verbs: retries of a send that found no receive posted (0..=7; 7 = without limit, so a
-   * send waits for the peer's receive as over shm). Default 7. Ignored by shm.
+   * Verbs, toward plain librdmacm peers: retries of a send that found no receive posted
+   * (0..=7; 7 = without limit). Default 7. Between peers using this library a send waits
+   * for the peer's receive in the library (receive credits), as over shm. When this side
+   * accepts, the device uses what the connecting peer asked for instead. Ignored by shm.
    */
   uint8_t rnr_retry_count;
   /**

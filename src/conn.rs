@@ -46,9 +46,11 @@ pub struct ConnOptions {
     /// connection fails (0..=7). Default 6: some devices (soft-RoCE) read 7 as "forever",
     /// which would leave a lost peer unnoticed. Ignored by shm.
     pub retry_count: u8,
-    /// Verbs: how often a send that found no receive posted is retried (0..=7; 7 = without
-    /// limit, so a send waits for the peer's receive as it does over shm). Default 7.
-    /// Ignored by shm.
+    /// Verbs, toward plain librdmacm peers: how often a send that found no receive posted is
+    /// retried by the device (0..=7; 7 = without limit). Default 7. Between two peers using
+    /// this library a send waits for the peer's receive in the library (receive credits), as
+    /// over shm, and never meets a missing receive. When this side accepts, the device takes
+    /// the value the connecting peer asked for instead (see the README). Ignored by shm.
     pub rnr_retry_count: u8,
     /// Verbs: how long the device waits for an acknowledgement before resending, as the
     /// exponent `t` of 4.096 µs × 2^t (0..=31). Default 16 (about 0.27 s). With `retry_count`

@@ -39,6 +39,7 @@ suite_over_shm!(
     two_threads_polling_one_queue_take_each_completion_once,
     orderly_close_with_receives_posted_is_always_success,
     event_loop_accepts_a_burst_without_losing_a_peer,
+    late_receive_send_waits_and_completes,
 );
 
 /// A peer running as another user is turned away (peer credentials), and the listener keeps

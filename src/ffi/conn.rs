@@ -66,8 +66,10 @@ pub struct rbr_conn_options {
     /// Verbs: resends of an unacknowledged packet before the connection fails (0..=7).
     /// Default 6 (some devices, soft-RoCE among them, read 7 as "forever"). Ignored by shm.
     pub retry_count: u8,
-    /// Verbs: retries of a send that found no receive posted (0..=7; 7 = without limit, so a
-    /// send waits for the peer's receive as over shm). Default 7. Ignored by shm.
+    /// Verbs, toward plain librdmacm peers: retries of a send that found no receive posted
+    /// (0..=7; 7 = without limit). Default 7. Between peers using this library a send waits
+    /// for the peer's receive in the library (receive credits), as over shm. When this side
+    /// accepts, the device uses what the connecting peer asked for instead. Ignored by shm.
     pub rnr_retry_count: u8,
     /// Verbs: ACK timeout exponent t, waiting 4.096 us * 2^t before a resend (0..=31).
     /// Default 16 (about 0.27 s). Ignored by shm.

@@ -5,7 +5,7 @@
 //! tears the connection down.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -34,6 +34,9 @@ pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     /// The connection's thread is about to sleep (or sleeps) and wants `wake` signalled.
     pub(crate) engine_sleeping: AtomicBool,
+    /// Polls of this connection by the queue's pollers, so its thread can tell when they have
+    /// stopped driving it.
+    pub(crate) polls: AtomicU64,
     pub(crate) wake: EventFd,
 }
 
@@ -70,6 +73,8 @@ impl Source for Shared {
     }
 
     fn poll(&self, _max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
+        // Relaxed: only a sign of life for the connection's thread, which samples it.
+        self.polls.fetch_add(1, Ordering::Relaxed);
         let mut flow = self.lock();
         if flow.closed || flow.failed.is_some() {
             return 0;
@@ -160,6 +165,7 @@ impl Conn {
             caller_polls,
             stop: AtomicBool::new(false),
             engine_sleeping: AtomicBool::new(false),
+            polls: AtomicU64::new(0),
             wake: EventFd::new().map_err(Error::Thread)?,
         });
         // Before the thread starts, so that its teardown's removal always comes after.

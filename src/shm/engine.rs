@@ -19,11 +19,15 @@ use crate::sys;
 const SPIN: Duration = Duration::from_micros(50);
 /// Longest single sleep; each wake-up re-checks everything.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
+/// How long the pollers may leave the connection alone before its thread assists them.
+const IDLE: Duration = Duration::from_millis(10);
 
 pub(crate) struct Engine {
     sh: Arc<Shared>,
     sock: OwnedFd,
     peer_said_bye: bool,
+    /// The pollers' count of polls when this thread last looked.
+    seen_polls: u64,
 }
 
 impl Engine {
@@ -32,6 +36,7 @@ impl Engine {
             sh,
             sock,
             peer_said_bye: false,
+            seen_polls: u64::MAX,
         }
     }
 
@@ -53,25 +58,37 @@ impl Engine {
                 return End::Local;
             }
             if !self.drives() {
-                // The pollers drive. This thread waits for the peer to leave, a disconnect, or
-                // a sleeper on the queue - and moves on sends that wait for a credit or ring
-                // space, which asked the peer for a doorbell, so that they go out even while
-                // nobody polls here. No other doorbell is needed.
+                // The pollers drive, and no doorbell from the peer is needed while they do.
+                // When they stop (no poll for IDLE) this thread assists: it asks the peer for
+                // doorbells and moves what they announce - messages into the posted receives,
+                // sends that waited for a credit or ring space - so that nothing waits for this
+                // side to poll again. The same for sends that wait, at once.
                 idle_since = None;
+                let polls = self.sh.polls.load(Ordering::Relaxed);
+                let assist = polls == self.seen_polls;
+                self.seen_polls = polls;
                 let work = {
                     let mut flow = self.sh.lock();
-                    if flow.blocked() {
+                    let help = assist || flow.blocked();
+                    if help {
                         let cq = &self.sh.report.cq;
                         flow.step(&self.sh.report, &mut |c| cq.push(c));
                     }
                     if let Some(end) = flow.failed {
                         return end;
                     }
-                    let blocked = flow.blocked();
-                    flow.set_sleeping(blocked);
-                    blocked && flow.has_work()
+                    let help = assist || flow.blocked();
+                    flow.set_sleeping(help);
+                    help && flow.has_work()
                 };
-                if let Err(end) = self.sleep(if work { Duration::ZERO } else { MAX_SLEEP }) {
+                let nap = if work {
+                    Duration::ZERO
+                } else if assist {
+                    MAX_SLEEP
+                } else {
+                    IDLE
+                };
+                if let Err(end) = self.sleep(nap) {
                     return end;
                 }
                 continue;

@@ -693,7 +693,13 @@ impl Shared {
                     c.consumed += 1;
                 }
                 let (status, len) = if e.seq == seq {
-                    (status, wc.byte_len)
+                    // The device's byte count means something only for a success.
+                    let len = if status == WcStatus::Success {
+                        wc.byte_len
+                    } else {
+                        0
+                    };
+                    (status, len)
                 } else {
                     (WcStatus::Flushed, 0)
                 };
@@ -1286,11 +1292,8 @@ fn retry_bound(opts: &ConnOptions) -> Duration {
 
 impl Engine {
     fn run(mut self) {
-        let end = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.main_loop()))
-        {
-            Ok(end) => end,
-            Err(_) => End::Failed(WcStatus::General),
-        };
+        let end =
+            crate::panic::catch(|| self.main_loop()).unwrap_or(End::Failed(WcStatus::General));
         self.teardown(end);
     }
 
