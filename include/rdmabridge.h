@@ -855,8 +855,10 @@ rbr_status rbr_listener_fd(const struct rbr_listener *l, int32_t *fd);
  * `rbr_last_error` is untouched) when no complete request is there yet. A request whose
  * handshake has only partly arrived stays with the listener for a later call; no peer is
  * dropped for being early. With a positive timeout, RBR_ERR_TIMEOUT when none came in time.
- * Requests beyond the listen backlog wait in the kernel (shm: the connecting side retries
- * until its own timeout; verbs: the RDMA CM turns them away and the connecting side fails).
+ * Requests beyond the listen backlog (not yet taken) get no answer: the connecting side's
+ * `rbr_connect` keeps trying (shm) or waits (verbs: the RDMA CM drops them) and fails with
+ * RBR_ERR_TIMEOUT when its own timeout ends, unless room is made before that (seen on
+ * soft-RoCE with a backlog of 1: the requests beyond it got no answer and timed out).
  *
  * # Safety
  * `l` live; `out` writable.
