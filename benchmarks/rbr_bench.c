@@ -14,8 +14,9 @@
  *         the time runs from the first post to that acknowledgement; a
  *         warm-up stream of a tenth of the messages comes first; prints MB/s
  *         (10^6 bytes per second, payload of one direction);
- *   rate  the same streaming with the message count of -m, meant for small
- *         sizes; prints messages per second.
+ *   rate  the same streaming, meant for small sizes; prints messages per
+ *         second.  Both send BYTES / SIZE messages, at most MSGS and at
+ *         least 100: they differ only in which figure leads the line.
  * Like the stock tools (ucx_perftest, fi_pingpong), both sides busy-poll
  * the completion queue with rbr_cq_poll (never rbr_cq_wait), send from one
  * buffer and receive into one buffer, and do not touch the payload.
@@ -26,7 +27,7 @@
  * connect, so the server sizes its buffers and queues before it accepts.
  *
  * Output: one line per measurement, for scripts:
- *   RESULT lat SIZE p50_us=X p99_us=X iters=N
+ *   RESULT lat SIZE p50_us=X p99_us=X avg_us=X iters=N
  *   RESULT bw SIZE mb_s=X msgs_s=X count=N window=W
  *   RESULT rate SIZE msgs_s=X mb_s=X count=N window=W
  *
@@ -40,9 +41,8 @@
  *              2,64,4096,65536,1048576)
  *   -n ITERS   timed round trips per lat measurement (default 10000);
  *              a tenth of that (at least 100) is the warm-up
- *   -m MSGS    messages per rate measurement (default 1000000)
- *   -b BYTES   bytes per bw measurement (default 1G): the message count is
- *              BYTES / SIZE, at least 100 and at most MSGS
+ *   -m MSGS    most messages per bw or rate measurement (default 1000000)
+ *   -b BYTES   bytes per bw measurement (default 1G); see above
  *   -w WINDOW  messages outstanding while streaming (default 64)
  *   -T SECS    give up (exit status 1) when a single wait for a completion,
  *              or the server's wait for a client, takes longer (default 30)
@@ -602,11 +602,18 @@ static int client_tests(struct peer *p, const struct bench_opts *o,
         if (o->tests & TEST_LAT) {
             uint64_t warm = o->iters / 10 < 100 ? 100 : o->iters / 10;
 
+            double sum = 0;
+            uint64_t i;
+
             if (run_lat(p, size, warm + o->iters, o->iters, rtt))
                 return -1;
-            printf("RESULT lat %zu p50_us=%.3f p99_us=%.3f iters=%llu\n",
+            for (i = 0; i < o->iters; i++)
+                sum += (double)rtt[i];
+            printf("RESULT lat %zu p50_us=%.3f p99_us=%.3f avg_us=%.3f "
+                   "iters=%llu\n",
                    size, (double)ex_percentile(rtt, o->iters, 50.0) / 2000.0,
                    (double)ex_percentile(rtt, o->iters, 99.0) / 2000.0,
+                   sum / (double)o->iters / 2000.0,
                    (unsigned long long)o->iters);
         }
         if (o->tests & (TEST_BW | TEST_RATE)) {
@@ -619,15 +626,12 @@ static int client_tests(struct peer *p, const struct bench_opts *o,
 
                 if (!(o->tests & (unsigned)which))
                     continue;
-                if (which == TEST_BW) {
-                    count = o->bytes / size;
-                    if (count < 100)
-                        count = 100;
-                    if (count > o->msgs)
-                        count = o->msgs;
-                } else {
+                /* BYTES worth, at most MSGS, at least 100. */
+                count = o->bytes / size;
+                if (count > o->msgs)
                     count = o->msgs;
-                }
+                if (count < 100)
+                    count = 100;
                 if (run_stream(p, size, count / 10 + 1, o->window, &ns) ||
                     run_stream(p, size, count, o->window, &ns))
                     return -1;
