@@ -5,7 +5,7 @@
 #   ucx:     UCX_TLS=posix,self ucx_perftest tag_lat, tag_bw (bandwidth and message rate),
 #            ucp_put_bw (one-sided puts, at the large sizes)
 #   fi:      fi_pingpong -p shm -e rdm (mean one-way latency)
-#   limits:  rbr_limits (memcpy at 1 and 64 MiB, cache-line round trip cpu0 <-> cpu1)
+#   limits:  rbr_limits (memcpy at 1 and 64 MiB on cpu1, cache-line round trip cpu0 <-> cpu1)
 # Every server runs on cpu0 and every client on cpu1 (taskset). Each round runs every tool once,
 # in turn (the order rotates between rounds), so drift and other load hit them alike. Absolute
 # numbers depend on what else the machine does; read the ratios.
@@ -88,12 +88,14 @@ shm_name="rbr-bench-$$"
 port=$((30000 + ($$ % 2000) * 10))
 
 # ------------------------------------------------------------------ process control
-servers=()
+# Servers and the client run in the background and are waited for, so that a signal is acted on
+# at once (bash runs a trap only after a foreground command ends).
+servers=() cpid=""
 cleanup() {
   local p
-  for p in "${servers[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${servers[@]}"; do wait "$p" 2>/dev/null || true; done
-  servers=()
+  for p in $cpid "${servers[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in $cpid "${servers[@]}"; do wait "$p" 2>/dev/null || true; done
+  servers=() cpid=""
 }
 trap cleanup EXIT
 trap 'echo "shm.sh: interrupted" >&2; exit 130' INT TERM HUP
@@ -128,7 +130,14 @@ end_server() {
   servers=("${servers[@]/$spid}")
   return $rc
 }
-client() { timeout "$tmo" taskset -c 1 "$@"; }
+client() {
+  local rc=0
+  timeout "$tmo" taskset -c 1 "$@" &
+  cpid=$!
+  wait "$cpid" || rc=$?
+  cpid=""
+  return $rc
+}
 fail() { echo "shm.sh: round $round: $*" >&2; }
 
 # ------------------------------------------------------------------ the runs
@@ -207,7 +216,7 @@ run_fi() {
 
 run_limits() {
   local log=$out/logs/r$round-limits.log
-  if timeout "$tmo" "$limits" -c 0,1 "${limits_args[@]}" >"$log" 2>&1; then
+  if client "$limits" -c 0,1 "${limits_args[@]}" >"$log" 2>&1; then
     awk -v r="$round" '$1 == "RESULT" { $1 = r; print }' "$log" >>"$raw"
   else
     fail "rbr_limits failed (see $log)"
