@@ -131,6 +131,7 @@ def main():
                 what, human(size), ol, fmt(o), tl, fmt(t), unit,
                 "n/a" if ratio is None else "%.2f" % ratio,
                 "%s is better%s" % (better, "" if ratio is None or what == "limit" else
+                                    ", even at this precision" if abs(ratio - 1) < 0.005 else
                                     (", ours ahead" if ours_better == "yes" else
                                      ", theirs ahead"))))
     p99 = [(s, med("ours", "lat", s, "p99_us")[0]) for s in sizes("ours", "lat")]
@@ -193,7 +194,10 @@ def main():
         "set output '%s'" % os.path.join(out, "shm.png").replace("'", ""),
         "set multiplot layout 1,2 title '%s (medians of %d round(s))'" % (
             title.replace("'", ""), len(rounds)),
-        "set logscale x 2", "set format x '%.0s%cB'", "set grid", "set key top left",
+        "set logscale x 2", "set grid", "set key top left",
+        # Tics at the sizes measured, named in binary units.
+        "set xtics (%s)" % ", ".join('"%s" %d' % (human(s), s) for s in sorted(
+            {k[2] for k in vals if k[0] in ("ours", "ucx", "fi")})),
         "set xlabel 'message size'",
         "set logscale y 10", "set ylabel 'one-way latency (us), lower is better'",
         "set title 'latency'",
