@@ -6,9 +6,11 @@
 #            ucp_put_bw (one-sided puts, at the large sizes)
 #   fi:      fi_pingpong -p shm -e rdm (mean one-way latency)
 #   limits:  rbr_limits (memcpy at 1 and 64 MiB on cpu1, cache-line round trip cpu0 <-> cpu1)
-# Every server runs on cpu0 and every client on cpu1 (taskset). Each round runs every tool once,
-# in turn (the order rotates between rounds), so drift and other load hit them alike. Absolute
-# numbers depend on what else the machine does; read the ratios.
+# Every server runs on cpu0 and every client on cpu1 (taskset). In each round, every measurement
+# of ours runs right next to the anchors' measurements of the same kind and size (the order
+# rotating), so drift and other load hit them alike; the ratios pair the runs of each round and
+# take the median over rounds. Absolute numbers depend on what else the machine does (other
+# builds, VMs): read the ratios.
 #
 # Usage: benchmarks/shm.sh [--quick] [--out DIR] [ROUNDS]
 #   --quick   two sizes per test, tiny counts (for CI: proves the pipeline, well under a minute
@@ -81,7 +83,7 @@ stream_count() { local c=$((bw_bytes / $1)); [ $c -le $max_msgs ] || c=$max_msgs
 mkdir -p "$out/logs"
 raw=$out/raw.txt
 : >"$raw"
-rm -f "$out"/logs/*.log "$out/shm.png"
+rm -f "$out"/logs/* "$out/shm.png"
 shm_name="rbr-bench-$$"
 # TCP ports for the anchors' control connections on 127.0.0.1: our own block, skipping any that
 # is taken.
@@ -144,8 +146,9 @@ fail() { echo "shm.sh: round $round: $*" >&2; }
 # ours TESTS SIZES...: one server, one client, every test at every size over one connection.
 run_ours() {
   local tests=$1; shift
-  local sizes log=$out/logs/r$round-ours-${tests//,/-}.log i
+  local sizes log i
   sizes=$(join "$@")
+  log=$out/logs/r$round-ours-${tests//,/-}-${sizes//,/-}.log
   start_server "$log.server" "$bench" -r server -a "shm://$shm_name" -T 30
   for i in $(seq 100); do
     grep -q '^listening' "$log.server" 2>/dev/null && break
@@ -164,8 +167,9 @@ run_ours() {
 
 # ucx TEST SIZE N WARMUP: one server and client; records p50/mean latency or bandwidth and rate.
 # ucx_perftest prints MB/s with MB = 2^20 bytes: converted here to 10^6 bytes.
+# run_ucx TEST SIZE N WARMUP [NAME]: NAME (default TEST) is what raw.txt calls the result.
 run_ucx() {
-  local test=$1 size=$2 n=$3 warm=$4 log=$out/logs/r$round-ucx-$1-$2.log try line
+  local test=$1 size=$2 n=$3 warm=$4 name=${5:-$1} log=$out/logs/r$round-ucx-${5:-$1}-$2.log try line
   for try in 1 2; do
     next_port
     start_server "$log.server" env UCX_TLS=posix,self ucx_perftest -p "$port" -c 0
@@ -180,7 +184,7 @@ run_ucx() {
           tag_lat) line=${line% mb_s=*} ;;
           *) line=${line#* avg_us=* } ;;
         esac
-        echo "$round ucx $test $size $line" >>"$raw"
+        echo "$round ucx $name $size $line" >>"$raw"
         return 0
       fi
     else
@@ -223,34 +227,49 @@ run_limits() {
   fi
 }
 
-step_ours() {
-  run_ours lat "${lat_sizes[@]}"
-  run_ours bw "${bw_sizes[@]}"
-  run_ours rate "${rate_sizes[@]}"
-}
-step_ucx() {
-  local s c
-  for s in "${lat_sizes[@]}"; do run_ucx tag_lat "$s" "$lat_n" "$ucx_lat_warm"; done
-  for s in "${bw_sizes[@]}" "${rate_sizes[@]}"; do
-    c=$(stream_count "$s"); run_ucx tag_bw "$s" "$c" $((c / 10 + 1))
-  done
-  for s in "${put_sizes[@]}"; do
-    c=$(stream_count "$s"); run_ucx ucp_put_bw "$s" "$c" $((c / 10 + 1))
+# Each measurement of ours runs right next to the anchors' measurements of the same kind and size,
+# the order rotating with the size and the round, so that a change in the machine's load between
+# them is as short-lived as it can be; the report pairs them round by round.
+# in_turn K CMD...: runs the commands (strings) starting with the K-th, wrapping around.
+in_turn() {
+  local k=$1; shift
+  local cmds=("$@") i
+  for i in $(seq 0 $((${#cmds[@]} - 1))); do
+    eval "${cmds[$(((k + i) % ${#cmds[@]}))]}"
   done
 }
-step_fi() { local s; for s in "${lat_sizes[@]}"; do run_fi "$s"; done; }
-steps=(step_ours step_ucx step_fi run_limits)
+# pair_all KIND SIZES...: for every size, ours and the anchors of KIND (lat, bw or rate).
+pair_all() {
+  local kind=$1; shift
+  local s c k=$round cmds
+  for s in "$@"; do
+    c=$(stream_count "$s")
+    case $kind in
+      lat) cmds=("run_ours lat $s" "run_ucx tag_lat $s $lat_n $ucx_lat_warm" "run_fi $s") ;;
+      bw) cmds=("run_ours bw $s" "run_ucx tag_bw $s $c $((c / 10 + 1))")
+          if [[ " ${put_sizes[*]} " == *" $s "* ]]; then
+            cmds+=("run_ucx ucp_put_bw $s $c $((c / 10 + 1))")
+          fi ;;
+      # ucx tag_bw again, its message rate recorded as tag_mr
+      rate) cmds=("run_ours rate $s" "run_ucx tag_bw $s $c $((c / 10 + 1)) tag_mr") ;;
+    esac
+    in_turn $k "${cmds[@]}"
+    k=$((k + 1))
+  done
+}
 
 vm_note="no VM running"
 if pgrep -f qemu-system >/dev/null 2>&1; then vm_note="a qemu VM was running at the start"; fi
 echo "shm.sh: $rounds round(s)$([ "$quick" = 1 ] && echo ", quick"); $vm_note; results in $out"
 for round in $(seq "$rounds"); do
-  # Rotate the order, so no tool always runs first or last.
-  for k in $(seq 0 $((${#steps[@]} - 1))); do
-    step=${steps[$(((k + round - 1) % ${#steps[@]}))]}
-    echo "shm.sh: round $round/$rounds: ${step#*_}"
-    $step
-  done
+  echo "shm.sh: round $round/$rounds: latency"
+  pair_all lat "${lat_sizes[@]}"
+  echo "shm.sh: round $round/$rounds: bandwidth"
+  pair_all bw "${bw_sizes[@]}"
+  echo "shm.sh: round $round/$rounds: message rate"
+  pair_all rate "${rate_sizes[@]}"
+  echo "shm.sh: round $round/$rounds: limits"
+  run_limits
 done
 if pgrep -f qemu-system >/dev/null 2>&1; then vm_note="$vm_note; a qemu VM was running at the end"; fi
 

@@ -21,6 +21,7 @@ from collections import defaultdict
 
 def load(path):
     vals = defaultdict(list)  # (tool, test, size, key) -> [values, one per round]
+    byr = defaultdict(dict)   # (tool, test, size, key) -> {round: value}
     rows = []
     with open(path) as f:
         for line in f:
@@ -37,8 +38,9 @@ def load(path):
                 except ValueError:
                     continue
                 vals[(tool, test, size, k)].append(x)
+                byr[(tool, test, size, k)][rnd] = x
                 rows.append((rnd, tool, test, size, k, x))
-    return vals, rows
+    return vals, byr, rows
 
 
 def human(size):
@@ -51,7 +53,7 @@ def human(size):
 
 def main():
     out, title = sys.argv[1], sys.argv[2]
-    vals, rows = load(os.path.join(out, "raw.txt"))
+    vals, byr, rows = load(os.path.join(out, "raw.txt"))
 
     def med(tool, test, size, key):
         v = vals.get((tool, test, size, key))
@@ -64,14 +66,20 @@ def main():
 
     def add(what, size, okey, ours_tool, ours_test, tkey, tool, test, tlabel, unit, lower,
             oscale=1.0, tscale=1.0, tsize=None, olabel=None):
+        tsz = size if tsize is None else tsize
         o, no = med(ours_tool, ours_test, size, okey)
-        t, nt = med(tool, test, size if tsize is None else tsize, tkey)
+        t, nt = med(tool, test, tsz, tkey)
         if o is None and t is None:
             return
+        # The ratio pairs the two measurements of each round (they ran minutes apart at most,
+        # under the same load), then takes the median over rounds.
+        ob, tb = byr.get((ours_tool, ours_test, size, okey), {}), byr.get((tool, test, tsz, tkey), {})
+        pairs = [ob[r] * oscale / (tb[r] * tscale) for r in ob if r in tb and tb[r] > 0]
         comps.append((what, size, olabel or ("ours " + okey.split("_")[0] if what == "lat"
                                              else "ours " + what),
                       None if o is None else o * oscale, tlabel,
-                      None if t is None else t * tscale, unit, lower, no, nt))
+                      None if t is None else t * tscale, unit, lower, no, nt,
+                      statistics.median(pairs) if pairs else None, len(pairs)))
 
     for s in sizes("ours", "lat"):
         add("lat", s, "p50_us", "ours", "lat", "p50_us", "ucx", "tag_lat",
@@ -84,7 +92,7 @@ def main():
             add("bw", s, "mb_s", "ours", "bw", "mb_s", "ucx", "ucp_put_bw", "ucx ucp_put_bw",
                 "MB/s", False)
     for s in sizes("ours", "rate"):
-        add("rate", s, "msgs_s", "ours", "rate", "msgs_s", "ucx", "tag_bw", "ucx tag_bw",
+        add("rate", s, "msgs_s", "ours", "rate", "msgs_s", "ucx", "tag_mr", "ucx tag_bw",
             "msg/s", False)
     # Against the machine's limits: one-way latency floor = half a cache-line round trip;
     # copying bandwidth = one memcpy (shm moves every byte at least once).
@@ -101,7 +109,9 @@ def main():
                     olabel="ours bw")
 
     rounds = sorted({r[0] for r in rows}, key=int)
-    lines = ["%s: medians of %d round(s); ratio = ours / theirs" % (title, len(rounds)), ""]
+    lines = ["%s" % title,
+             "values: medians of %d round(s); ratio: median over rounds of ours / theirs measured "
+             "side by side in the same round" % len(rounds), ""]
     hdr = "%-5s %8s  %-15s %12s  %-20s %12s  %-6s %7s  %s" % (
         "test", "size", "ours", "value", "theirs", "value", "unit", "ratio", "better")
     lines += [hdr, "-" * len(hdr)]
@@ -119,14 +129,13 @@ def main():
         w = csv.writer(f)
         w.writerow(["test", "size", "ours", "ours_median", "ours_rounds", "theirs",
                      "theirs_median", "theirs_rounds", "unit", "ratio_ours_over_theirs",
-                     "better", "ours_is_better"])
-        for (what, size, ol, o, tl, t, unit, lower, no, nt) in comps:
-            ratio = o / t if o is not None and t not in (None, 0) else None
+                     "ratio_rounds", "better", "ours_is_better"])
+        for (what, size, ol, o, tl, t, unit, lower, no, nt, ratio, nr) in comps:
             better = "lower" if lower else "higher"
             ours_better = "" if ratio is None else ("yes" if (ratio < 1) == lower else "no")
             w.writerow([what, size, ol, "" if o is None else "%.6g" % o, no, tl,
                         "" if t is None else "%.6g" % t, nt, unit,
-                        "" if ratio is None else "%.4f" % ratio, better, ours_better])
+                        "" if ratio is None else "%.4f" % ratio, nr, better, ours_better])
             lines.append("%-5s %8s  %-15s %12s  %-20s %12s  %-6s %7s  %s" % (
                 what, human(size), ol, fmt(o), tl, fmt(t), unit,
                 "n/a" if ratio is None else "%.2f" % ratio,
