@@ -258,10 +258,13 @@ pair_all() {
   done
 }
 
-vm_note="no VM running"
-if pgrep -f qemu-system >/dev/null 2>&1; then vm_note="a qemu VM was running at the start"; fi
-echo "shm.sh: $rounds round(s)$([ "$quick" = 1 ] && echo ", quick"); $vm_note; results in $out"
+# Other engineers' qemu VMs take cpu time: note every round that had one at its start or end.
+vm_running() { pgrep -f qemu-system >/dev/null 2>&1; }
+vm_rounds=0
+echo "shm.sh: $rounds round(s)$([ "$quick" = 1 ] && echo ", quick"); results in $out"
 for round in $(seq "$rounds"); do
+  vm=0
+  if vm_running; then vm=1; echo "shm.sh: round $round/$rounds: a qemu VM is running"; fi
   echo "shm.sh: round $round/$rounds: latency"
   pair_all lat "${lat_sizes[@]}"
   echo "shm.sh: round $round/$rounds: bandwidth"
@@ -270,8 +273,14 @@ for round in $(seq "$rounds"); do
   pair_all rate "${rate_sizes[@]}"
   echo "shm.sh: round $round/$rounds: limits"
   run_limits
+  if vm_running; then vm=1; echo "shm.sh: round $round/$rounds: a qemu VM is running"; fi
+  vm_rounds=$((vm_rounds + vm))
 done
-if pgrep -f qemu-system >/dev/null 2>&1; then vm_note="$vm_note; a qemu VM was running at the end"; fi
+if [ "$vm_rounds" -eq 0 ]; then
+  vm_note="no qemu VM running at any round's start or end"
+else
+  vm_note="a qemu VM running in $vm_rounds of $rounds round(s)"
+fi
 
 # ------------------------------------------------------------------ report
 title="rdmabridge shm vs UCX / libfabric, $(date -u +%Y-%m-%dT%H:%MZ), $vm_note"
