@@ -277,7 +277,7 @@ for round in $(seq "$rounds"); do
   vm_rounds=$((vm_rounds + vm))
 done
 if [ "$vm_rounds" -eq 0 ]; then
-  vm_note="no qemu VM running at any round's start or end"
+  vm_note="no qemu VM running at the start or end of any round"
 else
   vm_note="a qemu VM running in $vm_rounds of $rounds round(s)"
 fi
