@@ -1,0 +1,289 @@
+#!/usr/bin/env bash
+# Shared-memory benchmark, side by side: rdmabridge's shm transport (benchmarks/rbr_bench.c)
+# against the stock tools of BENCH-ANCHORS.md, in the same run, with the machine's limits.
+#   ours:    rbr_bench lat (p50, p99, mean one-way), bw (MB/s), rate (messages/s)
+#   ucx:     UCX_TLS=posix,self ucx_perftest tag_lat, tag_bw (bandwidth and message rate),
+#            ucp_put_bw (one-sided puts, at the large sizes)
+#   fi:      fi_pingpong -p shm -e rdm (mean one-way latency)
+#   limits:  rbr_limits (memcpy at 1 and 64 MiB on cpu1, cache-line round trip cpu0 <-> cpu1)
+# Every server runs on cpu0 and every client on cpu1 (taskset). In each round, every measurement
+# of ours runs right next to the anchors' measurements of the same kind and size (the order
+# rotating), so drift and other load hit them alike; the ratios pair the runs of each round and
+# take the median over rounds. Absolute numbers depend on what else the machine does (other
+# builds, VMs): read the ratios.
+#
+# Usage: benchmarks/shm.sh [--quick] [--out DIR] [ROUNDS]
+#   --quick   two sizes per test, tiny counts (for CI: proves the pipeline, well under a minute
+#             once built); 1 round unless ROUNDS says otherwise
+#   --out DIR results directory (default benchmarks/results, ignored by git)
+#   ROUNDS    rounds (default 3)
+# Writes into DIR: table.txt (printed at the end), results.csv (medians and ratios),
+# rounds.csv (every measurement), raw.txt, shm.png (latency and bandwidth against size),
+# logs/ (every tool's output).
+# Needs root or sudo for apt (installs what is missing), cargo, and 2 or more cpus.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+quick=0 rounds="" out="$root/benchmarks/results"
+while [ $# -gt 0 ]; do
+  case $1 in
+    --quick) quick=1 ;;
+    --out) out=${2:?--out needs a directory}; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *[!0-9]*|"") echo "shm.sh: bad argument '$1'" >&2; exit 2 ;;
+    *) rounds=$1 ;;
+  esac
+  shift
+done
+[ -n "$rounds" ] || rounds=$([ "$quick" = 1 ] && echo 1 || echo 3)
+[ "$rounds" -ge 1 ] || { echo "shm.sh: ROUNDS must be 1 or more" >&2; exit 2; }
+[ "$(nproc)" -ge 2 ] || { echo "shm.sh: needs 2 cpus (server on cpu0, client on cpu1)" >&2; exit 1; }
+started=$(date +%s)
+
+# ------------------------------------------------------------------ what it needs
+bash scripts/setup.sh
+packages=(ucx-utils libfabric-bin gnuplot-nox python3 iproute2 util-linux coreutils)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "shm.sh: installing ${missing[*]}"
+  timeout 600 $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive timeout 900 $SUDO apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+
+build=$root/build-shm-bench
+echo "shm.sh: building (cargo release, cmake Release in $build)"
+timeout 1800 cargo build --release --quiet
+timeout 300 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+timeout 900 cmake --build "$build" -j2 --target rbr_bench rbr_limits >/dev/null
+bench=$build/rbr_bench limits=$build/rbr_limits
+
+# ------------------------------------------------------------------ plan
+if [ "$quick" = 1 ]; then
+  lat_sizes=(2 4096) bw_sizes=(4096 65536) rate_sizes=(2) put_sizes=(65536)
+  lat_n=300 ucx_lat_warm=30 bw_bytes=$((8 << 20)) max_msgs=20000 fi_n=300
+  limits_args=(-n 20000 -r 1) tmo=30
+else
+  lat_sizes=(2 64 1024 4096 65536 1048576)
+  bw_sizes=(64 1024 4096 16384 65536 262144 1048576)
+  rate_sizes=(2 64) put_sizes=(65536 1048576)
+  lat_n=10000 ucx_lat_warm=1000 bw_bytes=$((1 << 30)) max_msgs=1000000 fi_n=10000
+  limits_args=(-n 1000000 -r 5) tmo=180
+fi
+join() { local IFS=,; echo "$*"; }
+# Messages per streaming run, as rbr_bench counts them: BYTES / SIZE, at most MAX, at least 100.
+stream_count() { local c=$((bw_bytes / $1)); [ $c -le $max_msgs ] || c=$max_msgs; [ $c -ge 100 ] || c=100; echo $c; }
+
+mkdir -p "$out/logs"
+raw=$out/raw.txt
+: >"$raw"
+rm -f "$out"/logs/* "$out/shm.png"
+shm_name="rbr-bench-$$"
+# TCP ports for the anchors' control connections on 127.0.0.1: our own block, skipping any that
+# is taken.
+port=$((30000 + ($$ % 2000) * 10))
+
+# ------------------------------------------------------------------ process control
+# Servers and the client run in the background and are waited for, so that a signal is acted on
+# at once (bash runs a trap only after a foreground command ends).
+servers=() cpid=""
+cleanup() {
+  local p
+  for p in $cpid "${servers[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in $cpid "${servers[@]}"; do wait "$p" 2>/dev/null || true; done
+  servers=() cpid=""
+}
+trap cleanup EXIT
+trap 'echo "shm.sh: interrupted" >&2; exit 130' INT TERM HUP
+
+next_port() {
+  port=$((port + 1))
+  while ss -Htan "( sport = :$port or dport = :$port )" 2>/dev/null | grep -q .; do
+    port=$((port + 1))
+  done
+}
+# wait_listen PORT PID: until something listens on PORT, or PID is gone, or 10 s passed.
+wait_listen() {
+  local i
+  for i in $(seq 100); do
+    ss -Htln "sport = :$1" 2>/dev/null | grep -q . && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.1
+  done
+  return 1
+}
+# start_server LOG CMD...: on cpu0, in the background; sets $spid.
+start_server() {
+  local log=$1; shift
+  timeout "$tmo" taskset -c 0 "$@" >"$log" 2>&1 &
+  spid=$!
+  servers+=("$spid")
+}
+# end_server: waits for the last server (bounded by its timeout); returns its status.
+end_server() {
+  local rc=0
+  wait "$spid" || rc=$?
+  servers=("${servers[@]/$spid}")
+  return $rc
+}
+client() {
+  local rc=0
+  timeout "$tmo" taskset -c 1 "$@" &
+  cpid=$!
+  wait "$cpid" || rc=$?
+  cpid=""
+  return $rc
+}
+fail() { echo "shm.sh: round $round: $*" >&2; }
+
+# ------------------------------------------------------------------ the runs
+# ours TESTS SIZES...: one server, one client, every test at every size over one connection.
+run_ours() {
+  local tests=$1; shift
+  local sizes log i
+  sizes=$(join "$@")
+  log=$out/logs/r$round-ours-${tests//,/-}-${sizes//,/-}.log
+  start_server "$log.server" "$bench" -r server -a "shm://$shm_name" -T 30
+  for i in $(seq 100); do
+    grep -q '^listening' "$log.server" 2>/dev/null && break
+    kill -0 "$spid" 2>/dev/null || break
+    sleep 0.05
+  done
+  if client "$bench" -r client -a "shm://$shm_name" -t "$tests" -s "$sizes" -n "$lat_n" \
+      -m "$max_msgs" -b "$bw_bytes" -T 30 >"$log" 2>&1 && end_server; then
+    awk -v r="$round" '$1 == "RESULT" { $1 = r " ours"; print }' "$log" >>"$raw"
+  else
+    kill "$spid" 2>/dev/null || true
+    end_server || true
+    fail "rbr_bench $tests failed (see $log)"
+  fi
+}
+
+# ucx TEST SIZE N WARMUP: one server and client; records p50/mean latency or bandwidth and rate.
+# ucx_perftest prints MB/s with MB = 2^20 bytes: converted here to 10^6 bytes.
+# run_ucx TEST SIZE N WARMUP [NAME]: NAME (default TEST) is what raw.txt calls the result.
+run_ucx() {
+  local test=$1 size=$2 n=$3 warm=$4 name=${5:-$1} log=$out/logs/r$round-ucx-${5:-$1}-$2.log try line
+  for try in 1 2; do
+    next_port
+    start_server "$log.server" env UCX_TLS=posix,self ucx_perftest -p "$port" -c 0
+    if wait_listen "$port" "$spid" &&
+        client env UCX_TLS=posix,self ucx_perftest 127.0.0.1 -p "$port" -c 1 -t "$test" \
+          -s "$size" -n "$n" -w "$warm" -f -v >"$log" 2>&1 && end_server; then
+      line=$(awk -F, '/^iterations,/ { for (i = 1; i <= NF; i++) h[$i] = i; getline;
+          printf "p50_us=%s avg_us=%s mb_s=%.1f msgs_s=%s\n", $h["50.0_percentile_lat"],
+            $h["overall_lat"], $h["overall_bw"] * 1.048576, $h["overall_mr"]; exit }' "$log")
+      if [ -n "$line" ]; then
+        case $test in
+          tag_lat) line=${line% mb_s=*} ;;
+          *) line=${line#* avg_us=* } ;;
+        esac
+        echo "$round ucx $name $size $line" >>"$raw"
+        return 0
+      fi
+    else
+      kill "$spid" 2>/dev/null || true
+      end_server || true
+    fi
+    fail "ucx_perftest $test $size try $try failed: $(tail -n 2 "$log" | tr '\n' ' ')"
+  done
+}
+
+# fi_pingpong SIZE: one server and client; its usec/xfer is the mean one-way latency.
+run_fi() {
+  local size=$1 log=$out/logs/r$round-fi-$1.log try us
+  for try in 1 2; do
+    next_port
+    start_server "$log.server" fi_pingpong -p shm -e rdm -S "$size" -I "$fi_n" -B "$port"
+    if wait_listen "$port" "$spid" &&
+        client fi_pingpong -p shm -e rdm -S "$size" -I "$fi_n" -P "$port" 127.0.0.1 \
+          >"$log" 2>&1 && end_server; then
+      # The row under the header; its size column reads 4k, 1m, ...
+      us=$(awk '$1 == "bytes" && $7 == "usec/xfer" { getline; print $7; exit }' "$log")
+      if [ -n "$us" ]; then
+        echo "$round fi pingpong $size avg_us=$us" >>"$raw"
+        return 0
+      fi
+    else
+      kill "$spid" 2>/dev/null || true
+      end_server || true
+    fi
+    fail "fi_pingpong $size try $try failed: $(tail -n 2 "$log" | tr '\n' ' ')"
+  done
+}
+
+run_limits() {
+  local log=$out/logs/r$round-limits.log
+  if client "$limits" -c 0,1 "${limits_args[@]}" >"$log" 2>&1; then
+    awk -v r="$round" '$1 == "RESULT" { $1 = r; print }' "$log" >>"$raw"
+  else
+    fail "rbr_limits failed (see $log)"
+  fi
+}
+
+# Each measurement of ours runs right next to the anchors' measurements of the same kind and size,
+# the order rotating with the size and the round, so that a change in the machine's load between
+# them is as short-lived as it can be; the report pairs them round by round.
+# in_turn K CMD...: runs the commands (strings) starting with the K-th, wrapping around.
+in_turn() {
+  local k=$1; shift
+  local cmds=("$@") i
+  for i in $(seq 0 $((${#cmds[@]} - 1))); do
+    eval "${cmds[$(((k + i) % ${#cmds[@]}))]}"
+  done
+}
+# pair_all KIND SIZES...: for every size, ours and the anchors of KIND (lat, bw or rate).
+pair_all() {
+  local kind=$1; shift
+  local s c k=$round cmds
+  for s in "$@"; do
+    c=$(stream_count "$s")
+    case $kind in
+      lat) cmds=("run_ours lat $s" "run_ucx tag_lat $s $lat_n $ucx_lat_warm" "run_fi $s") ;;
+      bw) cmds=("run_ours bw $s" "run_ucx tag_bw $s $c $((c / 10 + 1))")
+          if [[ " ${put_sizes[*]} " == *" $s "* ]]; then
+            cmds+=("run_ucx ucp_put_bw $s $c $((c / 10 + 1))")
+          fi ;;
+      # ucx tag_bw again, its message rate recorded as tag_mr
+      rate) cmds=("run_ours rate $s" "run_ucx tag_bw $s $c $((c / 10 + 1)) tag_mr") ;;
+    esac
+    in_turn $k "${cmds[@]}"
+    k=$((k + 1))
+  done
+}
+
+# Other engineers' qemu VMs take cpu time: note every round that had one at its start or end.
+vm_running() { pgrep -f qemu-system >/dev/null 2>&1; }
+vm_rounds=0
+echo "shm.sh: $rounds round(s)$([ "$quick" = 1 ] && echo ", quick"); results in $out"
+for round in $(seq "$rounds"); do
+  vm=0
+  if vm_running; then vm=1; echo "shm.sh: round $round/$rounds: a qemu VM is running"; fi
+  echo "shm.sh: round $round/$rounds: latency"
+  pair_all lat "${lat_sizes[@]}"
+  echo "shm.sh: round $round/$rounds: bandwidth"
+  pair_all bw "${bw_sizes[@]}"
+  echo "shm.sh: round $round/$rounds: message rate"
+  pair_all rate "${rate_sizes[@]}"
+  echo "shm.sh: round $round/$rounds: limits"
+  run_limits
+  if vm_running; then vm=1; echo "shm.sh: round $round/$rounds: a qemu VM is running"; fi
+  vm_rounds=$((vm_rounds + vm))
+done
+if [ "$vm_rounds" -eq 0 ]; then
+  vm_note="no qemu VM running at the start or end of any round"
+else
+  vm_note="a qemu VM running in $vm_rounds of $rounds round(s)"
+fi
+
+# ------------------------------------------------------------------ report
+title="rdmabridge shm vs UCX / libfabric, $(date -u +%Y-%m-%dT%H:%MZ), $vm_note"
+timeout 60 /usr/bin/python3 benchmarks/shm_report.py "$out" "$title"
+timeout 60 gnuplot "$out/plot.gp" && echo "plot: $out/shm.png"
+echo "shm.sh: done in $(($(date +%s) - started)) s"

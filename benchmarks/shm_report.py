@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Summarises benchmarks/shm.sh's raw results: medians across rounds, ours / theirs ratios.
+
+Usage: shm_report.py RESULTS_DIR TITLE
+
+Reads RESULTS_DIR/raw.txt, lines of "ROUND TOOL TEST SIZE key=value ...", for example
+    2 ours lat 64 p50_us=0.28 p99_us=0.39 avg_us=0.30
+    2 ucx tag_bw 65536 mb_s=13000.0 msgs_s=198000
+and writes into RESULTS_DIR:
+    table.txt    the table (also printed on stdout)
+    results.csv  one row per comparison: medians, ratio, which direction is better
+    rounds.csv   every measurement of every round
+    plot.dat / plot.gp  what gnuplot draws into shm.png (run by shm.sh)
+"""
+import csv
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+
+def load(path):
+    vals = defaultdict(list)  # (tool, test, size, key) -> [values, one per round]
+    byr = defaultdict(dict)   # (tool, test, size, key) -> {round: value}
+    rows = []
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 5:
+                continue
+            rnd, tool, test, size = parts[0], parts[1], parts[2], int(parts[3])
+            for kv in parts[4:]:
+                if "=" not in kv:
+                    continue
+                k, v = kv.split("=", 1)
+                try:
+                    x = float(v)
+                except ValueError:
+                    continue
+                vals[(tool, test, size, k)].append(x)
+                byr[(tool, test, size, k)][rnd] = x
+                rows.append((rnd, tool, test, size, k, x))
+    return vals, byr, rows
+
+
+def human(size):
+    if size >= 1 << 20 and size % (1 << 20) == 0:
+        return "%d MiB" % (size >> 20)
+    if size >= 1024 and size % 1024 == 0:
+        return "%d KiB" % (size >> 10)
+    return "%d B" % size
+
+
+def main():
+    out, title = sys.argv[1], sys.argv[2]
+    vals, byr, rows = load(os.path.join(out, "raw.txt"))
+
+    def med(tool, test, size, key):
+        v = vals.get((tool, test, size, key))
+        return (statistics.median(v), len(v)) if v else (None, 0)
+
+    def sizes(tool, test):
+        return sorted({k[2] for k in vals if k[0] == tool and k[1] == test})
+
+    comps = []  # (what, size, ours_label, ours, theirs_label, theirs, unit, lower_better, n_ours, n_theirs)
+
+    def add(what, size, okey, ours_tool, ours_test, tkey, tool, test, tlabel, unit, lower,
+            oscale=1.0, tscale=1.0, tsize=None, olabel=None):
+        tsz = size if tsize is None else tsize
+        o, no = med(ours_tool, ours_test, size, okey)
+        t, nt = med(tool, test, tsz, tkey)
+        if o is None and t is None:
+            return
+        # The ratio pairs the two measurements of each round (they ran minutes apart at most,
+        # under the same load), then takes the median over rounds.
+        ob, tb = byr.get((ours_tool, ours_test, size, okey), {}), byr.get((tool, test, tsz, tkey), {})
+        pairs = [ob[r] * oscale / (tb[r] * tscale) for r in ob if r in tb and tb[r] > 0]
+        comps.append((what, size, olabel or ("ours " + okey.split("_")[0] if what == "lat"
+                                             else "ours " + what),
+                      None if o is None else o * oscale, tlabel,
+                      None if t is None else t * tscale, unit, lower, no, nt,
+                      statistics.median(pairs) if pairs else None, len(pairs)))
+
+    for s in sizes("ours", "lat"):
+        add("lat", s, "p50_us", "ours", "lat", "p50_us", "ucx", "tag_lat",
+            "ucx tag_lat p50", "us", True)
+        add("lat", s, "avg_us", "ours", "lat", "avg_us", "fi", "pingpong",
+            "fi_pingpong avg", "us", True)
+    for s in sizes("ours", "bw"):
+        add("bw", s, "mb_s", "ours", "bw", "mb_s", "ucx", "tag_bw", "ucx tag_bw", "MB/s", False)
+        if ("ucx", "ucp_put_bw", s, "mb_s") in vals:
+            add("bw", s, "mb_s", "ours", "bw", "mb_s", "ucx", "ucp_put_bw", "ucx ucp_put_bw",
+                "MB/s", False)
+    for s in sizes("ours", "rate"):
+        add("rate", s, "msgs_s", "ours", "rate", "msgs_s", "ucx", "tag_mr", "ucx tag_bw",
+            "msg/s", False)
+    # Against the machine's limits: one-way latency floor = half a cache-line round trip;
+    # copying bandwidth = one memcpy (shm moves every byte at least once).
+    lat_small = sizes("ours", "lat")
+    if lat_small:
+        s = lat_small[0]
+        add("limit", s, "p50_us", "ours", "lat", "ns", "limits", "line_rtt",
+            "half cache-line RTT", "us", True, tscale=0.5e-3, tsize=64, olabel="ours lat p50")
+    for s in (1 << 20,):
+        if ("ours", "bw", s, "mb_s") in vals:
+            for ms in (1 << 20, 64 << 20):
+                add("limit", s, "mb_s", "ours", "bw", "gb_s", "limits", "memcpy",
+                    "memcpy %s" % human(ms), "MB/s", False, tscale=1000.0, tsize=ms,
+                    olabel="ours bw")
+
+    rounds = sorted({r[0] for r in rows}, key=int)
+    lines = ["%s" % title,
+             "values: medians of %d round(s); ratio: median over rounds of ours / theirs measured "
+             "side by side in the same round" % len(rounds), ""]
+    hdr = "%-5s %8s  %-15s %12s  %-20s %12s  %-6s %7s  %s" % (
+        "test", "size", "ours", "value", "theirs", "value", "unit", "ratio", "better")
+    lines += [hdr, "-" * len(hdr)]
+
+    def fmt(x):
+        if x is None:
+            return "n/a"
+        if x >= 1000:
+            return "%.0f" % x
+        if x >= 10:
+            return "%.1f" % x
+        return "%.3f" % x
+
+    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["test", "size", "ours", "ours_median", "ours_rounds", "theirs",
+                     "theirs_median", "theirs_rounds", "unit", "ratio_ours_over_theirs",
+                     "ratio_rounds", "better", "ours_is_better"])
+        for (what, size, ol, o, tl, t, unit, lower, no, nt, ratio, nr) in comps:
+            better = "lower" if lower else "higher"
+            ours_better = "" if ratio is None else ("yes" if (ratio < 1) == lower else "no")
+            w.writerow([what, size, ol, "" if o is None else "%.6g" % o, no, tl,
+                        "" if t is None else "%.6g" % t, nt, unit,
+                        "" if ratio is None else "%.4f" % ratio, nr, better, ours_better])
+            lines.append("%-5s %8s  %-15s %12s  %-20s %12s  %-6s %7s  %s" % (
+                what, human(size), ol, fmt(o), tl, fmt(t), unit,
+                "n/a" if ratio is None else "%.2f" % ratio,
+                "%s is better%s" % (better, "" if ratio is None or what == "limit" else
+                                    ", even at this precision" if abs(ratio - 1) < 0.005 else
+                                    (", ours ahead" if ours_better == "yes" else
+                                     ", theirs ahead"))))
+    p99 = [(s, med("ours", "lat", s, "p99_us")[0]) for s in sizes("ours", "lat")]
+    if p99:
+        lines += ["", "ours lat p99 (us): " + ", ".join("%s %s" % (human(s), fmt(v))
+                                                      for s, v in p99)]
+    lines.append("limits (median): " + ", ".join(
+        "%s %s" % (lbl, fmt(med("limits", test, s, k)[0]))
+        for lbl, test, s, k in (("memcpy 1 MiB GB/s", "memcpy", 1 << 20, "gb_s"),
+                                ("memcpy 64 MiB GB/s", "memcpy", 64 << 20, "gb_s"),
+                                ("cache-line RTT ns", "line_rtt", 64, "ns"))))
+    missing = [(c[4], c[1]) for c in comps if c[5] is None]
+    if missing:
+        lines.append("no result (the tool failed every round; see logs/): " +
+                     ", ".join("%s at %s" % (m[0], human(m[1])) for m in missing))
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "table.txt"), "w") as f:
+        f.write(text)
+    sys.stdout.write(text)
+
+    with open(os.path.join(out, "rounds.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["round", "tool", "test", "size", "metric", "value"])
+        for r in rows:
+            w.writerow(r)
+
+    # Plot data: one block per series, "size value".
+    series = [
+        ("lat", "ours p50", "ours", "lat", "p50_us"),
+        ("lat", "ours avg", "ours", "lat", "avg_us"),
+        ("lat", "ucx tag\\_lat p50", "ucx", "tag_lat", "p50_us"),
+        ("lat", "fi\\_pingpong avg", "fi", "pingpong", "avg_us"),
+        ("bw", "ours bw", "ours", "bw", "mb_s"),
+        ("bw", "ucx tag\\_bw", "ucx", "tag_bw", "mb_s"),
+        ("bw", "ucx ucp\\_put\\_bw", "ucx", "ucp_put_bw", "mb_s"),
+    ]
+    blocks = []
+    with open(os.path.join(out, "plot.dat"), "w") as f:
+        for panel, label, tool, test, key in series:
+            want = sizes(tool, test)
+            if panel == "bw" and tool != "ours" and sizes("ours", "bw"):
+                # tag_bw also ran at the rate sizes: plot only the bandwidth sizes.
+                want = [s for s in want if s >= sizes("ours", "bw")[0]]
+            pts = [(s, med(tool, test, s, key)[0]) for s in want]
+            pts = [(s, v) for s, v in pts if v is not None and v > 0]
+            if not pts:
+                continue
+            f.write("# %s\n" % label)
+            for s, v in pts:
+                f.write("%d %g\n" % (s, v))
+            f.write("\n\n")
+            blocks.append((panel, label, len(blocks)))
+    mem1 = med("limits", "memcpy", 1 << 20, "gb_s")[0]
+    mem64 = med("limits", "memcpy", 64 << 20, "gb_s")[0]
+    styles = ["lc rgb '#d62728' pt 7", "lc rgb '#ff9896' pt 6 dt 2",
+              "lc rgb '#1f77b4' pt 5", "lc rgb '#2ca02c' pt 9", "lc rgb '#d62728' pt 7",
+              "lc rgb '#1f77b4' pt 5", "lc rgb '#9467bd' pt 13"]
+    gp = [
+        "set terminal pngcairo size 1400,560 font 'DejaVu Sans,11'",
+        "set output '%s'" % os.path.join(out, "shm.png").replace("'", ""),
+        "set multiplot layout 1,2 title '%s (medians of %d round(s))'" % (
+            title.replace("'", ""), len(rounds)),
+        "set logscale x 2", "set grid", "set key top left",
+        # Tics at the sizes measured, named in binary units.
+        "set xtics (%s)" % ", ".join('"%s" %d' % (human(s), s) for s in sorted(
+            {k[2] for k in vals if k[0] in ("ours", "ucx", "fi")})),
+        "set xlabel 'message size'",
+        "set logscale y 10", "set ylabel 'one-way latency (us), lower is better'",
+        "set title 'latency'",
+    ]
+
+    def plot_cmd(panel, extra):
+        parts = ["'%s' index %d using 1:2 with linespoints %s lw 2 title '%s'" % (
+            os.path.join(out, "plot.dat"), idx, styles[i % len(styles)], label)
+                 for i, (p, label, idx) in enumerate(blocks) if p == panel]
+        parts += extra
+        return "plot " + ", \\\n     ".join(parts) if parts else "plot 1 notitle"
+
+    gp.append(plot_cmd("lat", []))
+    gp += ["set ylabel 'bandwidth (MB/s = 10^6 B/s), higher is better'",
+           "set title 'streaming bandwidth'", "unset logscale y", "set yrange [0:*]"]
+    extra = []
+    if mem1:
+        extra.append("%g with lines lc rgb 'gray' dt 3 lw 2 title 'memcpy 1 MiB'" % (mem1 * 1000))
+    if mem64:
+        extra.append("%g with lines lc rgb 'black' dt 3 lw 2 title 'memcpy 64 MiB'" % (mem64 * 1000))
+    gp.append(plot_cmd("bw", extra))
+    gp.append("unset multiplot")
+    with open(os.path.join(out, "plot.gp"), "w") as f:
+        f.write("\n".join(gp) + "\n")
+
+
+if __name__ == "__main__":
+    main()
