@@ -23,5 +23,7 @@ echo "== C examples (Debug: ASan + UBSan) under ctest"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build -j2
 ctest --test-dir build --output-on-failure
+echo "== benchmarks at tiny sizes (proves the side-by-side pipeline works; figures are not checked)"
+bash benchmarks/shm.sh --quick --out build/bench-quick
 echo "== real RDMA: soft-RoCE in a qemu VM"
 bash scripts/vm-test.sh build
