@@ -17,10 +17,15 @@ while getopts "n:s:a:" opt; do
   esac
 done
 echo "demo: $count messages of $size bytes each way over $addr, every one verified"
-./build-demo/rbr_server -a "$addr" -n "$count" -s "$size" -v &
+log=$(mktemp)
+./build-demo/rbr_server -a "$addr" -n "$count" -s "$size" -v > >(tee "$log") 2>&1 &
 server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
+trap 'kill $server 2>/dev/null || true; rm -f "$log"' EXIT
+# The client connects once the server says it listens (a connect before that is refused).
+for _ in $(seq 150); do grep -q '^listening on' "$log" && break; sleep 0.2; done
+grep -q '^listening on' "$log" || { echo "demo: the server did not start listening" >&2; exit 1; }
 ./build-demo/rbr_client -a "$addr" -n "$count" -s "$size" -v
 wait $server
 trap - EXIT
+rm -f "$log"
 echo "demo: server and client both exited 0"
