@@ -44,18 +44,7 @@ started=$(date +%s)
 # ------------------------------------------------------------------ what it needs
 bash scripts/setup.sh
 packages=(ucx-utils libfabric-bin gnuplot-nox python3 iproute2 util-linux coreutils)
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  echo "shm.sh: installing ${missing[*]}"
-  timeout 600 $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive timeout 900 $SUDO apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" >/dev/null
-fi
+bash scripts/install-packages.sh shm.sh "${packages[@]}"
 
 build=$root/build-shm-bench
 echo "shm.sh: building (cargo release, cmake Release in $build)"

@@ -8,18 +8,7 @@ set -euo pipefail
 packages=(qemu-system-x86 linux-image-amd64 busybox-static rdmacm-utils ibverbs-utils
           ibverbs-providers perftest iproute2 kmod)
 
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  echo "setup-vm: installing ${missing[*]}"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" >/dev/null
-fi
+bash "$(dirname "$0")/install-packages.sh" setup-vm "${packages[@]}"
 
 if ! command -v vng >/dev/null 2>&1; then
   echo "setup-vm: installing virtme-ng (pip)"
