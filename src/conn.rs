@@ -173,10 +173,14 @@ pub(crate) fn check_inline(len: usize, max_inline: u32) -> Result<()> {
 }
 
 pub(crate) fn check_private_data(data: &[u8]) -> Result<()> {
-    if data.len() > PRIVATE_DATA_MAX {
+    check_private_data_len(data.len())
+}
+
+/// The private-data limit, on a length alone: the C surface checks it before it reads a byte.
+pub(crate) fn check_private_data_len(len: usize) -> Result<()> {
+    if len > PRIVATE_DATA_MAX {
         return Err(Error::invalid(format!(
-            "private data of {} bytes over {PRIVATE_DATA_MAX}",
-            data.len()
+            "private data of {len} bytes over {PRIVATE_DATA_MAX} (RBR_PRIVATE_DATA_MAX)"
         )));
     }
     Ok(())

@@ -154,12 +154,7 @@ pub(crate) fn private_data_arg<'a>(
     p: *const std::ffi::c_void,
     len: usize,
 ) -> Result<&'a [u8], rbr_status> {
-    if len > crate::PRIVATE_DATA_MAX {
-        return Err(error::fail(crate::Error::invalid(format!(
-            "private data of {len} bytes over RBR_PRIVATE_DATA_MAX ({})",
-            crate::PRIVATE_DATA_MAX
-        ))));
-    }
+    crate::conn::check_private_data_len(len).map_err(error::fail)?;
     bytes_arg(p, len)
 }
 
