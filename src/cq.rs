@@ -4,12 +4,13 @@
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
+use crate::shm::notice::{Board, SLOTS};
 use crate::sys::{self, EventFd};
 
 /// What a completion reports.
@@ -152,9 +153,15 @@ pub struct CompletionQueue {
     watchers: AtomicUsize,
     exported: AtomicBool,
     opts: CqOptions,
-    /// Connections whose completions callers take from the device ([`Progress::Caller`]).
-    sources: Mutex<Vec<Arc<dyn Source>>>,
+    /// Connections whose completions callers take from the device or the rings
+    /// ([`Progress::Caller`]).
+    sources: Mutex<Sources>,
     nsources: AtomicUsize,
+    /// Connections looked at on every poll (`Sources::scan`).
+    nscan: AtomicUsize,
+    /// Where shm peers mark the connections that have news, so that a poll looks only at
+    /// those; made with the first slot.
+    board: OnceLock<Board>,
     /// Where the next scan of `sources` starts, so a small `max` can't starve the later ones.
     next_source: AtomicUsize,
 }
@@ -190,8 +197,10 @@ impl CompletionQueue {
             watchers: AtomicUsize::new(0),
             exported: AtomicBool::new(false),
             opts,
-            sources: Mutex::new(Vec::new()),
+            sources: Mutex::new(Sources::default()),
             nsources: AtomicUsize::new(0),
+            nscan: AtomicUsize::new(0),
+            board: OnceLock::new(),
             next_source: AtomicUsize::new(0),
         }))
     }
@@ -259,7 +268,8 @@ impl CompletionQueue {
         n
     }
 
-    /// Takes completions from the devices into `take` (up to `max`; any extra is queued).
+    /// Takes completions from the devices and rings into `take` (up to `max`; any extra is
+    /// queued), looking only at the connections that may have news.
     fn poll_sources(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
         let mut n = 0;
         {
@@ -271,17 +281,22 @@ impl CompletionQueue {
                     self.push(c);
                 }
             };
-            self.each_source(|s| {
+            self.each_ready(|s| {
                 s.poll(max, Some(&mut sink));
             });
         }
         n
     }
 
-    /// Moves completions from the devices into the queue. Returns how many.
-    fn fill_from_sources(&self) -> usize {
+    /// Moves completions into the queue from every connection (`all`) or from those that may
+    /// have news. Returns how many.
+    fn fill_from_sources(&self, all: bool) -> usize {
         let mut n = 0;
-        self.each_source(|s| n += s.poll(usize::MAX, None));
+        if all {
+            self.each_source(|s| n += s.poll(usize::MAX, None));
+        } else {
+            self.each_ready(|s| n += s.poll(usize::MAX, None));
+        }
         n
     }
 
@@ -289,31 +304,115 @@ impl CompletionQueue {
         self.each_source(|s| s.arm());
     }
 
+    fn lock_sources(&self) -> MutexGuard<'_, Sources> {
+        self.sources.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Calls `f` with every connection.
     fn each_source(&self, mut f: impl FnMut(&dyn Source)) {
         if self.nsources.load(Ordering::Relaxed) == 0 {
             return;
         }
-        let sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
-        let len = sources.len();
-        if len == 0 {
-            return;
-        }
-        let start = self.next_source.fetch_add(1, Ordering::Relaxed) % len;
-        for i in 0..len {
-            f(&*sources[(start + i) % len]);
+        let sources = self.lock_sources();
+        for s in sources.scan.iter().chain(sources.slots.iter().flatten()) {
+            f(&**s);
         }
     }
 
+    /// Calls `f` with every connection that may have news: those without a notice-board slot
+    /// (always), and those whose slot is marked. With nothing marked and every connection on
+    /// the board, this is one load.
+    fn each_ready(&self, mut f: impl FnMut(&dyn Source)) {
+        let marked = self.board.get().filter(|b| b.any());
+        if marked.is_none() && self.nscan.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let sources = self.lock_sources();
+        let len = sources.scan.len();
+        if len > 0 {
+            let start = self.next_source.fetch_add(1, Ordering::Relaxed) % len;
+            for i in 0..len {
+                f(&*sources.scan[(start + i) % len]);
+            }
+        }
+        if let Some(board) = marked {
+            board.take(|slot| {
+                if let Some(Some(s)) = sources.slots.get(slot as usize) {
+                    f(&**s);
+                }
+            });
+        }
+    }
+
+    /// Adds a connection that is looked at on every poll.
     pub(crate) fn add_source(&self, s: Arc<dyn Source>) {
-        let mut sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
-        sources.push(s);
-        self.nsources.store(sources.len(), Ordering::Relaxed);
+        let mut sources = self.lock_sources();
+        sources.scan.push(s);
+        self.nscan.store(sources.scan.len(), Ordering::Relaxed);
+        self.nsources.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Reserves a notice-board slot for a connection being made, for its peer to mark. `None`
+    /// when the queue's pollers take no part ([`Progress::Thread`]), the board is full, or it
+    /// could not be made: the connection is then looked at on every poll.
+    pub(crate) fn reserve_slot(self: &Arc<Self>) -> Option<SlotReservation> {
+        if self.opts.progress != Progress::Caller {
+            return None;
+        }
+        let board = match self.board.get() {
+            Some(b) => b,
+            None => {
+                let b = Board::create().ok()?;
+                // Another thread may have made one first: then that one is used.
+                let _ = self.board.set(b);
+                self.board.get()?
+            }
+        };
+        let mut sources = self.lock_sources();
+        let slot = match sources.free.pop() {
+            Some(s) => s,
+            None if (sources.slots.len() as u32) < SLOTS => {
+                sources.slots.push(None);
+                sources.slots.len() as u32 - 1
+            }
+            None => return None,
+        };
+        Some(SlotReservation {
+            cq: self.clone(),
+            slot,
+            board_fd: board.raw_fd().expect("the queue's own board"),
+            used: false,
+        })
+    }
+
+    /// Adds a connection at its reserved slot; a poll looks at it when its slot is marked
+    /// (and once now, for anything that came before).
+    pub(crate) fn add_source_at(&self, s: Arc<dyn Source>, mut r: SlotReservation) {
+        let mut sources = self.lock_sources();
+        sources.slots[r.slot as usize] = Some(s);
+        r.used = true;
+        self.nsources.fetch_add(1, Ordering::Relaxed);
+        if let Some(b) = self.board.get() {
+            b.remark(r.slot);
+        }
     }
 
     pub(crate) fn remove_source(&self, key: u64) {
-        let mut sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
-        sources.retain(|s| s.key() != key);
-        self.nsources.store(sources.len(), Ordering::Relaxed);
+        let mut sources = self.lock_sources();
+        let before = sources.scan.len();
+        sources.scan.retain(|s| s.key() != key);
+        let mut removed = before - sources.scan.len();
+        self.nscan.store(sources.scan.len(), Ordering::Relaxed);
+        let at = sources
+            .slots
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|s| s.key() == key));
+        if let Some(i) = at {
+            sources.slots[i] = None;
+            sources.free.push(i as u32);
+            removed += 1;
+        }
+        self.nsources.fetch_sub(removed, Ordering::Relaxed);
     }
 
     /// Whether a thread sleeps on, or somebody watches, the descriptor: then the devices must
@@ -345,7 +444,7 @@ impl CompletionQueue {
         let spin_end = start + self.opts.spin.min(timeout.unwrap_or(SPIN_MAX));
         let mut round = 0u32;
         loop {
-            if self.fill_from_sources() > 0 || !self.queue.is_empty() {
+            if self.fill_from_sources(false) > 0 || !self.queue.is_empty() {
                 return Ok(true);
             }
             // The clock is read every 16th round only: on some machines it costs more than a
@@ -372,7 +471,7 @@ impl CompletionQueue {
     fn sleep(&self, deadline: Option<Instant>) -> Result<bool> {
         self.update_fd();
         self.arm_sources();
-        if self.fill_from_sources() > 0 {
+        if self.fill_from_sources(true) > 0 {
             return Ok(true);
         }
         sys::poll_one(self.efd.raw(), libc::POLLIN, sys::remaining(deadline))
@@ -391,7 +490,7 @@ impl CompletionQueue {
             // From now on the devices announce every completion: ask for the next one, then
             // queue whatever came before the request.
             self.arm_sources();
-            self.fill_from_sources();
+            self.fill_from_sources(true);
         }
         self.efd.raw()
     }
@@ -409,6 +508,54 @@ impl CompletionQueue {
                 self.efd.clear();
             }
             *armed = want;
+        }
+    }
+}
+
+/// The connections a queue's pollers drive.
+#[derive(Default)]
+struct Sources {
+    /// Looked at on every poll (verbs connections, and shm ones without a slot).
+    scan: Vec<Arc<dyn Source>>,
+    /// By notice-board slot: looked at when the slot is marked.
+    slots: Vec<Option<Arc<dyn Source>>>,
+    /// Slots no connection holds or has reserved.
+    free: Vec<u32>,
+}
+
+/// A notice-board slot reserved for a connection being made. Given back when dropped unless
+/// the connection took it ([`CompletionQueue::add_source_at`]).
+pub(crate) struct SlotReservation {
+    cq: Arc<CompletionQueue>,
+    slot: u32,
+    board_fd: RawFd,
+    used: bool,
+}
+
+impl SlotReservation {
+    /// The slot, for the peer to mark.
+    pub(crate) fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    /// The board's descriptor, to pass to the peer (owned by the queue).
+    pub(crate) fn board_fd(&self) -> RawFd {
+        self.board_fd
+    }
+}
+
+impl std::fmt::Debug for SlotReservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotReservation")
+            .field("slot", &self.slot)
+            .finish()
+    }
+}
+
+impl Drop for SlotReservation {
+    fn drop(&mut self) {
+        if !self.used {
+            self.cq.lock_sources().free.push(self.slot);
         }
     }
 }

@@ -18,6 +18,29 @@ pub(crate) fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
+/// Creates a memfd of `len` bytes, sealed so that no process holding it can resize it: memory
+/// shared with a peer that cannot shrink under a mapping.
+pub(crate) fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: the name is NUL-terminated and the flags are valid.
+    let fd = cvt(unsafe {
+        libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+    })?;
+    // SAFETY: `fd` is fresh and owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: plain syscalls on a descriptor we own.
+    cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) })?;
+    // SAFETY: as above.
+    cvt(unsafe {
+        libc::fcntl(
+            fd.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+        )
+    })?;
+    Ok(fd)
+}
+
 /// Maps the first `len` bytes of `fd` shared and read-write. The caller unmaps them.
 pub(crate) fn map_shared(fd: &OwnedFd, len: usize) -> io::Result<std::ptr::NonNull<u8>> {
     // SAFETY: a fresh mapping chosen by the kernel; nothing is overwritten, and the result is

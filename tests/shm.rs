@@ -121,12 +121,12 @@ fn listener_survives_garbage_and_refuses_other_versions() {
             None,
             "garbage gets no answer"
         );
-        let mut v2 = Vec::new();
-        v2.extend_from_slice(&0x3152_4252u32.to_le_bytes());
-        v2.extend_from_slice(&2u16.to_le_bytes()); // version 2
-        v2.extend_from_slice(&1u16.to_le_bytes()); // hello
-        v2.extend_from_slice(&[0; 10]);
-        let reply = raw_hello(&addr, &v2).expect("a version mismatch is answered");
+        let mut v9 = Vec::new();
+        v9.extend_from_slice(&0x3152_4252u32.to_le_bytes());
+        v9.extend_from_slice(&9u16.to_le_bytes()); // version 9
+        v9.extend_from_slice(&1u16.to_le_bytes()); // hello
+        v9.extend_from_slice(&[0; 10]);
+        let reply = raw_hello(&addr, &v9).expect("a version mismatch is answered");
         assert_eq!(
             u16::from_le_bytes([reply[6], reply[7]]),
             4,
@@ -134,7 +134,7 @@ fn listener_survives_garbage_and_refuses_other_versions() {
         );
         assert_eq!(
             u32::from_le_bytes(reply[8..12].try_into().unwrap()),
-            1,
+            2,
             "names our version"
         );
         let cq = CompletionQueue::new().unwrap();

@@ -10,12 +10,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
-use crate::cq::{Completion, CompletionQueue, Progress, Reporter, Source};
+use crate::cq::{Completion, CompletionQueue, Progress, Reporter, SlotReservation, Source};
 use crate::ctx::ContextInner;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, RecvWr, SendSrc};
+use crate::shm::notice::Board;
 use crate::shm::segment::Segment;
 use crate::sys::EventFd;
 
@@ -112,6 +113,18 @@ impl Source for Shared {
     }
 }
 
+/// What an established handshake hands to the connection.
+pub(crate) struct Link {
+    /// 0: the connecting side; 1: the accepting side.
+    pub(crate) side: usize,
+    pub(crate) sock: OwnedFd,
+    pub(crate) seg: Segment,
+    /// This connection's slot on its queue's notice board, which the peer marks.
+    pub(crate) slot: Option<SlotReservation>,
+    /// The peer's notice board and its slot there, which this side marks.
+    pub(crate) peer_board: Option<(Board, u32)>,
+}
+
 /// The user's handle of an shm connection. Dropping it tears the connection down.
 pub(crate) struct Conn {
     sh: Arc<Shared>,
@@ -133,11 +146,16 @@ impl Conn {
         ctx: Arc<ContextInner>,
         cq: Arc<CompletionQueue>,
         opts: &ConnOptions,
-        side: usize,
-        sock: OwnedFd,
-        seg: Segment,
+        link: Link,
         peer_private_data: Vec<u8>,
     ) -> Result<Conn> {
+        let Link {
+            side,
+            sock,
+            seg,
+            slot,
+            peer_board,
+        } = link;
         let info = ConnInfo {
             id: next_conn_id(),
             send_queue_depth: opts.send_queue_depth,
@@ -152,6 +170,7 @@ impl Conn {
             sock.as_raw_fd(),
             opts.send_queue_depth,
             opts.recv_queue_depth,
+            peer_board,
         );
         let sh = Arc::new(Shared {
             info,
@@ -170,7 +189,10 @@ impl Conn {
         });
         // Before the thread starts, so that its teardown's removal always comes after.
         if caller_polls {
-            sh.report.cq.add_source(sh.clone());
+            match slot {
+                Some(r) => sh.report.cq.add_source_at(sh.clone(), r),
+                None => sh.report.cq.add_source(sh.clone()),
+            }
         }
         let engine = Engine::new(sh.clone(), sock);
         let thread = match std::thread::Builder::new()

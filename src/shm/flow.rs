@@ -21,6 +21,7 @@ use std::sync::atomic::{Ordering, fence};
 use crate::cq::{Completion, Opcode, Reporter, WcStatus};
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
+use crate::shm::notice::Board;
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{FATAL_LENGTH, FATAL_PROTOCOL, Segment};
 
@@ -129,6 +130,8 @@ pub(crate) struct Flow {
     /// The peer's receive count and ring head when the sender last tried to write.
     seen_credits: u64,
     seen_head: u64,
+    /// The peer's notice board and our slot there: marked whenever the peer has news.
+    peer_board: Option<(Board, u32)>,
     /// No more posting or progress: the connection is down (set by its thread in teardown).
     pub(crate) closed: bool,
     /// Why the connection must end, as found by whoever drove it; its thread tears it down.
@@ -142,6 +145,7 @@ impl Flow {
         sock: RawFd,
         send_depth: u32,
         recv_depth: u32,
+        peer_board: Option<(Board, u32)>,
     ) -> Flow {
         let cap = seg.cap();
         let (tx_tail, tx_head) = seg.cursors(side);
@@ -176,6 +180,7 @@ impl Flow {
             msgs_received: 0,
             seen_credits: 0,
             seen_head: 0,
+            peer_board,
             closed: false,
             failed: None,
         }
@@ -520,13 +525,18 @@ impl Flow {
         Ok(())
     }
 
-    /// Rings the peer's doorbell if it sleeps: the one system call of the data path, made only
-    /// when the peer asked for it.
+    /// Tells the peer it has news: marks its notice board (so its pollers look at this
+    /// connection), and rings its doorbell if it sleeps - the one system call of the data path,
+    /// made only when the peer asked for it.
     fn ring_peer(&self) {
         let peer = self.seg.ctrl(1 - self.side);
         // SeqCst fence: our ring/credit stores above are ordered before reading the peer's
-        // `sleeping`, pairing with its store of `sleeping` before its final re-check (Dekker).
+        // notice board and `sleeping`, pairing with its clearing of the board, and its store of
+        // `sleeping`, before its re-check of the rings (Dekker).
         fence(Ordering::SeqCst);
+        if let Some((board, slot)) = &self.peer_board {
+            board.mark(*slot);
+        }
         if peer.sleeping.load(Ordering::SeqCst) == 1
             && peer
                 .sleeping

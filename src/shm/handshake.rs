@@ -4,8 +4,11 @@
 //! stays open for the life of the connection: doorbells travel over it, and its end of file is
 //! how each side learns, at once, that the other has gone - even when it was killed.
 //!
-//! Messages (little-endian): magic `u32`, version `u16`, kind `u16`, two `u32` parameters,
-//! private-data length `u16`, private data.
+//! Messages (little-endian): magic `u32`, version `u16`, kind `u16`, three `u32` parameters,
+//! private-data length `u16`, private data. The hello carries the client's queue depths and the
+//! slot of the connection on its completion queue's notice board (with the board's descriptor),
+//! the accept the ring size and the server's slot (with the segment's descriptor, then the
+//! board's): each side marks the other's slot when it has news for it (see `notice.rs`).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -16,18 +19,20 @@ use crate::conn::{ConnOptions, PRIVATE_DATA_MAX};
 use crate::cq::CompletionQueue;
 use crate::ctx::ContextInner;
 use crate::error::{Error, Result};
-use crate::shm::conn::Conn;
+use crate::shm::conn::{Conn, Link};
+use crate::shm::notice::{Board, NO_SLOT, SLOTS};
 use crate::shm::segment::{DEFAULT_RING_CAP, Segment};
 use crate::sys::{self, cvt};
 
 const MAGIC: u32 = 0x3152_4252; // "RBR1"
-const VERSION: u16 = 1;
+/// Version 2: notice boards.
+const VERSION: u16 = 2;
 const HELLO: u16 = 1;
 const ACCEPT: u16 = 2;
 const REJECT: u16 = 3;
 const REJECT_VERSION: u16 = 4;
 const REJECT_PERMISSION: u16 = 5;
-const HEADER: usize = 18;
+const HEADER: usize = 22;
 const MSG_MAX: usize = HEADER + PRIVATE_DATA_MAX;
 /// How long the listener waits for a connected client's hello before dropping it.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
@@ -36,16 +41,19 @@ struct Msg {
     version: u16,
     kind: u16,
     a: u32,
+    /// The sender's notice-board slot ([`NO_SLOT`]: none).
+    slot: u32,
     data: Vec<u8>,
 }
 
-fn encode(kind: u16, a: u32, b: u32, data: &[u8]) -> Vec<u8> {
+fn encode(kind: u16, a: u32, b: u32, slot: u32, data: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(HEADER + data.len());
     v.extend_from_slice(&MAGIC.to_le_bytes());
     v.extend_from_slice(&VERSION.to_le_bytes());
     v.extend_from_slice(&kind.to_le_bytes());
     v.extend_from_slice(&a.to_le_bytes());
     v.extend_from_slice(&b.to_le_bytes());
+    v.extend_from_slice(&slot.to_le_bytes());
     v.extend_from_slice(&(data.len() as u16).to_le_bytes());
     v.extend_from_slice(data);
     v
@@ -53,7 +61,7 @@ fn encode(kind: u16, a: u32, b: u32, data: &[u8]) -> Vec<u8> {
 
 fn decode(buf: &[u8]) -> Result<Msg> {
     let bad = |m: &str| Error::Protocol(format!("handshake: {m}"));
-    if buf.len() < HEADER {
+    if buf.len() < 12 {
         return Err(bad("message too short"));
     }
     let u16_at = |i: usize| u16::from_le_bytes([buf[i], buf[i + 1]]);
@@ -61,14 +69,30 @@ fn decode(buf: &[u8]) -> Result<Msg> {
     if u32_at(0) != MAGIC {
         return Err(bad("not an rdmabridge peer"));
     }
-    let len = u16_at(16) as usize;
+    let (version, kind, a) = (u16_at(4), u16_at(6), u32_at(8));
+    if version != VERSION {
+        // Another version lays the rest out differently: only these fields are read, so that
+        // a mismatch can be named.
+        return Ok(Msg {
+            version,
+            kind,
+            a,
+            slot: NO_SLOT,
+            data: Vec::new(),
+        });
+    }
+    if buf.len() < HEADER {
+        return Err(bad("message too short"));
+    }
+    let len = u16_at(20) as usize;
     if len > PRIVATE_DATA_MAX || HEADER + len != buf.len() {
         return Err(bad("bad private data length"));
     }
     Ok(Msg {
-        version: u16_at(4),
-        kind: u16_at(6),
-        a: u32_at(8),
+        version,
+        kind,
+        a,
+        slot: u32_at(16),
         data: buf[HEADER..].to_vec(),
     })
 }
@@ -122,31 +146,39 @@ fn my_uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
-/// Sends one message, with `fd` attached if given.
-fn send_msg(sock: RawFd, msg: &[u8], fd: Option<RawFd>) -> io::Result<()> {
+/// Most descriptors one message carries.
+const FDS_MAX: usize = 2;
+
+/// Sends one message, with `fds` attached (at most [`FDS_MAX`]).
+fn send_msg(sock: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
     let mut iov = libc::iovec {
         iov_base: msg.as_ptr() as *mut _,
         iov_len: msg.len(),
     };
-    let mut cbuf = [0u64; 4]; // CMSG_SPACE(sizeof(int)) rounded up, 8-aligned
+    let mut cbuf = [0u64; 4]; // CMSG_SPACE(FDS_MAX * sizeof(int)) rounded up, 8-aligned
     // SAFETY: msghdr is plain data; zero is a valid "no name, no control" value.
     let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
     mh.msg_iov = &mut iov;
     mh.msg_iovlen = 1;
-    if let Some(fd) = fd {
+    assert!(fds.len() <= FDS_MAX);
+    if !fds.is_empty() {
+        let bytes = std::mem::size_of_val(fds) as u32;
         // SAFETY: CMSG_SPACE is a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+        let space = unsafe { libc::CMSG_SPACE(bytes) } as usize;
         debug_assert!(space <= std::mem::size_of_val(&cbuf));
         mh.msg_control = cbuf.as_mut_ptr().cast();
         mh.msg_controllen = space;
-        // SAFETY: the control buffer is large enough for one header carrying one int (checked
+        // SAFETY: the control buffer is large enough for one header carrying `fds` (checked
         // above), so CMSG_FIRSTHDR is non-null and CMSG_DATA points inside it.
         unsafe {
             let c = libc::CMSG_FIRSTHDR(&mh);
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
-            libc::CMSG_DATA(c).cast::<RawFd>().write_unaligned(fd);
+            (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
+            let data = libc::CMSG_DATA(c).cast::<RawFd>();
+            for (i, &fd) in fds.iter().enumerate() {
+                data.add(i).write_unaligned(fd);
+            }
         }
     }
     // SAFETY: `mh` points at live locals (iov, msg, cbuf) for the duration of the call.
@@ -163,8 +195,8 @@ fn send_msg(sock: RawFd, msg: &[u8], fd: Option<RawFd>) -> io::Result<()> {
     Ok(())
 }
 
-/// Receives one message within `timeout`, with a descriptor if one was attached.
-fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, Option<OwnedFd>)>> {
+/// Receives one message within `timeout`, with the descriptors attached to it.
+fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
     if !sys::poll_one(sock, libc::POLLIN, timeout).map_err(Error::Connect)? {
         return Ok(None);
     }
@@ -215,10 +247,10 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, O
         // A descriptor was sent but could not be installed: this process is out of them.
         return Err(Error::Connect(io::Error::from_raw_os_error(libc::EMFILE)));
     }
-    if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || fds.len() > 1 {
+    if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || fds.len() > FDS_MAX {
         return Err(Error::Protocol("handshake: oversized message".into()));
     }
-    Ok(Some((buf[..n as usize].to_vec(), fds.pop())))
+    Ok(Some((buf[..n as usize].to_vec(), fds)))
 }
 
 /// Most accepted sockets whose hello has not arrived yet; beyond that, further connections wait
@@ -404,11 +436,9 @@ impl Listener {
             match recv_msg(pending[i].sock.as_raw_fd(), Some(Duration::ZERO)) {
                 // Readable but nothing to read (a spurious wake-up): keep waiting for it.
                 Ok(None) => {}
-                Ok(Some((buf, fd))) => {
+                Ok(Some((buf, fds))) => {
                     let p = self.forget(pending, i);
-                    if fd.is_none() {
-                        found = self.read_hello(p.sock, &buf);
-                    }
+                    found = self.read_hello(p.sock, &buf, fds);
                 }
                 // The client hung up or sent something malformed: drop it.
                 Err(_) => drop(self.forget(pending, i)),
@@ -498,7 +528,7 @@ impl Listener {
 
     /// Checks a client's hello. `None` means the client was turned away (and told why, when it
     /// is an rdmabridge peer).
-    fn read_hello(&self, sock: OwnedFd, buf: &[u8]) -> Option<Request> {
+    fn read_hello(&self, sock: OwnedFd, buf: &[u8], mut fds: Vec<OwnedFd>) -> Option<Request> {
         let msg = match decode(buf) {
             Ok(m) if m.kind == HELLO => m,
             _ => return None,
@@ -506,11 +536,17 @@ impl Listener {
         if msg.version != VERSION {
             let _ = send_msg(
                 sock.as_raw_fd(),
-                &encode(REJECT_VERSION, VERSION.into(), 0, &[]),
-                None,
+                &encode(REJECT_VERSION, VERSION.into(), 0, NO_SLOT, &[]),
+                &[],
             );
             return None;
         }
+        // The client's notice board comes with its slot, and nothing else comes with a hello.
+        let board = match (msg.slot, fds.len()) {
+            (NO_SLOT, 0) => None,
+            (slot, 1) if slot < SLOTS => Some((fds.pop().expect("one descriptor"), slot)),
+            _ => return None,
+        };
         let uid_ok = match peer_uid(sock.as_raw_fd()) {
             Ok(uid) => uid == my_uid() || self.ctx.opts.shm_allow_any_uid,
             Err(_) => false,
@@ -518,14 +554,15 @@ impl Listener {
         if !uid_ok {
             let _ = send_msg(
                 sock.as_raw_fd(),
-                &encode(REJECT_PERMISSION, 0, 0, &[]),
-                None,
+                &encode(REJECT_PERMISSION, 0, 0, NO_SLOT, &[]),
+                &[],
             );
             return None;
         }
         Some(Request {
             sock: Some(sock),
             private_data: msg.data,
+            board,
             ctx: self.ctx.clone(),
         })
     }
@@ -536,6 +573,8 @@ impl Listener {
 pub(crate) struct Request {
     sock: Option<OwnedFd>,
     private_data: Vec<u8>,
+    /// The client's notice board and its slot there, when it has one.
+    board: Option<(OwnedFd, u32)>,
     ctx: Arc<ContextInner>,
 }
 
@@ -550,8 +589,16 @@ impl Request {
             .take()
             .expect("an unanswered request has its socket");
         let (seg, fd) = Segment::create(DEFAULT_RING_CAP)?;
-        let reply = encode(ACCEPT, seg.cap() as u32, 0, &opts.private_data);
-        send_msg(sock.as_raw_fd(), &reply, Some(fd.as_raw_fd())).map_err(|e| {
+        let peer_board = match self.board.take() {
+            Some((fd, slot)) => Some((Board::open(&fd)?, slot)),
+            None => None,
+        };
+        let slot = cq.reserve_slot();
+        let mut fds = vec![fd.as_raw_fd()];
+        fds.extend(slot.as_ref().map(|s| s.board_fd()));
+        let slot_no = slot.as_ref().map_or(NO_SLOT, |s| s.slot());
+        let reply = encode(ACCEPT, seg.cap() as u32, 0, slot_no, &opts.private_data);
+        send_msg(sock.as_raw_fd(), &reply, &fds).map_err(|e| {
             if e.raw_os_error() == Some(libc::EPIPE) || e.raw_os_error() == Some(libc::ECONNRESET) {
                 Error::Disconnected
             } else {
@@ -560,7 +607,14 @@ impl Request {
         })?;
         drop(fd);
         let data = std::mem::take(&mut self.private_data);
-        Conn::start(self.ctx.clone(), cq, opts, 1, sock, seg, data)
+        let link = Link {
+            side: 1,
+            sock,
+            seg,
+            slot,
+            peer_board,
+        };
+        Conn::start(self.ctx.clone(), cq, opts, link, data)
     }
 
     pub(crate) fn reject(mut self, private_data: &[u8]) -> Result<()> {
@@ -568,14 +622,19 @@ impl Request {
             .sock
             .take()
             .expect("an unanswered request has its socket");
-        send_msg(sock.as_raw_fd(), &encode(REJECT, 0, 0, private_data), None).map_err(Error::Accept)
+        send_msg(
+            sock.as_raw_fd(),
+            &encode(REJECT, 0, 0, NO_SLOT, private_data),
+            &[],
+        )
+        .map_err(Error::Accept)
     }
 }
 
 impl Drop for Request {
     fn drop(&mut self) {
         if let Some(sock) = self.sock.take() {
-            let _ = send_msg(sock.as_raw_fd(), &encode(REJECT, 0, 0, &[]), None);
+            let _ = send_msg(sock.as_raw_fd(), &encode(REJECT, 0, 0, NO_SLOT, &[]), &[]);
         }
     }
 }
@@ -617,12 +676,15 @@ pub(crate) fn connect(
         Ok(uid) => return Err(Error::Permission(format!("listener runs as uid {uid}"))),
         Err(e) => return Err(Error::Connect(e)),
     }
+    let slot = cq.reserve_slot();
     let hello = encode(
         HELLO,
         opts.send_queue_depth,
         opts.recv_queue_depth,
+        slot.as_ref().map_or(NO_SLOT, |s| s.slot()),
         &opts.private_data,
     );
+    let hello_fds: Vec<RawFd> = slot.as_ref().map(|s| s.board_fd()).into_iter().collect();
     // The listener closing the connection before it answers (it went away, or dropped a client
     // that stayed silent too long) is a failed establishment, not an OS error.
     let hung_up = |e: &io::Error| {
@@ -634,7 +696,7 @@ pub(crate) fn connect(
             "shm://{name}: the listener closed the connection before answering"
         ))
     };
-    send_msg(sock.as_raw_fd(), &hello, None).map_err(|e| {
+    send_msg(sock.as_raw_fd(), &hello, &hello_fds).map_err(|e| {
         if hung_up(&e) {
             closed()
         } else {
@@ -645,7 +707,7 @@ pub(crate) fn connect(
         Err(Error::Connect(e)) if hung_up(&e) => return Err(closed()),
         r => r?,
     };
-    let Some((buf, fd)) = reply else {
+    let Some((buf, fds)) = reply else {
         return Err(timed_out());
     };
     let msg = decode(&buf)?;
@@ -667,11 +729,30 @@ pub(crate) fn connect(
             )));
         }
     }
-    let fd = fd.ok_or_else(|| Error::Protocol("handshake: accept without a segment".into()))?;
+    let mut fds = fds.into_iter();
+    let fd = fds
+        .next()
+        .ok_or_else(|| Error::Protocol("handshake: accept without a segment".into()))?;
     let seg = Segment::open(&fd)?;
     drop(fd);
     if seg.cap() != msg.a as usize {
         return Err(Error::Protocol("handshake: ring size mismatch".into()));
     }
-    Conn::start(ctx, cq, opts, 0, sock, seg, msg.data)
+    let peer_board = match (msg.slot, fds.next()) {
+        (NO_SLOT, None) => None,
+        (slot, Some(fd)) if slot < SLOTS => Some((Board::open(&fd)?, slot)),
+        _ => {
+            return Err(Error::Protocol(
+                "handshake: notice board and slot do not match".into(),
+            ));
+        }
+    };
+    let link = Link {
+        side: 0,
+        sock,
+        seg,
+        slot,
+        peer_board,
+    };
+    Conn::start(ctx, cq, opts, link, msg.data)
 }

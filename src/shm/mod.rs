@@ -3,13 +3,15 @@
 //! A connection is a Unix-socket handshake (credentials checked, private data both ways) that
 //! hands over a sealed memfd with two lock-free byte rings, one per direction. Posting writes
 //! into the rings on the caller's thread, and polling the completion queue takes from them
-//! (`flow.rs`); a thread per connection watches for the peer leaving and moves data only while
-//! nobody else does (`engine.rs`).
+//! (`flow.rs`). Each completion queue has a notice board on which peers mark the connections
+//! with news (`notice.rs`), so a poll looks at those only. A thread per connection watches for
+//! the peer leaving and moves data only while nobody else does (`engine.rs`).
 
 mod conn;
 mod engine;
 mod flow;
 mod handshake;
+pub(crate) mod notice;
 mod ring;
 mod segment;
 

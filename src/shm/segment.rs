@@ -14,7 +14,7 @@
 //! checked before use (see `ring.rs`), and the file is sealed against shrinking so the mapping
 //! can never fault.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
@@ -74,28 +74,7 @@ impl Segment {
             )));
         }
         let len = DATA + 2 * cap;
-        // SAFETY: the name is a NUL-terminated literal and the flags are valid.
-        let fd = cvt(unsafe {
-            libc::memfd_create(
-                c"rdmabridge-shm".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        })
-        .map_err(Error::SharedMemory)?;
-        // SAFETY: `fd` is fresh and owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: plain syscalls on a descriptor we own.
-        cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) })
-            .map_err(Error::SharedMemory)?;
-        // SAFETY: as above; the seals stop either side from resizing the file under a mapping.
-        cvt(unsafe {
-            libc::fcntl(
-                fd.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
-            )
-        })
-        .map_err(Error::SharedMemory)?;
+        let fd = crate::sys::sealed_memfd(c"rdmabridge-shm", len).map_err(Error::SharedMemory)?;
         let seg = Segment::map(&fd, len, cap)?;
         // SAFETY: the header page is ours alone until the descriptor is sent; offsets 0, 8 and
         // 12 are inside it and aligned for their types.
