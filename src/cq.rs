@@ -397,6 +397,13 @@ impl CompletionQueue {
         }
     }
 
+    /// Marks a connection's slot, so that the next poll looks at it.
+    pub(crate) fn remark(&self, slot: u32) {
+        if let Some(b) = self.board.get() {
+            b.remark(slot);
+        }
+    }
+
     pub(crate) fn remove_source(&self, key: u64) {
         let mut sources = self.lock_sources();
         let before = sources.scan.len();

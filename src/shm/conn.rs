@@ -39,6 +39,8 @@ pub(crate) struct Shared {
     /// stopped driving it.
     pub(crate) polls: AtomicU64,
     pub(crate) wake: EventFd,
+    /// The connection's slot on its queue's notice board, when it has one.
+    slot: Option<u32>,
 }
 
 impl Shared {
@@ -55,6 +57,14 @@ impl Shared {
             && self.engine_sleeping.swap(false, Ordering::SeqCst)
         {
             self.wake.signal();
+        }
+    }
+
+    /// Marks the connection on its own queue's board, so that polls look at it: its sends
+    /// complete when the peer takes them, which the peer does not announce.
+    fn watch_sends(&self) {
+        if let Some(slot) = self.slot {
+            self.report.cq.remark(slot);
         }
     }
 
@@ -75,7 +85,10 @@ impl Source for Shared {
 
     fn poll(&self, _max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
         // Relaxed: only a sign of life for the connection's thread, which samples it.
-        self.polls.fetch_add(1, Ordering::Relaxed);
+        // Not a read-modify-write: pollers racing may count one poll for two, which is still
+        // a sign of life.
+        self.polls
+            .store(self.polls.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         let mut flow = self.lock();
         if flow.closed || flow.failed.is_some() {
             return 0;
@@ -102,6 +115,9 @@ impl Source for Shared {
             // The connection's thread tears it down.
             drop(flow);
             self.wake.signal();
+        } else if flow.busy() {
+            drop(flow);
+            self.watch_sends();
         }
         n
     }
@@ -186,6 +202,7 @@ impl Conn {
             engine_sleeping: AtomicBool::new(false),
             polls: AtomicU64::new(0),
             wake: EventFd::new().map_err(Error::Thread)?,
+            slot: slot.as_ref().map(|r| r.slot()),
         });
         // Before the thread starts, so that its teardown's removal always comes after.
         if caller_polls {
@@ -236,13 +253,7 @@ impl Conn {
         };
         // SAFETY: `ptr` is `len` bytes inside the region (checked above), which `mr` keeps alive
         // during the call.
-        unsafe {
-            self.sh
-                .lock()
-                .post_send(ptr, len, wr_id, flags.signaled(), keep)
-        }?;
-        self.sh.posted();
-        Ok(())
+        unsafe { self.send(ptr, len, wr_id, flags, keep) }
     }
 
     pub(crate) fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
@@ -250,11 +261,29 @@ impl Conn {
         crate::conn::check_inline(data.len(), self.sh.info.max_inline)?;
         let keep = || SendSrc::Inline(data.into());
         // SAFETY: `data` is readable for its length during the call.
-        unsafe {
-            self.sh
-                .lock()
-                .post_send(data.as_ptr(), data.len(), wr_id, flags.signaled(), keep)
-        }?;
+        unsafe { self.send(data.as_ptr(), data.len(), wr_id, flags, keep) }
+    }
+
+    /// Posts a send of `len` bytes at `ptr` (see [`Flow::post_send`]).
+    ///
+    /// # Safety
+    /// `ptr` is readable for `len` bytes during the call.
+    unsafe fn send(
+        &self,
+        ptr: *const u8,
+        len: usize,
+        wr_id: u64,
+        flags: SendFlags,
+        keep: impl FnOnce() -> SendSrc,
+    ) -> Result<()> {
+        let mut flow = self.sh.lock();
+        let was_busy = flow.busy();
+        // SAFETY: the caller's contract.
+        unsafe { flow.post_send(ptr, len, wr_id, flags.signaled(), keep) }?;
+        drop(flow);
+        if !was_busy {
+            self.sh.watch_sends();
+        }
         self.sh.posted();
         Ok(())
     }

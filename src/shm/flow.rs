@@ -278,7 +278,9 @@ impl Flow {
         wr_id: u64,
         signaled: bool,
     ) -> Result<Option<usize>> {
-        if self.msgs_started >= self.credits() {
+        // The peer's count is read again only when the one seen last is used up, which keeps
+        // its cache line off the common path.
+        if self.msgs_started >= self.seen_credits && self.msgs_started >= self.credits() {
             return Ok(None);
         }
         let want = len.min(self.max_chunk);
@@ -310,7 +312,9 @@ impl Flow {
             .ctrl(self.side)
             .recv_posted
             .store(self.recvs_posted, Ordering::Release);
-        self.ring_peer();
+        // No mark on the peer's board: a peer whose sends wait for this credit keeps looking
+        // at the connection by itself (see `busy`). A sleeping peer is woken.
+        self.notify_peer(false);
         Ok(())
     }
 
@@ -344,7 +348,11 @@ impl Flow {
             return false;
         }
         let mut moved = false;
+        // Whether the peer must hear of it: a doorbell if it sleeps (it may wait for ring
+        // space), and a mark on its board only for new messages - a peer with sends in flight
+        // or waiting keeps looking at the connection by itself (see `busy`).
         let mut ring = false;
+        let mut mark = false;
         match self.complete_sends(report, emit) {
             Ok(m) => moved |= m,
             Err(_) => {
@@ -370,6 +378,7 @@ impl Flow {
             Ok(m) => {
                 moved |= m;
                 ring |= m;
+                mark |= m;
             }
             Err(_) => {
                 self.fail_protocol();
@@ -377,9 +386,15 @@ impl Flow {
             }
         }
         if ring {
-            self.ring_peer();
+            self.notify_peer(mark);
         }
         moved
+    }
+
+    /// Whether sends are in flight or waiting: the connection then needs looking at until they
+    /// complete, which the peer does not announce.
+    pub(crate) fn busy(&self) -> bool {
+        !self.inflight.is_empty() || !self.pending.is_empty()
     }
 
     /// Writes as much of the waiting sends into the ring as credits and space allow.
@@ -526,15 +541,20 @@ impl Flow {
     }
 
     /// Tells the peer it has news: marks its notice board (so its pollers look at this
-    /// connection), and rings its doorbell if it sleeps - the one system call of the data path,
-    /// made only when the peer asked for it.
+    /// connection), and rings its doorbell if it sleeps.
     fn ring_peer(&self) {
+        self.notify_peer(true);
+    }
+
+    /// Rings the peer's doorbell if it sleeps - the one system call of the data path, made
+    /// only when the peer asked for it - and with `mark`, marks its notice board.
+    fn notify_peer(&self, mark: bool) {
         let peer = self.seg.ctrl(1 - self.side);
         // SeqCst fence: our ring/credit stores above are ordered before reading the peer's
         // notice board and `sleeping`, pairing with its clearing of the board, and its store of
         // `sleeping`, before its re-check of the rings (Dekker).
         fence(Ordering::SeqCst);
-        if let Some((board, slot)) = &self.peer_board {
+        if mark && let Some((board, slot)) = &self.peer_board {
             board.mark(*slot);
         }
         if peer.sleeping.load(Ordering::SeqCst) == 1
@@ -564,7 +584,7 @@ impl Flow {
             return true;
         }
         if !self.inflight.is_empty() {
-            match self.tx.head() {
+            match self.tx.load_head() {
                 Ok(h) if self.inflight.front().is_some_and(|f| f.end <= h) => return true,
                 Err(_) => return true,
                 Ok(_) => {}
@@ -578,7 +598,8 @@ impl Flow {
                 .ctrl(1 - self.side)
                 .recv_posted
                 .load(Ordering::Acquire);
-            if credits != self.seen_credits || self.tx.head().map_or(true, |h| h != self.seen_head)
+            if credits != self.seen_credits
+                || self.tx.load_head().map_or(true, |h| h != self.seen_head)
             {
                 return true;
             }

@@ -45,6 +45,8 @@ pub(crate) struct Producer {
     data: *mut u8,
     cap: usize,
     tail: u64,
+    /// The consumer's head when last read (see [`Producer::head`]).
+    known_head: u64,
 }
 
 /// The consuming end.
@@ -78,6 +80,7 @@ impl Producer {
             data,
             cap,
             tail: 0,
+            known_head: 0,
         }
     }
 
@@ -86,8 +89,17 @@ impl Producer {
         unsafe { &*self.head_word }
     }
 
-    /// The consumer's published head, checked against our tail.
-    pub(crate) fn head(&self) -> Result<u64> {
+    /// The consumer's published head, checked against our tail; remembered for [`write`],
+    /// which reads the shared word again only when the remembered one leaves too little room.
+    ///
+    /// [`write`]: Producer::write
+    pub(crate) fn head(&mut self) -> Result<u64> {
+        self.known_head = self.load_head()?;
+        Ok(self.known_head)
+    }
+
+    /// The consumer's published head, checked against our tail, without remembering it.
+    pub(crate) fn load_head(&self) -> Result<u64> {
         // Acquire: the consumer's Release store of head follows its last read of those bytes, so
         // after this load the space behind `head` may be overwritten.
         let head = self.head_word().load(Ordering::Acquire);
@@ -97,11 +109,12 @@ impl Producer {
         Ok(head)
     }
 
-    /// Bytes that may be written now, and how many of them are contiguous before the ring end.
-    fn space(&self) -> Result<(usize, usize)> {
-        let free = self.cap - (self.tail - self.head()?) as usize;
+    /// Bytes that may be written as far as the remembered head tells, and how many of them
+    /// are contiguous before the ring end.
+    fn space(&self) -> (usize, usize) {
+        let free = self.cap - (self.tail - self.known_head) as usize;
         let contig = self.cap - (self.tail as usize % self.cap);
-        Ok((free, contig))
+        (free, contig)
     }
 
     /// Writes the next record of a message if there is room: at most `want` bytes from `src`
@@ -119,8 +132,16 @@ impl Producer {
         imm: Option<u32>,
         total: usize,
     ) -> Result<Option<usize>> {
+        let mut fresh = false;
         loop {
-            let (free, contig) = self.space()?;
+            let (free, contig) = self.space();
+            if !fresh && free < HDR + padded(want) {
+                // Short of room by what we last saw: look at what the consumer has freed since.
+                // (Reading its cursor only then keeps its cache line off the common path.)
+                self.head()?;
+                fresh = true;
+                continue;
+            }
             let mut n = want;
             if HDR + padded(n) > contig {
                 if n > 0 && contig >= HDR + 16 {
