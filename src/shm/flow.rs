@@ -148,16 +148,14 @@ impl Flow {
         peer_board: Option<(Board, u32)>,
     ) -> Flow {
         let cap = seg.cap();
-        let (tx_tail, tx_head) = seg.cursors(side);
-        let (rx_tail, rx_head) = seg.cursors(1 - side);
         // SAFETY: the cursors and rings live in `seg`, which the flow owns: the mapping lasts
         // as long as the producer and consumer can be used (they touch no memory when
         // dropped). Side `side` is the only producer of ring `side` and the only consumer of
         // ring `1 - side`, and the flow's lock makes one thread at a time drive them.
         let (tx, rx) = unsafe {
             (
-                Producer::new(tx_tail, tx_head, seg.data(side), cap),
-                Consumer::new(rx_tail, rx_head, seg.data(1 - side), cap),
+                Producer::new(seg.head(side), seg.data(side), cap),
+                Consumer::new(seg.head(1 - side), seg.data(1 - side), cap),
             )
         };
         Flow {

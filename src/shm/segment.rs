@@ -6,8 +6,9 @@
 //! - `CTRL + side * CTRL_STRIDE`: the control words one side writes (`side` 0 = the connecting
 //!   side, 1 = the accepting side): `sleeping` (u32), `recv_posted` (u64), `fatal` (u64), each on
 //!   its own cache line pair.
-//! - `RING + dir * RING_STRIDE`: cursors of ring `dir` (ring `d` carries side `d`'s messages):
-//!   `tail` (written by the producer) and `head` (written by the consumer).
+//! - `RING + dir * RING_STRIDE`: the cursor of ring `dir` (ring `d` carries side `d`'s
+//!   messages): `head`, written by the consumer (the records announce themselves, see
+//!   `ring.rs`).
 //! - `DATA + dir * cap`: the bytes of ring `dir`.
 //!
 //! The peer maps the same memory and may write anything into it: every value read from it is
@@ -22,7 +23,8 @@ use crate::error::{Error, Result};
 use crate::sys::cvt;
 
 const MAGIC: u64 = 0x5242_5348_4d53_4547; // "RBSHMSEG"
-const VERSION: u32 = 1;
+/// Version 2: self-announcing records.
+const VERSION: u32 = 2;
 const CTRL: usize = 256;
 const CTRL_STRIDE: usize = 512;
 const RING: usize = CTRL + 2 * CTRL_STRIDE;
@@ -161,10 +163,9 @@ impl Segment {
         }
     }
 
-    /// `(tail, head)` cursors of ring `dir`.
-    pub(crate) fn cursors(&self, dir: usize) -> (&AtomicU64, &AtomicU64) {
-        let b = RING + dir * RING_STRIDE;
-        (self.u64_at(b), self.u64_at(b + 128))
+    /// The head cursor of ring `dir`.
+    pub(crate) fn head(&self, dir: usize) -> &AtomicU64 {
+        self.u64_at(RING + dir * RING_STRIDE + 128)
     }
 
     /// First byte of ring `dir`; `cap()` bytes follow.
