@@ -139,6 +139,8 @@ pub(crate) struct Link {
     pub(crate) slot: Option<SlotReservation>,
     /// The peer's notice board and its slot there, which this side marks.
     pub(crate) peer_board: Option<(Board, u32)>,
+    /// The peer's process, when this side can copy from its memory.
+    pub(crate) peer_pid: Option<libc::pid_t>,
 }
 
 /// The user's handle of an shm connection. Dropping it tears the connection down.
@@ -171,6 +173,7 @@ impl Conn {
             seg,
             slot,
             peer_board,
+            peer_pid,
         } = link;
         let info = ConnInfo {
             id: next_conn_id(),
@@ -187,6 +190,7 @@ impl Conn {
             opts.send_queue_depth,
             opts.recv_queue_depth,
             peer_board,
+            peer_pid,
         );
         let sh = Arc::new(Shared {
             info,

@@ -21,6 +21,7 @@ use std::sync::atomic::{Ordering, fence};
 use crate::cq::{Completion, Opcode, Reporter, WcStatus};
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
+use crate::shm::direct;
 use crate::shm::notice::Board;
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{FATAL_LENGTH, FATAL_PROTOCOL, Segment};
@@ -88,6 +89,8 @@ struct InFlight {
     seq: u64,
     wr_id: u64,
     signaled: bool,
+    /// A direct send's region, which the peer reads until it takes the record.
+    _hold: Option<Arc<MemoryRegion>>,
 }
 
 /// Why taking a message failed: a receive too small for it, or a peer that broke the ring
@@ -132,6 +135,10 @@ pub(crate) struct Flow {
     seen_head: u64,
     /// The peer's notice board and our slot there: marked whenever the peer has news.
     peer_board: Option<(Board, u32)>,
+    /// The peer's process, when this side can copy from its memory (direct records).
+    peer_pid: Option<libc::pid_t>,
+    /// The peer can copy from ours, so large sends may go direct (known once it says so).
+    peer_reads_us: bool,
     /// No more posting or progress: the connection is down (set by its thread in teardown).
     pub(crate) closed: bool,
     /// Why the connection must end, as found by whoever drove it; its thread tears it down.
@@ -146,7 +153,12 @@ impl Flow {
         send_depth: u32,
         recv_depth: u32,
         peer_board: Option<(Board, u32)>,
+        peer_pid: Option<libc::pid_t>,
     ) -> Flow {
+        if peer_pid.is_some() {
+            // Release: nothing to order before it, but the peer reads it with Acquire.
+            seg.ctrl(side).reads_peer.store(1, Ordering::Release);
+        }
         let cap = seg.cap();
         // SAFETY: the cursors and rings live in `seg`, which the flow owns: the mapping lasts
         // as long as the producer and consumer can be used (they touch no memory when
@@ -179,6 +191,8 @@ impl Flow {
             seen_credits: 0,
             seen_head: 0,
             peer_board,
+            peer_pid,
+            peer_reads_us: false,
             closed: false,
             failed: None,
         }
@@ -215,7 +229,25 @@ impl Flow {
     ) -> Result<()> {
         self.claim_send()?;
         let mut copied = 0;
-        if self.pending.is_empty() {
+        let mut keep = Some(keep);
+        let mut src = None;
+        if self.pending.is_empty() && self.direct_ok(len) {
+            let s = keep.take().expect("not taken yet")();
+            if let SendSrc::Region { mr, .. } = &s {
+                match self.start_direct(ptr, len, wr_id, signaled, mr) {
+                    Ok(true) => {
+                        self.ring_peer();
+                        return Ok(());
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        self.fail_protocol();
+                        return Err(e);
+                    }
+                }
+            }
+            src = Some(s);
+        } else if self.pending.is_empty() {
             // SAFETY: the caller's contract.
             match unsafe { self.start_message(ptr, len, wr_id, signaled) } {
                 Ok(Some(n)) if n == len => {
@@ -230,11 +262,15 @@ impl Flow {
                 }
             }
         }
+        let src = match src {
+            Some(s) => s,
+            None => keep.take().expect("not taken yet")(),
+        };
         self.pending.push_back(SendWr {
             wr_id,
             signaled,
             len,
-            src: keep(),
+            src,
         });
         if copied > 0 {
             // This send is the front one, partly written.
@@ -262,6 +298,51 @@ impl Flow {
     /// Whether sends wait for a credit or ring space.
     pub(crate) fn blocked(&self) -> bool {
         !self.pending.is_empty()
+    }
+
+    /// Whether a send of `len` bytes from a region goes direct: it is large, and the peer
+    /// has said it can copy from this process.
+    fn direct_ok(&mut self, len: usize) -> bool {
+        if len < direct::DIRECT_MIN {
+            return false;
+        }
+        if !self.peer_reads_us {
+            self.peer_reads_us = self
+                .seg
+                .ctrl(1 - self.side)
+                .reads_peer
+                .load(Ordering::Acquire)
+                == 1;
+        }
+        self.peer_reads_us
+    }
+
+    /// Starts a message of `len` bytes at `ptr` (inside `mr`) as a direct record if a credit
+    /// and room allow; returns whether it did. The send holds `mr` until the peer takes the
+    /// record, which it does only after copying the bytes.
+    fn start_direct(
+        &mut self,
+        ptr: *const u8,
+        len: usize,
+        wr_id: u64,
+        signaled: bool,
+        mr: &Arc<MemoryRegion>,
+    ) -> Result<bool> {
+        if self.msgs_started >= self.seen_credits && self.msgs_started >= self.credits() {
+            return Ok(false);
+        }
+        if !self.tx.write_direct(ptr as u64, len)? {
+            return Ok(false);
+        }
+        self.msgs_started += 1;
+        self.inflight.push_back(InFlight {
+            end: self.tx.tail(),
+            seq: self.msgs_started - 1,
+            wr_id,
+            signaled,
+            _hold: Some(mr.clone()),
+        });
+        Ok(true)
     }
 
     /// Writes the first record of a new message if a credit and room allow; returns how many
@@ -292,6 +373,7 @@ impl Flow {
                 seq: self.msgs_started - 1,
                 wr_id,
                 signaled,
+                _hold: None,
             });
         }
         Ok(Some(n))
@@ -408,6 +490,26 @@ impl Flow {
             if first && self.msgs_started >= credits {
                 break;
             }
+            let region = match &wr.src {
+                SendSrc::Region { mr, .. } if first && wr.len >= direct::DIRECT_MIN => {
+                    Some(mr.clone())
+                }
+                _ => None,
+            };
+            let len = wr.len;
+            if let Some(mr) = region
+                && self.direct_ok(len)
+            {
+                let wr = self.pending.front().expect("front exists");
+                let (ptr, len, wr_id, signaled) = (wr.ptr(), wr.len, wr.wr_id, wr.signaled);
+                if !self.start_direct(ptr, len, wr_id, signaled, &mr)? {
+                    break;
+                }
+                self.pending.pop_front();
+                moved = true;
+                continue;
+            }
+            let wr = self.pending.front().expect("front exists");
             let want = (wr.len - self.copied).min(self.max_chunk);
             let ends = self.copied + want == wr.len;
             // SAFETY: `wr.ptr()` is valid for `wr.len` bytes while the work request lives (the
@@ -429,6 +531,7 @@ impl Flow {
                     seq: self.msgs_started - 1,
                     wr_id: wr.wr_id,
                     signaled: wr.signaled,
+                    _hold: None,
                 });
                 self.copied = 0;
             }
@@ -481,6 +584,9 @@ impl Flow {
         emit: &mut dyn FnMut(Completion),
     ) -> std::result::Result<(), ReceiveError> {
         let proto = |_: &str| ReceiveError::Protocol;
+        if rec.flags & ring::DIRECT != 0 {
+            return self.take_direct(rec, report, emit);
+        }
         let first = rec.flags & ring::FIRST != 0;
         if first == self.filling {
             return Err(proto("message boundaries out of order"));
@@ -490,20 +596,7 @@ impl Flow {
         };
         if first {
             if rec.total > wr.len {
-                let wr = self.recvs.pop_front().expect("front exists");
-                let seq = self.msgs_received;
-                self.seg
-                    .ctrl(self.side)
-                    .fatal
-                    .store(FATAL_LENGTH << 48 | seq, Ordering::SeqCst);
-                emit(report.record(
-                    wr.wr_id,
-                    Opcode::Recv,
-                    WcStatus::LocalLength,
-                    rec.total as u32,
-                    None,
-                ));
-                return Err(ReceiveError::Length);
+                return Err(self.refuse_length(rec.total, report, emit));
             }
             self.filling = true;
             self.filled = 0;
@@ -535,6 +628,73 @@ impl Flow {
             self.filling = false;
             self.msgs_received += 1;
         }
+        Ok(())
+    }
+
+    /// A receive too small for the message of `total` bytes: the receive fails, and so does
+    /// the connection, telling the peer which message it refused.
+    fn refuse_length(
+        &mut self,
+        total: usize,
+        report: &Reporter,
+        emit: &mut dyn FnMut(Completion),
+    ) -> ReceiveError {
+        let wr = self.recvs.pop_front().expect("a receive is posted");
+        let seq = self.msgs_received;
+        self.seg
+            .ctrl(self.side)
+            .fatal
+            .store(FATAL_LENGTH << 48 | seq, Ordering::SeqCst);
+        emit(report.record(
+            wr.wr_id,
+            Opcode::Recv,
+            WcStatus::LocalLength,
+            total as u32,
+            None,
+        ));
+        ReceiveError::Length
+    }
+
+    /// Takes a direct record: copies the whole message from the peer's memory into the
+    /// receive. The record is consumed (and the peer's send completes) only after the copy.
+    fn take_direct(
+        &mut self,
+        rec: &Record,
+        report: &Reporter,
+        emit: &mut dyn FnMut(Completion),
+    ) -> std::result::Result<(), ReceiveError> {
+        let whole = ring::FIRST | ring::LAST;
+        // Only a peer told it may send direct records does; one is a whole message.
+        let Some(pid) = self.peer_pid else {
+            return Err(ReceiveError::Protocol);
+        };
+        if self.filling || rec.flags & whole != whole || rec.len != 8 {
+            return Err(ReceiveError::Protocol);
+        }
+        let Some(wr) = self.recvs.front() else {
+            return Err(ReceiveError::Protocol);
+        };
+        if rec.total > wr.len {
+            return Err(self.refuse_length(rec.total, report, emit));
+        }
+        let dst = wr
+            .mr
+            .slice_ptr(wr.offset, rec.total)
+            .map_err(|_| ReceiveError::Protocol)?;
+        // SAFETY: the payload is 8 bytes inside the ring (checked by `peek`).
+        let addr = u64::from_le_bytes(unsafe { rec.payload.cast::<[u8; 8]>().read_unaligned() });
+        // The receive's range was bounds-checked against its region, which the work request
+        // holds; a bad address of the peer's fails the copy, not this process.
+        direct::copy_from(pid, addr, dst, rec.total).map_err(|_| ReceiveError::Protocol)?;
+        let wr = self.recvs.pop_front().expect("front exists");
+        emit(report.record(
+            wr.wr_id,
+            Opcode::Recv,
+            WcStatus::Success,
+            rec.total as u32,
+            None,
+        ));
+        self.msgs_received += 1;
         Ok(())
     }
 

@@ -9,6 +9,8 @@
 //! slot of the connection on its completion queue's notice board (with the board's descriptor),
 //! the accept the ring size and the server's slot (with the segment's descriptor, then the
 //! board's): each side marks the other's slot when it has news for it (see `notice.rs`).
+//! Every message also names a word of the sender's memory and its value, so that the other
+//! side can find out whether it may copy large messages straight from there (`direct.rs`).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -20,6 +22,7 @@ use crate::cq::CompletionQueue;
 use crate::ctx::ContextInner;
 use crate::error::{Error, Result};
 use crate::shm::conn::{Conn, Link};
+use crate::shm::direct;
 use crate::shm::notice::{Board, NO_SLOT, SLOTS};
 use crate::shm::segment::{DEFAULT_RING_CAP, Segment};
 use crate::sys::{self, cvt};
@@ -32,7 +35,7 @@ const ACCEPT: u16 = 2;
 const REJECT: u16 = 3;
 const REJECT_VERSION: u16 = 4;
 const REJECT_PERMISSION: u16 = 5;
-const HEADER: usize = 22;
+const HEADER: usize = 38;
 const MSG_MAX: usize = HEADER + PRIVATE_DATA_MAX;
 /// How long the listener waits for a connected client's hello before dropping it.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
@@ -43,6 +46,8 @@ struct Msg {
     a: u32,
     /// The sender's notice-board slot ([`NO_SLOT`]: none).
     slot: u32,
+    /// The sender's probe word: address and value.
+    probe: (u64, u64),
     data: Vec<u8>,
 }
 
@@ -54,6 +59,9 @@ fn encode(kind: u16, a: u32, b: u32, slot: u32, data: &[u8]) -> Vec<u8> {
     v.extend_from_slice(&a.to_le_bytes());
     v.extend_from_slice(&b.to_le_bytes());
     v.extend_from_slice(&slot.to_le_bytes());
+    let (addr, value) = direct::probe();
+    v.extend_from_slice(&addr.to_le_bytes());
+    v.extend_from_slice(&value.to_le_bytes());
     v.extend_from_slice(&(data.len() as u16).to_le_bytes());
     v.extend_from_slice(data);
     v
@@ -78,13 +86,15 @@ fn decode(buf: &[u8]) -> Result<Msg> {
             kind,
             a,
             slot: NO_SLOT,
+            probe: (0, 0),
             data: Vec::new(),
         });
     }
     if buf.len() < HEADER {
         return Err(bad("message too short"));
     }
-    let len = u16_at(20) as usize;
+    let u64_at = |i: usize| u64::from(u32_at(i)) | u64::from(u32_at(i + 4)) << 32;
+    let len = u16_at(36) as usize;
     if len > PRIVATE_DATA_MAX || HEADER + len != buf.len() {
         return Err(bad("bad private data length"));
     }
@@ -93,6 +103,7 @@ fn decode(buf: &[u8]) -> Result<Msg> {
         kind,
         a,
         slot: u32_at(16),
+        probe: (u64_at(20), u64_at(28)),
         data: buf[HEADER..].to_vec(),
     })
 }
@@ -124,7 +135,8 @@ fn address(name: &str) -> (libc::sockaddr_un, libc::socklen_t) {
     (sa, len as libc::socklen_t)
 }
 
-fn peer_uid(fd: RawFd) -> io::Result<u32> {
+/// The peer's user and process ids.
+fn peer_cred(fd: RawFd) -> io::Result<(u32, libc::pid_t)> {
     // SAFETY: ucred is plain data; getsockopt fills at most `len` bytes of it.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -138,7 +150,7 @@ fn peer_uid(fd: RawFd) -> io::Result<u32> {
             &mut len,
         )
     })?;
-    Ok(cred.uid)
+    Ok((cred.uid, cred.pid))
 }
 
 fn my_uid() -> u32 {
@@ -547,9 +559,9 @@ impl Listener {
             (slot, 1) if slot < SLOTS => Some((fds.pop().expect("one descriptor"), slot)),
             _ => return None,
         };
-        let uid_ok = match peer_uid(sock.as_raw_fd()) {
-            Ok(uid) => uid == my_uid() || self.ctx.opts.shm_allow_any_uid,
-            Err(_) => false,
+        let (uid_ok, pid) = match peer_cred(sock.as_raw_fd()) {
+            Ok((uid, pid)) => (uid == my_uid() || self.ctx.opts.shm_allow_any_uid, pid),
+            Err(_) => (false, 0),
         };
         if !uid_ok {
             let _ = send_msg(
@@ -563,6 +575,7 @@ impl Listener {
             sock: Some(sock),
             private_data: msg.data,
             board,
+            peer: (pid, msg.probe),
             ctx: self.ctx.clone(),
         })
     }
@@ -575,6 +588,8 @@ pub(crate) struct Request {
     private_data: Vec<u8>,
     /// The client's notice board and its slot there, when it has one.
     board: Option<(OwnedFd, u32)>,
+    /// The client's process and probe word.
+    peer: (libc::pid_t, (u64, u64)),
     ctx: Arc<ContextInner>,
 }
 
@@ -589,6 +604,9 @@ impl Request {
             .take()
             .expect("an unanswered request has its socket");
         let (seg, fd) = Segment::create(DEFAULT_RING_CAP)?;
+        // Before the accept goes out: the client is waiting for it, so its memory is there.
+        let (pid, (addr, value)) = self.peer;
+        let peer_pid = direct::can_read(pid, addr, value).then_some(pid);
         let peer_board = match self.board.take() {
             Some((fd, slot)) => Some((Board::open(&fd)?, slot)),
             None => None,
@@ -613,6 +631,7 @@ impl Request {
             seg,
             slot,
             peer_board,
+            peer_pid,
         };
         Conn::start(self.ctx.clone(), cq, opts, link, data)
     }
@@ -671,11 +690,11 @@ pub(crate) fn connect(
             _ => return Err(Error::Connect(e)),
         }
     }
-    match peer_uid(sock.as_raw_fd()) {
-        Ok(uid) if uid == my_uid() || ctx.opts.shm_allow_any_uid => {}
-        Ok(uid) => return Err(Error::Permission(format!("listener runs as uid {uid}"))),
+    let pid = match peer_cred(sock.as_raw_fd()) {
+        Ok((uid, pid)) if uid == my_uid() || ctx.opts.shm_allow_any_uid => pid,
+        Ok((uid, _)) => return Err(Error::Permission(format!("listener runs as uid {uid}"))),
         Err(e) => return Err(Error::Connect(e)),
-    }
+    };
     let slot = cq.reserve_slot();
     let hello = encode(
         HELLO,
@@ -747,12 +766,15 @@ pub(crate) fn connect(
             ));
         }
     };
+    let (addr, value) = msg.probe;
+    let peer_pid = direct::can_read(pid, addr, value).then_some(pid);
     let link = Link {
         side: 0,
         sock,
         seg,
         slot,
         peer_board,
+        peer_pid,
     };
     Conn::start(ctx, cq, opts, link, msg.data)
 }

@@ -8,6 +8,7 @@
 //! the peer leaving and moves data only while nobody else does (`engine.rs`).
 
 mod conn;
+mod direct;
 mod engine;
 mod flow;
 mod handshake;

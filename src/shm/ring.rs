@@ -27,6 +27,9 @@ pub(crate) const LAST: u32 = 2;
 pub(crate) const IMM: u32 = 4;
 /// Filler up to the end of the ring.
 pub(crate) const PAD: u32 = 8;
+/// The whole message stays in the sender's memory; the payload is its address (`u64`), and
+/// the receiver copies the `total` bytes from there itself (see `flow.rs`).
+pub(crate) const DIRECT: u32 = 16;
 
 /// Records start and end on multiples of this, so a header always fits before the ring's end.
 const ALIGN: usize = 32;
@@ -136,6 +139,35 @@ impl Producer {
         imm: Option<u32>,
         total: usize,
     ) -> Result<Option<usize>> {
+        // SAFETY: the caller's contract.
+        unsafe { self.write_record(src, want, first, ends_message_if_all, imm, total, 0) }
+    }
+
+    /// Writes a [`DIRECT`] record for a message of `total` bytes at `addr` in this process.
+    /// Returns whether it fit.
+    pub(crate) fn write_direct(&mut self, addr: u64, total: usize) -> Result<bool> {
+        let b = addr.to_le_bytes();
+        // SAFETY: `b` is readable for its 8 bytes.
+        let r = unsafe { self.write_record(b.as_ptr(), 8, true, true, None, total, DIRECT)? };
+        Ok(r == Some(8))
+    }
+
+    /// [`Producer::write`] with `extra` flags; a record with extra flags is written whole or
+    /// not at all.
+    ///
+    /// # Safety
+    /// `src..src+want` must be readable.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn write_record(
+        &mut self,
+        src: *const u8,
+        want: usize,
+        first: bool,
+        ends_message_if_all: bool,
+        imm: Option<u32>,
+        total: usize,
+        extra: u32,
+    ) -> Result<Option<usize>> {
         let mut fresh = false;
         loop {
             let (free, contig) = self.space();
@@ -149,8 +181,11 @@ impl Producer {
                 continue;
             }
             let mut n = want;
+            if extra != 0 && HDR + padded(n) > free {
+                return Ok(None);
+            }
             if HDR + padded(n) > contig {
-                if n > 0 && contig >= HDR + ALIGN {
+                if n > 0 && extra == 0 && contig >= HDR + ALIGN {
                     n = n.min(contig - HDR);
                 } else if free >= contig {
                     self.publish(contig - HDR, PAD, 0, 0);
@@ -166,7 +201,7 @@ impl Producer {
                     return Ok(None);
                 }
             }
-            let mut flags = 0;
+            let mut flags = extra;
             if first {
                 flags |= FIRST;
             }

@@ -4,8 +4,8 @@
 //! Layout (all offsets from the start of the mapping):
 //! - `0`: magic `u64`, version `u32`, ring capacity `u32`.
 //! - `CTRL + side * CTRL_STRIDE`: the control words one side writes (`side` 0 = the connecting
-//!   side, 1 = the accepting side): `sleeping` (u32), `recv_posted` (u64), `fatal` (u64), each on
-//!   its own cache line pair.
+//!   side, 1 = the accepting side): `sleeping` (u32), `recv_posted` (u64), `fatal` (u64),
+//!   `reads_peer` (u32), each on its own cache line pair.
 //! - `RING + dir * RING_STRIDE`: the cursor of ring `dir` (ring `d` carries side `d`'s
 //!   messages): `head`, written by the consumer (the records announce themselves, see
 //!   `ring.rs`).
@@ -45,6 +45,9 @@ pub(crate) struct Ctrl<'a> {
     pub(crate) recv_posted: &'a AtomicU64,
     /// Non-zero once that side failed the connection: `FATAL_* << 48 | message sequence`.
     pub(crate) fatal: &'a AtomicU64,
+    /// 1 once that side has found it can copy straight from the other's memory: the other
+    /// may then send large messages as [`DIRECT`](crate::shm::ring::DIRECT) records.
+    pub(crate) reads_peer: &'a AtomicU32,
 }
 
 /// A receive buffer was too small for the message with the sequence number in the low bits.
@@ -160,6 +163,7 @@ impl Segment {
             sleeping: self.u32_at(b),
             recv_posted: self.u64_at(b + 128),
             fatal: self.u64_at(b + 256),
+            reads_peer: self.u32_at(b + 384),
         }
     }
 
