@@ -1,7 +1,8 @@
 //! The shm busy path allocates nothing: with caller progress, posting sends (from a memory
 //! region and inline) and receives and polling the completion queues for the completions makes
-//! no heap allocation per message once the connection is warm. Alone in its own test binary,
-//! because it counts through the process's global allocator.
+//! no heap allocation per message once the connection is warm, through the Rust API and
+//! through the C surface. Alone in its own test binary, because it counts through the
+//! process's global allocator.
 
 mod common;
 
@@ -13,6 +14,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::Net;
+use rdmabridge::ffi::conn::*;
+use rdmabridge::ffi::cq::*;
+use rdmabridge::ffi::ctx::*;
+use rdmabridge::ffi::error::*;
+use rdmabridge::ffi::listener::*;
+use rdmabridge::ffi::mr::*;
 use rdmabridge::{
     Access, Completion, CompletionQueue, ConnOptions, Context, CqOptions, Opcode, Progress,
     SendFlags, WcStatus,
@@ -90,6 +97,58 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
+/// One measurement at a time (the counters are shared).
+static MEASURING: Mutex<()> = Mutex::new(());
+
+/// What [`count_allocations`] saw.
+struct Counts {
+    on_driver: u64,
+    elsewhere: u64,
+}
+
+/// Runs `round_trip(i)` WARMUP times, then ROUND_TRIPS times counting allocations; prints the
+/// counts and the first allocation site on the calling thread, if any. `round_trip` returns
+/// the completions it took, which are summed and checked against the messages sent.
+fn count_allocations(mut round_trip: impl FnMut(u64) -> u64) -> Counts {
+    let _one = MEASURING.lock().unwrap_or_else(|p| p.into_inner());
+    ON_DRIVER.store(0, Ordering::Relaxed);
+    ELSEWHERE.store(0, Ordering::Relaxed);
+    *FIRST_SITE.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    DRIVER.with(|d| d.set(true));
+    for i in 0..WARMUP {
+        round_trip(i);
+    }
+    ARMED.store(true, Ordering::Relaxed);
+    let mut completions = 0;
+    for i in 0..ROUND_TRIPS {
+        completions += round_trip(WARMUP + i);
+    }
+    ARMED.store(false, Ordering::Relaxed);
+    DRIVER.with(|d| d.set(false));
+
+    let counts = Counts {
+        on_driver: ON_DRIVER.load(Ordering::Relaxed),
+        elsewhere: ELSEWHERE.load(Ordering::Relaxed),
+    };
+    let messages = 2 * ROUND_TRIPS;
+    eprintln!(
+        "{messages} messages, {completions} completions taken: {} allocations on the posting \
+         and polling thread, {} on the process's other threads meanwhile (the library's, and \
+         other tests' set-up)",
+        counts.on_driver, counts.elsewhere
+    );
+    if let Some(bt) = FIRST_SITE.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        eprintln!("first allocation on the busy path:\n{bt}");
+    }
+    // Every message's send and receive completion was taken (a few send completions of the
+    // last round trips may still be on their way).
+    assert!(
+        completions >= 2 * messages - 4,
+        "{completions} completions for {messages} messages"
+    );
+    counts
+}
+
 const SIZE: usize = 64;
 const WARMUP: u64 = 1_000;
 const ROUND_TRIPS: u64 = 10_000;
@@ -165,37 +224,148 @@ fn shm_busy_path_makes_no_allocation_per_message() {
         taken
     };
 
-    DRIVER.with(|d| d.set(true));
-    for i in 0..WARMUP {
-        round_trip(i);
-    }
-    ARMED.store(true, Ordering::Relaxed);
-    let mut completions = 0;
-    for i in 0..ROUND_TRIPS {
-        completions += round_trip(WARMUP + i);
-    }
-    ARMED.store(false, Ordering::Relaxed);
-    DRIVER.with(|d| d.set(false));
-
-    let on_driver = ON_DRIVER.load(Ordering::Relaxed);
-    let elsewhere = ELSEWHERE.load(Ordering::Relaxed);
-    let messages = 2 * ROUND_TRIPS;
-    eprintln!(
-        "{messages} messages, {completions} completions taken: {on_driver} allocations on the \
-         posting and polling thread, {elsewhere} on the library's other threads meanwhile"
-    );
-    let site = FIRST_SITE.lock().unwrap_or_else(|p| p.into_inner()).take();
-    if let Some(bt) = &site {
-        eprintln!("first allocation on the busy path:\n{bt}");
-    }
-    // Every message's send and receive completion was taken (a few send completions of the
-    // last round trips may still be on their way).
-    assert!(
-        completions >= 2 * messages - 4,
-        "{completions} completions for {messages} messages"
-    );
+    let counts = count_allocations(&mut round_trip);
     assert_eq!(
-        on_driver, 0,
-        "the busy path allocated {on_driver} times in {messages} messages; first site above"
+        counts.on_driver,
+        0,
+        "the busy path allocated {} times in {} messages; first site above",
+        counts.on_driver,
+        2 * ROUND_TRIPS
     );
+}
+
+/// Polls `cq` through the C surface until a receive completes; returns the completions taken.
+///
+/// # Safety
+/// `cq` is a live queue.
+unsafe fn c_poll_until_recv(cq: *mut rbr_cq, wc: &mut [rbr_completion; BATCH]) -> u64 {
+    let mut taken = 0;
+    let mut spins = 0u64;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut n = 0;
+        // SAFETY: `cq` is live (caller contract) and `wc` holds BATCH records.
+        let st = unsafe { rbr_cq_poll(cq, wc.as_mut_ptr(), BATCH, &mut n) };
+        assert!(st == RBR_OK || st == RBR_EMPTY, "rbr_cq_poll: {st}");
+        let mut got_recv = false;
+        for c in &wc[..n] {
+            assert_eq!(c.status, RBR_WC_SUCCESS, "opcode {}", c.opcode);
+            got_recv |= c.opcode == RBR_OP_RECV;
+        }
+        taken += n as u64;
+        if got_recv {
+            return taken;
+        }
+        spins += 1;
+        assert!(
+            spins % 4096 != 0 || Instant::now() < deadline,
+            "no receive completion within 10 s"
+        );
+    }
+}
+
+#[test]
+fn shm_busy_path_through_the_c_surface_makes_no_allocation_per_message() {
+    // SAFETY: every pointer passed is a live handle made here or a live local: the accepting
+    // thread is joined and the round-trip closure last called before anything is destroyed;
+    // each handle is destroyed once, connections before what they use.
+    unsafe {
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let mut cq_opts = std::mem::zeroed();
+        rbr_cq_options_init(&mut cq_opts);
+        cq_opts.progress = RBR_PROGRESS_CALLER;
+        let (mut scq, mut ccq) = (std::ptr::null_mut(), std::ptr::null_mut());
+        assert_eq!(rbr_cq_create_ex(&cq_opts, &mut scq), RBR_OK);
+        assert_eq!(rbr_cq_create_ex(&cq_opts, &mut ccq), RBR_OK);
+        let mut opts = std::mem::zeroed();
+        rbr_conn_options_init(&mut opts);
+        opts.send_queue_depth = 16;
+        opts.recv_queue_depth = 16;
+        let addr = std::ffi::CString::new(Net::Shm.addr("alloc-c")).unwrap();
+        let mut l = std::ptr::null_mut();
+        assert_eq!(rbr_listen(ctx, addr.as_ptr(), 4, &mut l), RBR_OK);
+        // Handles cross to the accepting thread as addresses (raw pointers are not Send).
+        let (l_u, scq_u, opts_u) = (l as usize, scq as usize, &raw const opts as usize);
+        let accept = std::thread::spawn(move || {
+            let mut r = std::ptr::null_mut();
+            let mut conn = std::ptr::null_mut();
+            assert_eq!(
+                rbr_listener_get_request(l_u as *mut rbr_listener, 10_000, &mut r),
+                RBR_OK
+            );
+            assert_eq!(
+                rbr_request_accept(
+                    r,
+                    scq_u as *mut rbr_cq,
+                    opts_u as *const rbr_conn_options,
+                    &mut conn
+                ),
+                RBR_OK
+            );
+            rbr_request_destroy(r);
+            conn as usize
+        });
+        let mut client = std::ptr::null_mut();
+        assert_eq!(
+            rbr_connect(ctx, addr.as_ptr(), ccq, &opts, &mut client),
+            RBR_OK
+        );
+        let server = accept.join().unwrap() as *mut rbr_conn;
+        let (mut cmr, mut smr) = (std::ptr::null_mut(), std::ptr::null_mut());
+        assert_eq!(
+            rbr_mr_alloc(ctx, SIZE, RBR_ACCESS_LOCAL_WRITE, &mut cmr),
+            RBR_OK
+        );
+        assert_eq!(
+            rbr_mr_alloc(ctx, SIZE, RBR_ACCESS_LOCAL_WRITE, &mut smr),
+            RBR_OK
+        );
+        for _ in 0..4 {
+            assert_eq!(rbr_conn_post_recv(client, cmr, 0, SIZE, 1), RBR_OK);
+            assert_eq!(rbr_conn_post_recv(server, smr, 0, SIZE, 2), RBR_OK);
+        }
+        let inline = [7u8; SIZE];
+        let mut wc = [std::mem::zeroed::<rbr_completion>(); BATCH];
+
+        // The round trip of the Rust test above, through the C functions.
+        let mut round_trip = |i: u64| -> u64 {
+            assert_eq!(
+                rbr_conn_post_send(client, cmr, 0, SIZE, i, RBR_SEND_SIGNALED),
+                RBR_OK
+            );
+            let mut taken = c_poll_until_recv(scq, &mut wc);
+            assert_eq!(rbr_conn_post_recv(server, smr, 0, SIZE, 2), RBR_OK);
+            assert_eq!(
+                rbr_conn_post_send_inline(
+                    server,
+                    inline.as_ptr().cast(),
+                    SIZE,
+                    i,
+                    RBR_SEND_SIGNALED
+                ),
+                RBR_OK
+            );
+            taken += c_poll_until_recv(ccq, &mut wc);
+            assert_eq!(rbr_conn_post_recv(client, cmr, 0, SIZE, 1), RBR_OK);
+            taken
+        };
+        let counts = count_allocations(&mut round_trip);
+
+        rbr_conn_destroy(client);
+        rbr_conn_destroy(server);
+        rbr_mr_destroy(cmr);
+        rbr_mr_destroy(smr);
+        rbr_listener_destroy(l);
+        rbr_cq_destroy(scq);
+        rbr_cq_destroy(ccq);
+        rbr_ctx_destroy(ctx);
+        assert_eq!(
+            counts.on_driver,
+            0,
+            "the busy path allocated {} times in {} messages; first site above",
+            counts.on_driver,
+            2 * ROUND_TRIPS
+        );
+    }
 }
