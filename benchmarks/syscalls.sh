@@ -38,7 +38,7 @@ done
 [ "$(nproc)" -ge 2 ] || { echo "syscalls.sh: needs 2 cpus" >&2; exit 1; }
 
 bash scripts/setup.sh
-bash scripts/install-packages.sh syscalls.sh strace util-linux coreutils gawk
+bash scripts/install-packages.sh syscalls.sh strace util-linux coreutils
 
 build=$root/build-shm-bench
 echo "syscalls.sh: building (cargo release, cmake Release in $build)"
