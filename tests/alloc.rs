@@ -26,8 +26,9 @@ use rdmabridge::{
 };
 
 /// Counts allocations (including zeroed ones and reallocations) while armed: those of the
-/// thread that drives the busy path, and those of every other thread (the library's own
-/// connection threads) separately. Captures a backtrace of the first one on the driving thread.
+/// thread that drives the busy path, and, separately, those of every other thread (the
+/// library's own connection threads, and other tests setting up). Captures a backtrace of the
+/// first one on the driving thread.
 struct Counting;
 
 static ARMED: AtomicBool = AtomicBool::new(false);
