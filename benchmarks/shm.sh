@@ -6,6 +6,10 @@
 #            ucp_put_bw (one-sided puts, at the large sizes)
 #   fi:      fi_pingpong -p shm -e rdm (mean one-way latency)
 #   limits:  rbr_limits (memcpy at 1 and 64 MiB on cpu1, cache-line round trip cpu0 <-> cpu1)
+#   scaling: rbr_scaling (benchmarks/scaling.c) in each progress mode: the cost of an empty
+#            rbr_cq_poll and the 64 B ping-pong latency with N = 1, 16, 256, 1024 connections
+#            on one completion queue per side (all but one idle), each N against N = 1 of the
+#            same run (target: the empty poll at 1,024 costs at most 2x the one at 1)
 # Every server runs on cpu0 and every client on cpu1 (taskset). In each round, every measurement
 # of ours runs right next to the anchors' measurements of the same kind and size (the order
 # rotating), so drift and other load hit them alike; the ratios pair the runs of each round and
@@ -13,8 +17,8 @@
 # builds, VMs): read the ratios.
 #
 # Usage: benchmarks/shm.sh [--quick] [--out DIR] [ROUNDS]
-#   --quick   two sizes per test, tiny counts (for CI: proves the pipeline, well under a minute
-#             once built); 1 round unless ROUNDS says otherwise
+#   --quick   two sizes per test, tiny counts, scaling at N = 1 and 16 only (for CI: proves the
+#             pipeline, well under a minute once built); 1 round unless ROUNDS says otherwise
 #   --out DIR results directory (default benchmarks/results, ignored by git)
 #   ROUNDS    rounds (default 3)
 # Writes into DIR: table.txt (printed at the end), results.csv (medians and ratios),
@@ -50,20 +54,23 @@ build=$root/build-shm-bench
 echo "shm.sh: building (cargo release, cmake Release in $build)"
 timeout 1800 cargo build --release --quiet
 timeout 300 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-timeout 900 cmake --build "$build" -j2 --target rbr_bench rbr_limits >/dev/null
-bench=$build/rbr_bench limits=$build/rbr_limits
+timeout 900 cmake --build "$build" -j2 --target rbr_bench rbr_limits rbr_scaling >/dev/null
+bench=$build/rbr_bench limits=$build/rbr_limits scaling=$build/rbr_scaling
 
 # ------------------------------------------------------------------ plan
 if [ "$quick" = 1 ]; then
   lat_sizes=(2 4096) bw_sizes=(4096 65536) rate_sizes=(2) put_sizes=(65536)
   lat_n=300 ucx_lat_warm=30 bw_bytes=$((8 << 20)) max_msgs=20000 fi_n=300
   limits_args=(-n 20000 -r 1) tmo=30
+  scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60
 else
   lat_sizes=(2 64 1024 4096 65536 1048576)
   bw_sizes=(64 1024 4096 16384 65536 262144 1048576)
   rate_sizes=(2 64) put_sizes=(65536 1048576)
   lat_n=10000 ucx_lat_warm=1000 bw_bytes=$((1 << 30)) max_msgs=1000000 fi_n=10000
   limits_args=(-n 1000000 -r 5) tmo=180
+  # With progress threads a round trip takes ~0.1-5 ms at 1,024 connections: minutes.
+  scaling_args=(-N 1,16,256,1024 -n 10000 -b 11) scaling_tmo=900
 fi
 join() { local IFS=,; echo "$*"; }
 # Messages per streaming run, as rbr_bench counts them: BYTES / SIZE, at most MAX, at least 100.
@@ -216,6 +223,20 @@ run_limits() {
   fi
 }
 
+# run_scaling MODE: rbr_scaling forks its own server (cpu0) and client (cpu1); one line per N.
+run_scaling() {
+  local mode=$1 log=$out/logs/r$round-scaling-$1.log rc=0
+  timeout "$scaling_tmo" "$scaling" -p "$mode" -c 0,1 -a "shm://$shm_name-scaling" \
+    "${scaling_args[@]}" >"$log" 2>&1 &
+  cpid=$!
+  wait "$cpid" || rc=$?
+  cpid=""
+  # Whatever N it reached is kept, even if a later one failed.
+  awk -v r="$round" -v t="scaling_$mode" '$1 == "RESULT" && $2 == "scaling" {
+      $1 = r " ours"; $2 = t; print }' "$log" >>"$raw"
+  [ "$rc" -eq 0 ] || fail "rbr_scaling -p $mode failed (status $rc, see $log)"
+}
+
 # Each measurement of ours runs right next to the anchors' measurements of the same kind and size,
 # the order rotating with the size and the round, so that a change in the machine's load between
 # them is as short-lived as it can be; the report pairs them round by round.
@@ -262,6 +283,8 @@ for round in $(seq "$rounds"); do
   pair_all rate "${rate_sizes[@]}"
   echo "shm.sh: round $round/$rounds: limits"
   run_limits
+  echo "shm.sh: round $round/$rounds: scaling (1 to ${scaling_args[1]##*,} connections)"
+  in_turn $round "run_scaling caller" "run_scaling thread"
   if vm_running; then vm=1; echo "shm.sh: round $round/$rounds: a qemu VM is running"; fi
   vm_rounds=$((vm_rounds + vm))
 done

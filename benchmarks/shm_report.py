@@ -6,6 +6,8 @@ Usage: shm_report.py RESULTS_DIR TITLE
 Reads RESULTS_DIR/raw.txt, lines of "ROUND TOOL TEST SIZE key=value ...", for example
     2 ours lat 64 p50_us=0.28 p99_us=0.39 avg_us=0.30
     2 ucx tag_bw 65536 mb_s=13000.0 msgs_s=198000
+    2 ours scaling_caller 1024 poll_ns=9.1 p50_us=0.31 p99_us=0.52 avg_us=0.33 threads=3 fds=12
+(for scaling_MODE lines, SIZE is the number of connections on one completion queue)
 and writes into RESULTS_DIR:
     table.txt    the table (also printed on stdout)
     results.csv  one row per comparison: medians, ratio, which direction is better
@@ -62,10 +64,12 @@ def main():
     def sizes(tool, test):
         return sorted({k[2] for k in vals if k[0] == tool and k[1] == test})
 
-    comps = []  # (what, size, ours_label, ours, theirs_label, theirs, unit, lower_better, n_ours, n_theirs)
+    # (what, size, ours_label, ours, theirs_label, theirs, unit, lower_better, n_ours, n_theirs,
+    #  ratio, ratio_rounds, size_label)
+    comps = []
 
     def add(what, size, okey, ours_tool, ours_test, tkey, tool, test, tlabel, unit, lower,
-            oscale=1.0, tscale=1.0, tsize=None, olabel=None):
+            oscale=1.0, tscale=1.0, tsize=None, olabel=None, slabel=None):
         tsz = size if tsize is None else tsize
         o, no = med(ours_tool, ours_test, size, okey)
         t, nt = med(tool, test, tsz, tkey)
@@ -79,7 +83,8 @@ def main():
                                              else "ours " + what),
                       None if o is None else o * oscale, tlabel,
                       None if t is None else t * tscale, unit, lower, no, nt,
-                      statistics.median(pairs) if pairs else None, len(pairs)))
+                      statistics.median(pairs) if pairs else None, len(pairs),
+                      slabel or human(size)))
 
     for s in sizes("ours", "lat"):
         add("lat", s, "p50_us", "ours", "lat", "p50_us", "ucx", "tag_lat",
@@ -108,11 +113,28 @@ def main():
                     "memcpy %s" % human(ms), "MB/s", False, tscale=1000.0, tsize=ms,
                     olabel="ours bw")
 
+    # Scaling: each connection count against one connection, measured in the same round by
+    # the same run of rbr_scaling (the target: an empty poll with 1,024 idle connections costs at
+    # most 2x what it costs with one).
+    for mode in ("caller", "thread"):
+        test = "scaling_" + mode
+        counts = sizes("ours", test)
+        if not counts or counts[0] != 1:
+            continue
+        for n in counts[1:]:
+            add("poll", n, "poll_ns", "ours", test, "poll_ns", "ours", test,
+                "same, 1 conn", "ns", True, tsize=1, olabel="empty poll " + mode,
+                slabel="%d conns" % n)
+        for n in counts[1:]:
+            add("lat", n, "p50_us", "ours", test, "p50_us", "ours", test,
+                "same, 1 conn", "us", True, tsize=1, olabel="64 B p50 " + mode,
+                slabel="%d conns" % n)
+
     rounds = sorted({r[0] for r in rows}, key=int)
     lines = ["%s" % title,
              "values: medians of %d round(s); ratio: median over rounds of ours / theirs measured "
              "side by side in the same round" % len(rounds), ""]
-    hdr = "%-5s %8s  %-15s %12s  %-20s %12s  %-6s %7s  %s" % (
+    hdr = "%-5s %10s  %-18s %12s  %-20s %12s  %-6s %7s  %s" % (
         "test", "size", "ours", "value", "theirs", "value", "unit", "ratio", "better")
     lines += [hdr, "-" * len(hdr)]
 
@@ -130,17 +152,20 @@ def main():
         w.writerow(["test", "size", "ours", "ours_median", "ours_rounds", "theirs",
                      "theirs_median", "theirs_rounds", "unit", "ratio_ours_over_theirs",
                      "ratio_rounds", "better", "ours_is_better"])
-        for (what, size, ol, o, tl, t, unit, lower, no, nt, ratio, nr) in comps:
+        for (what, size, ol, o, tl, t, unit, lower, no, nt, ratio, nr, sl) in comps:
             better = "lower" if lower else "higher"
-            ours_better = "" if ratio is None else ("yes" if (ratio < 1) == lower else "no")
+            # (Scaling rows compare ours with ours: no side to be better.)
+            ours_better = "" if ratio is None or tl == "same, 1 conn" else (
+                "yes" if (ratio < 1) == lower else "no")
             w.writerow([what, size, ol, "" if o is None else "%.6g" % o, no, tl,
                         "" if t is None else "%.6g" % t, nt, unit,
                         "" if ratio is None else "%.4f" % ratio, nr, better, ours_better])
-            lines.append("%-5s %8s  %-15s %12s  %-20s %12s  %-6s %7s  %s" % (
-                what, human(size), ol, fmt(o), tl, fmt(t), unit,
+            lines.append("%-5s %10s  %-18s %12s  %-20s %12s  %-6s %7s  %s" % (
+                what, sl, ol, fmt(o), tl, fmt(t), unit,
                 "n/a" if ratio is None else "%.2f" % ratio,
                 "%s is better%s" % (better, "" if ratio is None or what == "limit" else
                                     ", even at this precision" if abs(ratio - 1) < 0.005 else
+                                    "" if tl == "same, 1 conn" else
                                     (", ours ahead" if ours_better == "yes" else
                                      ", theirs ahead"))))
     p99 = [(s, med("ours", "lat", s, "p99_us")[0]) for s in sizes("ours", "lat")]
@@ -152,10 +177,28 @@ def main():
         for lbl, test, s, k in (("memcpy 1 MiB GB/s", "memcpy", 1 << 20, "gb_s"),
                                 ("memcpy 64 MiB GB/s", "memcpy", 64 << 20, "gb_s"),
                                 ("cache-line RTT ns", "line_rtt", 64, "ns"))))
-    missing = [(c[4], c[1]) for c in comps if c[5] is None]
+    for mode in ("caller", "thread"):
+        test = "scaling_" + mode
+        counts = sizes("ours", test)
+        if counts:
+            lines.append("scaling, %s progress (client process; N = connections on one queue): " %
+                         mode + "; ".join(
+                             "N=%d: empty poll %s ns, 64 B p50 %s us p99 %s us, %s threads, %s fds"
+                             % (n, fmt(med("ours", test, n, "poll_ns")[0]),
+                                fmt(med("ours", test, n, "p50_us")[0]),
+                                fmt(med("ours", test, n, "p99_us")[0]),
+                                "%.0f" % (med("ours", test, n, "threads")[0] or 0),
+                                "%.0f" % (med("ours", test, n, "fds")[0] or 0)) for n in counts))
+            if 1 in counts and 1024 in counts:
+                r = [c[10] for c in comps
+                     if c[0] == "poll" and c[1] == 1024 and c[2].endswith(mode)]
+                if r and r[0] is not None:
+                    lines.append("  empty poll with 1024 connections / with 1: %.2fx (target "
+                                 "at most 2x: %s)" % (r[0], "met" if r[0] <= 2 else "missed"))
+    missing = [(c[4], c[12]) for c in comps if c[5] is None]
     if missing:
         lines.append("no result (the tool failed every round; see logs/): " +
-                     ", ".join("%s at %s" % (m[0], human(m[1])) for m in missing))
+                     ", ".join("%s at %s" % (m[0], m[1]) for m in missing))
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "table.txt"), "w") as f:
         f.write(text)
@@ -206,7 +249,8 @@ def main():
         "set logscale x 2", "set grid", "set key top left",
         # Tics at the sizes measured, named in binary units.
         "set xtics (%s)" % ", ".join('"%s" %d' % (human(s), s) for s in sorted(
-            {k[2] for k in vals if k[0] in ("ours", "ucx", "fi")})),
+            {k[2] for k in vals if k[0] in ("ours", "ucx", "fi")
+             and not k[1].startswith("scaling_")})),
         "set xlabel 'message size'",
         "set logscale y 10", "set ylabel 'one-way latency (us), lower is better'",
         "set title 'latency'",

@@ -25,5 +25,7 @@ cmake --build build -j2
 ctest --test-dir build --output-on-failure
 echo "== benchmarks at tiny sizes (proves the side-by-side pipeline works; figures are not checked)"
 bash benchmarks/shm.sh --quick --out build/bench-quick
+echo "== shm busy path: at most 0.01 system calls per message (100,000-message ping-pong under strace)"
+bash benchmarks/syscalls.sh --quick --max 0.01 --out build/syscalls-quick
 echo "== real RDMA: soft-RoCE in a qemu VM"
 bash scripts/vm-test.sh build

@@ -1,0 +1,880 @@
+/*
+ * rbr_scaling: what idle connections cost the busy one, over shm, written
+ * only against the public header.
+ *
+ * The program forks: the child is the server, the parent the client.  Each
+ * side puts all of its connections on one completion queue.  The client
+ * opens connections until it has N of them (for each N in the list, in
+ * increasing order, adding to the ones it has), every one with receives
+ * posted on both sides, and then, with all N connected and all but the
+ * first idle, measures:
+ *   poll  the cost of one rbr_cq_poll on its queue that finds nothing
+ *         (RBR_EMPTY): BATCHES batches of calls, each batch long enough to
+ *         take about 2 ms; prints the median over batches of ns per call;
+ *   lat   ping-pong of SIZE bytes on the first connection (the server
+ *         busy-polls its own queue of N connections and echoes): WARMUP
+ *         round trips, then ITERS timed ones; prints the one-way latency
+ *         (half the round trip), median and 99th percentile.
+ * Both sides busy-poll with rbr_cq_poll, never rbr_cq_wait, as rbr_bench
+ * does.  It also prints the client process's threads and open descriptors
+ * at N (from /proc/self), which show what each connection costs besides
+ * polling.
+ *
+ * With 1,024 connections each side holds several descriptors per connection
+ * (the library's sockets, event descriptors and shared-memory segments): the
+ * program raises its soft limit of open files (RLIMIT_NOFILE) up to the hard
+ * limit before it forks, and says so when even that is too low.
+ *
+ * The client drives the server through small control messages on the first
+ * connection (each echoed once the server has done what it asks): "accept K
+ * more connections" before it opens them, and "quit" at the end.
+ *
+ * Output, one line per N:
+ *   RESULT scaling N poll_ns=X p50_us=X p99_us=X avg_us=X threads=T fds=F
+ *
+ * Usage: rbr_scaling [-a ADDR] [-N LIST] [-s SIZE] [-n ITERS] [-b BATCHES]
+ *                    [-c A,B] [-T SECS] [-p MODE] [-S US]
+ *   -a ADDR     address (default shm://rbr-scaling)
+ *   -N LIST     comma list of connection counts, increasing (default
+ *               1,16,256,1024)
+ *   -s SIZE     ping-pong message size in bytes (default 64)
+ *   -n ITERS    timed round trips per N (default 10000); a tenth of that
+ *               (at least 100) is the warm-up
+ *   -b BATCHES  timed batches of empty polls per N (default 11)
+ *   -c A,B      pin the server to cpu A and the client to cpu B (with every
+ *               thread the library starts in them); default: no pinning
+ *   -T SECS     give up (exit status 1) when a single wait for a completion
+ *               or a connection takes longer (default 30)
+ *   -p MODE, -S US: completion-queue options as in the C examples (both
+ *               sides use them)
+ *
+ * Exit status 0 only if every measurement ran to the end and the server
+ * exited cleanly.
+ */
+#define _GNU_SOURCE
+
+#include "common.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define DEFAULT_ADDR "shm://rbr-scaling"
+#define MAX_COUNTS 16
+#define MAX_CONNS 65536
+#define POLL_BATCH 64
+#define CTL_MAGIC 0x7262727363616c65ull /* "rbrscale" */
+/* Queue depths: the first connection carries the ping-pong and the
+ * control messages; the others only hold receives. */
+#define MAIN_DEPTH 16
+#define IDLE_DEPTH 4
+/* Descriptors per connection and side, generously, and a reserve. */
+#define FDS_PER_CONN 8
+#define FDS_RESERVE 256
+
+enum ctl_op { CTL_ADD = 1, CTL_QUIT = 2 };
+
+/* Control message on the first connection, client to server and echoed. */
+struct ctl_msg {
+    uint64_t magic;
+    uint32_t op;
+    uint32_t reserved;
+    uint64_t count; /* CTL_ADD: connections to accept */
+};
+
+struct opts {
+    const char *addr;
+    uint64_t counts[MAX_COUNTS];
+    size_t n_counts;
+    size_t size;
+    uint64_t iters;
+    uint32_t batches;
+    int cpu_server;
+    int cpu_client;
+    int timeout_s;
+    struct ex_cq_opts cq;
+};
+
+/* One side: its queue, connections and buffers. */
+struct side {
+    rbr_ctx *ctx;
+    rbr_cq *cq;
+    rbr_conn **conns;
+    size_t n_conns;
+    rbr_mr *send_mr;
+    rbr_mr *recv_mr;
+    size_t buf_size;
+    uint64_t sends_posted;
+    uint64_t sends_done; /* signaled sends completed */
+    int64_t timeout_ns;
+};
+
+static void usage(const char *argv0)
+{
+    fprintf(stderr,
+            "usage: %s [-a ADDR] [-N LIST] [-s SIZE] [-n ITERS] [-b BATCHES]"
+            " [-c A,B] [-T SECS]\n"
+            "          [-p MODE] [-S US]\n"
+            "  -a ADDR     address (default %s)\n"
+            "  -N LIST     connection counts, increasing (1,16,256,1024)\n"
+            "  -s SIZE     ping-pong message size (64)\n"
+            "  -n ITERS    timed round trips per count (10000)\n"
+            "  -b BATCHES  timed batches of empty polls per count (11)\n"
+            "  -c A,B      pin the server to cpu A, the client to cpu B\n"
+            "  -T SECS     longest wait for one completion (30)\n"
+            EX_CQ_OPTS_USAGE,
+            argv0, DEFAULT_ADDR);
+}
+
+static int parse_counts(const char *arg, struct opts *o)
+{
+    char buf[256];
+    char *save = NULL;
+    char *tok;
+    uint64_t v;
+
+    if (strlen(arg) >= sizeof buf)
+        return -1;
+    strcpy(buf, arg);
+    o->n_counts = 0;
+    for (tok = strtok_r(buf, ",", &save); tok != NULL;
+         tok = strtok_r(NULL, ",", &save)) {
+        if (o->n_counts == MAX_COUNTS || ex_parse_size(tok, &v) || v == 0 ||
+            v > MAX_CONNS ||
+            (o->n_counts > 0 && v <= o->counts[o->n_counts - 1]))
+            return -1;
+        o->counts[o->n_counts++] = v;
+    }
+    return o->n_counts > 0 ? 0 : -1;
+}
+
+static int parse_cpus(const char *arg, struct opts *o)
+{
+    char *end;
+    long a;
+    long b;
+
+    errno = 0;
+    a = strtol(arg, &end, 10);
+    if (errno || end == arg || *end != ',' || a < 0 || a >= CPU_SETSIZE)
+        return -1;
+    arg = end + 1;
+    b = strtol(arg, &end, 10);
+    if (errno || end == arg || *end != '\0' || b < 0 || b >= CPU_SETSIZE)
+        return -1;
+    o->cpu_server = (int)a;
+    o->cpu_client = (int)b;
+    return 0;
+}
+
+static int parse_opts(int argc, char **argv, struct opts *o)
+{
+    uint64_t v;
+    int ch;
+
+    memset(o, 0, sizeof *o);
+    o->addr = DEFAULT_ADDR;
+    o->size = 64;
+    o->iters = 10000;
+    o->batches = 11;
+    o->cpu_server = -1;
+    o->cpu_client = -1;
+    o->timeout_s = 30;
+    ex_cq_opts_init(&o->cq);
+    parse_counts("1,16,256,1024", o);
+    while ((ch = getopt(argc, argv, "a:N:s:n:b:c:T:p:S:h")) != -1) {
+        switch (ch) {
+        case 'a':
+            o->addr = optarg;
+            break;
+        case 'N':
+            if (parse_counts(optarg, o)) {
+                ex_error("bad connection counts '%s' (increasing, 1..%d)",
+                         optarg, MAX_CONNS);
+                return -1;
+            }
+            break;
+        case 's':
+            if (ex_parse_size(optarg, &v) || v == 0 || v > (1u << 30)) {
+                ex_error("bad size '%s' (1 byte .. 1 GiB)", optarg);
+                return -1;
+            }
+            o->size = (size_t)v;
+            break;
+        case 'n':
+            if (ex_parse_size(optarg, &v) || v == 0 || v > (1ull << 32)) {
+                ex_error("bad -n '%s'", optarg);
+                return -1;
+            }
+            o->iters = v;
+            break;
+        case 'b':
+            if (ex_parse_size(optarg, &v) || v == 0 || v > 1001) {
+                ex_error("bad -b '%s' (1..1001)", optarg);
+                return -1;
+            }
+            o->batches = (uint32_t)v;
+            break;
+        case 'c':
+            if (parse_cpus(optarg, o)) {
+                ex_error("bad cpus '%s' (A,B)", optarg);
+                return -1;
+            }
+            break;
+        case 'T':
+            if (ex_parse_size(optarg, &v) || v == 0 || v > 3600) {
+                ex_error("bad time limit '%s' (1..3600 s)", optarg);
+                return -1;
+            }
+            o->timeout_s = (int)v;
+            break;
+        case 'p':
+        case 'S':
+            if (ex_cq_opt(ch, optarg, &o->cq))
+                return -1;
+            break;
+        default:
+            usage(argv[0]);
+            return -1;
+        }
+    }
+    if (optind != argc) {
+        usage(argv[0]);
+        return -1;
+    }
+    return 0;
+}
+
+static int pin(int cpu)
+{
+    cpu_set_t set;
+
+    if (cpu < 0)
+        return 0;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (sched_setaffinity(0, sizeof set, &set) != 0) {
+        ex_error("cannot pin to cpu %d: %s", cpu, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+/* Raises the soft limit of open files far enough for `conns` connections
+ * per side (the hard limit permitting).  Both sides inherit it. */
+static int raise_fd_limit(uint64_t conns)
+{
+    struct rlimit rl;
+    rlim_t want = (rlim_t)(conns * FDS_PER_CONN + FDS_RESERVE);
+
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) {
+        ex_error("getrlimit(RLIMIT_NOFILE): %s", strerror(errno));
+        return -1;
+    }
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < want) {
+        rlim_t old = rl.rlim_cur;
+
+        rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= want
+                          ? want
+                          : rl.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+            ex_error("setrlimit(RLIMIT_NOFILE): %s", strerror(errno));
+            return -1;
+        }
+        fprintf(stderr, "open-file limit raised from %llu to %llu\n",
+                (unsigned long long)old, (unsigned long long)rl.rlim_cur);
+        if (rl.rlim_cur < want)
+            fprintf(stderr,
+                    "warning: the hard limit (%llu) is below the %llu "
+                    "descriptors %llu connections may need (ulimit -Hn)\n",
+                    (unsigned long long)rl.rlim_max,
+                    (unsigned long long)want, (unsigned long long)conns);
+    }
+    return 0;
+}
+
+/* Threads of this process, from /proc/self/status (-1 if unknown). */
+static long count_threads(void)
+{
+    char line[256];
+    long n = -1;
+    FILE *f = fopen("/proc/self/status", "r");
+
+    if (f == NULL)
+        return -1;
+    while (fgets(line, sizeof line, f) != NULL)
+        if (sscanf(line, "Threads: %ld", &n) == 1)
+            break;
+    fclose(f);
+    return n;
+}
+
+/* Open descriptors of this process, from /proc/self/fd (-1 if unknown). */
+static long count_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *e;
+    long n = 0;
+
+    if (d == NULL)
+        return -1;
+    while ((e = readdir(d)) != NULL)
+        if (e->d_name[0] != '.')
+            n++;
+    closedir(d);
+    return n - 1; /* the directory's own descriptor */
+}
+
+/*
+ * Busy-polls until at least one completion is there; fails on an error
+ * completion, a connection event, or after the time limit.
+ */
+static int poll_some(struct side *s, rbr_completion *wc, size_t *n)
+{
+    uint64_t deadline = 0;
+    uint32_t spins = 0;
+    size_t i;
+
+    for (;;) {
+        rbr_status st = rbr_cq_poll(s->cq, wc, POLL_BATCH, n);
+
+        if (st == RBR_OK)
+            break;
+        if (st != RBR_EMPTY)
+            return ex_check(st, "rbr_cq_poll");
+        if (++spins % 4096 == 0) {
+            uint64_t now = ex_now_ns();
+
+            if (deadline == 0) {
+                deadline = now + (uint64_t)s->timeout_ns;
+            } else if (now > deadline) {
+                ex_error("no completion for %lld s",
+                         (long long)(s->timeout_ns / 1000000000));
+                return -1;
+            }
+        }
+    }
+    for (i = 0; i < *n; i++) {
+        if (wc[i].status != RBR_WC_SUCCESS ||
+            (wc[i].opcode != RBR_OP_SEND && wc[i].opcode != RBR_OP_RECV)) {
+            ex_report_completion("unexpected completion", &wc[i]);
+            return -1;
+        }
+        if (wc[i].opcode == RBR_OP_SEND)
+            s->sends_done++;
+    }
+    return 0;
+}
+
+/* Every send is signaled (there are few and the queue is shallow). */
+static int send_buf(struct side *s, size_t len)
+{
+    if (ex_check(rbr_conn_post_send(s->conns[0], s->send_mr, 0, len,
+                                    s->sends_posted, RBR_SEND_SIGNALED),
+                 "rbr_conn_post_send"))
+        return -1;
+    s->sends_posted++;
+    return 0;
+}
+
+/* Control messages go inline, so the send buffer stays all zeros: a
+ * message of the ping-pong never looks like one. */
+static int send_ctl_msg(struct side *s, const struct ctl_msg *m)
+{
+    if (ex_check(rbr_conn_post_send_inline(s->conns[0], m, sizeof *m,
+                                           s->sends_posted, RBR_SEND_SIGNALED),
+                 "rbr_conn_post_send_inline"))
+        return -1;
+    s->sends_posted++;
+    return 0;
+}
+
+static int send_ctl(struct side *s, uint32_t op, uint64_t count)
+{
+    struct ctl_msg m;
+
+    memset(&m, 0, sizeof m);
+    m.magic = CTL_MAGIC;
+    m.op = op;
+    m.count = count;
+    return send_ctl_msg(s, &m);
+}
+
+/* Waits until every send posted so far has completed (taking receives,
+ * which must not come: the caller knows none is due). */
+static int drain_sends(struct side *s)
+{
+    rbr_completion wc[POLL_BATCH];
+    size_t n;
+    size_t i;
+
+    while (s->sends_done < s->sends_posted) {
+        if (poll_some(s, wc, &n))
+            return -1;
+        for (i = 0; i < n; i++)
+            if (wc[i].opcode == RBR_OP_RECV) {
+                ex_report_completion("receive nobody sent", &wc[i]);
+                return -1;
+            }
+    }
+    return 0;
+}
+
+static int post_recv(struct side *s, rbr_conn *c)
+{
+    return ex_check(rbr_conn_post_recv(c, s->recv_mr, 0, s->buf_size, 0),
+                    "rbr_conn_post_recv");
+}
+
+/* Posts the receives of a new connection and adds it to the side. */
+static int add_conn(struct side *s, rbr_conn *c)
+{
+    uint32_t depth = s->n_conns == 0 ? MAIN_DEPTH : IDLE_DEPTH;
+    uint32_t i;
+
+    s->conns[s->n_conns++] = c;
+    for (i = 0; i < depth; i++)
+        if (post_recv(s, c))
+            return -1;
+    return 0;
+}
+
+static void conn_opts(const struct side *s, rbr_conn_options *co)
+{
+    uint32_t depth = s->n_conns == 0 ? MAIN_DEPTH : IDLE_DEPTH;
+
+    rbr_conn_options_init(co);
+    co->send_queue_depth = depth;
+    co->recv_queue_depth = depth;
+    co->timeout_ms = 10000;
+    /* Every connection but the first is idle: a non-NULL context marks it
+     * in its completions. */
+    co->context = s->n_conns == 0 ? NULL : (void *)s;
+}
+
+static int side_init(struct side *s, const struct opts *o)
+{
+    memset(s, 0, sizeof *s);
+    s->timeout_ns = (int64_t)o->timeout_s * 1000000000;
+    s->buf_size = o->size > sizeof(struct ctl_msg) ? o->size
+                                                   : sizeof(struct ctl_msg);
+    s->conns = calloc((size_t)o->counts[o->n_counts - 1], sizeof *s->conns);
+    if (s->conns == NULL) {
+        ex_error("out of memory");
+        return -1;
+    }
+    if (EX_CHECK(rbr_ctx_create(&s->ctx)) ||
+        EX_CHECK(ex_cq_create(&o->cq, &s->cq)) ||
+        EX_CHECK(rbr_mr_alloc(s->ctx, s->buf_size, 0, &s->send_mr)) ||
+        EX_CHECK(rbr_mr_alloc(s->ctx, s->buf_size, RBR_ACCESS_LOCAL_WRITE,
+                              &s->recv_mr)))
+        return -1;
+    memset(rbr_mr_addr(s->send_mr), 0, s->buf_size);
+    return 0;
+}
+
+/* Connections first (each ends with its connection's thread), then what
+ * they used. */
+static void side_fini(struct side *s)
+{
+    size_t i;
+
+    for (i = s->n_conns; i > 0; i--)
+        rbr_conn_destroy(s->conns[i - 1]);
+    rbr_mr_destroy(s->recv_mr);
+    rbr_mr_destroy(s->send_mr);
+    rbr_cq_destroy(s->cq);
+    rbr_ctx_destroy(s->ctx);
+    free(s->conns);
+}
+
+/* ------------------------------------------------------------- server */
+
+static int accept_some(struct side *s, rbr_listener *l, uint64_t count,
+                       int timeout_s)
+{
+    uint64_t i;
+
+    for (i = 0; i < count; i++) {
+        rbr_request *req = NULL;
+        rbr_conn_options co;
+        rbr_conn *c = NULL;
+        int rc;
+
+        if (ex_check(rbr_listener_get_request(l, timeout_s * 1000, &req),
+                     "waiting for a connection"))
+            return -1;
+        conn_opts(s, &co);
+        rc = ex_check(rbr_request_accept(req, s->cq, &co, &c),
+                      "rbr_request_accept");
+        rbr_request_destroy(req);
+        if (rc || add_conn(s, c))
+            return -1;
+    }
+    return 0;
+}
+
+/* Echoes every message on the first connection; carries out and echoes
+ * control messages; returns at "quit". */
+static int serve(struct side *s, rbr_listener *l, const struct opts *o)
+{
+    rbr_completion wc[POLL_BATCH];
+    size_t n;
+    size_t i;
+
+    for (;;) {
+        if (poll_some(s, wc, &n))
+            return -1;
+        for (i = 0; i < n; i++) {
+            struct ctl_msg m;
+            uint32_t len = wc[i].byte_len;
+
+            if (wc[i].opcode != RBR_OP_RECV)
+                continue;
+            if (wc[i].conn_context != NULL) {
+                ex_error("message on an idle connection");
+                return -1;
+            }
+            memset(&m, 0, sizeof m);
+            if (len == sizeof m)
+                memcpy(&m, rbr_mr_addr(s->recv_mr), sizeof m);
+            if (post_recv(s, s->conns[0]))
+                return -1;
+            /* The client has one message out at a time and takes each
+             * echo (completing its send) before it sends again, so a few
+             * sends at most are outstanding here. */
+            if (m.magic != CTL_MAGIC) {
+                if (send_buf(s, len))
+                    return -1;
+                continue;
+            }
+            if (m.op == CTL_ADD &&
+                (m.count > MAX_CONNS - s->n_conns ||
+                 accept_some(s, l, m.count, o->timeout_s)))
+                return -1;
+            if (send_ctl_msg(s, &m))
+                return -1;
+            if (m.op == CTL_QUIT)
+                return 0;
+        }
+    }
+}
+
+/* After "quit": the client closes every connection; waits for each
+ * RBR_OP_DISCONNECTED (work still outstanding comes back flushed). */
+static int wait_closed(struct side *s)
+{
+    rbr_completion wc[POLL_BATCH];
+    uint64_t deadline = ex_now_ns() + (uint64_t)s->timeout_ns;
+    size_t closed = 0;
+    rbr_status st;
+    size_t n;
+    size_t i;
+
+    while (closed < s->n_conns) {
+        if (ex_now_ns() > deadline) {
+            ex_error("%zu of %zu connections closed after %lld s", closed,
+                     s->n_conns, (long long)(s->timeout_ns / 1000000000));
+            return -1;
+        }
+        st = ex_wait_completions(s->cq, wc, POLL_BATCH, &n, 1000);
+        if (st == RBR_ERR_TIMEOUT)
+            continue;
+        if (ex_check(st, "waiting for the client to close"))
+            return -1;
+        for (i = 0; i < n; i++) {
+            if (wc[i].opcode == RBR_OP_DISCONNECTED) {
+                closed++;
+                continue;
+            }
+            if (wc[i].status != RBR_WC_SUCCESS &&
+                wc[i].status != RBR_WC_FLUSHED) {
+                ex_report_completion("failed completion at close", &wc[i]);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The child: listens, tells the parent through `ready`, takes the first
+ * connection and serves. */
+static int server_main(const struct opts *o, int ready)
+{
+    struct side s;
+    rbr_listener *l = NULL;
+    int rc = -1;
+    char b = 1;
+
+    memset(&s, 0, sizeof s);
+    if (pin(o->cpu_server) || side_init(&s, o))
+        goto out;
+    if (EX_CHECK(rbr_listen(s.ctx, o->addr, 64, &l)))
+        goto out;
+    if (write(ready, &b, 1) != 1) {
+        ex_error("cannot tell the client: %s", strerror(errno));
+        goto out;
+    }
+    if (accept_some(&s, l, 1, o->timeout_s) || serve(&s, l, o) ||
+        wait_closed(&s))
+        goto out;
+    rc = 0;
+out:
+    rbr_listener_destroy(l);
+    side_fini(&s);
+    return rc;
+}
+
+/* ------------------------------------------------------------- client */
+
+/* Sends a control message and waits for its echo and its own completion. */
+static int ctl_round(struct side *s, uint32_t op, uint64_t count,
+                     int (*meanwhile)(struct side *, uint64_t, const void *),
+                     const void *arg)
+{
+    rbr_completion wc[POLL_BATCH];
+    int echoed = 0;
+    size_t n;
+    size_t i;
+
+    if (send_ctl(s, op, count) || (meanwhile != NULL && meanwhile(s, count, arg)))
+        return -1;
+    while (!echoed || s->sends_done < s->sends_posted) {
+        if (poll_some(s, wc, &n))
+            return -1;
+        for (i = 0; i < n; i++) {
+            if (wc[i].opcode != RBR_OP_RECV)
+                continue;
+            if (echoed || wc[i].conn_context != NULL ||
+                wc[i].byte_len != sizeof(struct ctl_msg)) {
+                ex_report_completion("unexpected receive", &wc[i]);
+                return -1;
+            }
+            echoed = 1;
+            if (post_recv(s, s->conns[0]))
+                return -1;
+        }
+    }
+    return 0;
+}
+
+/* Opens `count` more connections; the server is accepting them. */
+static int connect_some(struct side *s, uint64_t count, const void *arg)
+{
+    const struct opts *o = arg;
+    uint64_t i;
+
+    for (i = 0; i < count; i++) {
+        rbr_conn_options co;
+        rbr_conn *c = NULL;
+
+        conn_opts(s, &co);
+        if (ex_check(rbr_connect(s->ctx, o->addr, s->cq, &co, &c),
+                     "rbr_connect") ||
+            add_conn(s, c))
+            return -1;
+    }
+    return 0;
+}
+
+/* Median over batches of the ns per empty rbr_cq_poll; *out. */
+static int time_empty_polls(struct side *s, uint32_t batches, double *out)
+{
+    rbr_completion wc[POLL_BATCH];
+    double per_call[1001];
+    uint64_t calls = 16;
+    uint64_t t0;
+    uint64_t dt;
+    uint64_t i;
+    uint32_t b;
+    size_t n;
+
+    /* Calibrate: double the batch until one takes 2 ms or more. */
+    for (;;) {
+        t0 = ex_now_ns();
+        for (i = 0; i < calls; i++)
+            if (rbr_cq_poll(s->cq, wc, POLL_BATCH, &n) != RBR_EMPTY)
+                goto not_empty;
+        dt = ex_now_ns() - t0;
+        if (dt >= 2000000 || calls >= (1ull << 30))
+            break;
+        calls *= 2;
+    }
+    for (b = 0; b < batches; b++) {
+        t0 = ex_now_ns();
+        for (i = 0; i < calls; i++)
+            if (rbr_cq_poll(s->cq, wc, POLL_BATCH, &n) != RBR_EMPTY)
+                goto not_empty;
+        dt = ex_now_ns() - t0;
+        per_call[b] = (double)dt / (double)calls;
+    }
+    /* Insertion sort; batches is small. */
+    for (b = 1; b < batches; b++) {
+        double v = per_call[b];
+        uint32_t j = b;
+
+        for (; j > 0 && per_call[j - 1] > v; j--)
+            per_call[j] = per_call[j - 1];
+        per_call[j] = v;
+    }
+    *out = per_call[batches / 2];
+    return 0;
+not_empty:
+    ex_error("rbr_cq_poll on idle connections did not return RBR_EMPTY "
+             "(a completion nobody expected, or an error: %s)",
+             rbr_last_error());
+    return -1;
+}
+
+/* `total` round trips on the first connection, the last `timed` into rtt. */
+static int ping_pong(struct side *s, size_t size, uint64_t total,
+                     uint64_t timed, uint64_t *rtt)
+{
+    rbr_completion wc[POLL_BATCH];
+    uint64_t i;
+    size_t n;
+    size_t j;
+
+    for (i = 0; i < total; i++) {
+        int echoed = 0;
+        uint64_t t0;
+        uint64_t t1 = 0;
+
+        t0 = ex_now_ns();
+        if (send_buf(s, size))
+            return -1;
+        while (!echoed) {
+            if (poll_some(s, wc, &n))
+                return -1;
+            for (j = 0; j < n; j++) {
+                if (wc[j].opcode != RBR_OP_RECV)
+                    continue;
+                t1 = ex_now_ns();
+                if (echoed || wc[j].conn_context != NULL ||
+                    wc[j].byte_len != size) {
+                    ex_report_completion("unexpected echo", &wc[j]);
+                    return -1;
+                }
+                echoed = 1;
+                if (post_recv(s, s->conns[0]))
+                    return -1;
+            }
+        }
+        /* Keep the send queue from filling: its completions come
+         * with or soon after the echo. */
+        while (s->sends_posted - s->sends_done >= MAIN_DEPTH / 2)
+            if (drain_sends(s))
+                return -1;
+        if (i >= total - timed)
+            rtt[i - (total - timed)] = t1 - t0;
+    }
+    return drain_sends(s);
+}
+
+static int client_main(const struct opts *o, int ready)
+{
+    struct side s;
+    uint64_t *rtt = NULL;
+    uint64_t warm = o->iters / 10 < 100 ? 100 : o->iters / 10;
+    size_t k;
+    int rc = -1;
+    char b;
+
+    memset(&s, 0, sizeof s);
+    if (pin(o->cpu_client) || side_init(&s, o))
+        goto out;
+    rtt = calloc((size_t)o->iters, sizeof *rtt);
+    if (rtt == NULL) {
+        ex_error("out of memory");
+        goto out;
+    }
+    if (read(ready, &b, 1) != 1) {
+        ex_error("the server did not start (see its messages above)");
+        goto out;
+    }
+    if (connect_some(&s, 1, o))
+        goto out;
+    for (k = 0; k < o->n_counts; k++) {
+        uint64_t want = o->counts[k];
+        double poll_ns;
+        double sum = 0;
+        uint64_t i;
+
+        if (want > s.n_conns &&
+            ctl_round(&s, CTL_ADD, want - s.n_conns, connect_some, o))
+            goto out;
+        if (time_empty_polls(&s, o->batches, &poll_ns) ||
+            ping_pong(&s, o->size, warm + o->iters, o->iters, rtt))
+            goto out;
+        for (i = 0; i < o->iters; i++)
+            sum += (double)rtt[i];
+        printf("RESULT scaling %llu poll_ns=%.2f p50_us=%.3f p99_us=%.3f "
+               "avg_us=%.3f threads=%ld fds=%ld\n",
+               (unsigned long long)s.n_conns, poll_ns,
+               (double)ex_percentile(rtt, o->iters, 50.0) / 2000.0,
+               (double)ex_percentile(rtt, o->iters, 99.0) / 2000.0,
+               sum / (double)o->iters / 2000.0, count_threads(), count_fds());
+    }
+    if (ctl_round(&s, CTL_QUIT, 0, NULL, NULL))
+        goto out;
+    rc = 0;
+out:
+    free(rtt);
+    side_fini(&s);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    struct opts o;
+    int pipefd[2];
+    int status = 0;
+    int rc;
+    pid_t pid;
+
+    ex_set_progname(argv[0]);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (parse_opts(argc, argv, &o) ||
+        raise_fd_limit(o.counts[o.n_counts - 1]))
+        return EXIT_FAILURE;
+    if (pipe(pipefd) != 0) {
+        ex_error("pipe: %s", strerror(errno));
+        return EXIT_FAILURE;
+    }
+    fflush(NULL);
+    pid = fork();
+    if (pid < 0) {
+        ex_error("fork: %s", strerror(errno));
+        return EXIT_FAILURE;
+    }
+    if (pid == 0) {
+        close(pipefd[0]);
+        rc = server_main(&o, pipefd[1]);
+        close(pipefd[1]);
+        fflush(NULL);
+        _exit(rc == 0 ? EXIT_SUCCESS : EXIT_FAILURE);
+    }
+    close(pipefd[1]);
+    rc = client_main(&o, pipefd[0]);
+    close(pipefd[0]);
+    if (rc != 0)
+        kill(pid, SIGTERM);
+    if (waitpid(pid, &status, 0) != pid) {
+        ex_error("waitpid: %s", strerror(errno));
+        return EXIT_FAILURE;
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        if (rc == 0)
+            ex_error("the server failed");
+        return EXIT_FAILURE;
+    }
+    return rc == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
