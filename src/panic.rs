@@ -46,8 +46,12 @@ fn install() {
 /// Runs `f`, turning a panic into `Err` with its message, silently.
 pub(crate) fn catch<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     install();
-    DEPTH.with(|d| d.set(d.get() + 1));
+    // One look-up of the thread-local (not free in a shared library) for both changes.
+    let depth: *const Cell<u32> = DEPTH.with(|d| d as *const _);
+    // SAFETY: this thread's own cell, which lives as long as the thread, so across this call.
+    let depth = unsafe { &*depth };
+    depth.set(depth.get() + 1);
     let r = std::panic::catch_unwind(AssertUnwindSafe(f));
-    DEPTH.with(|d| d.set(d.get() - 1));
+    depth.set(depth.get() - 1);
     r.map_err(|_| MESSAGE.with(|s| std::mem::take(&mut *s.borrow_mut())))
 }

@@ -419,9 +419,9 @@ impl Flow {
         self.failed.get_or_insert(End::Protocol);
     }
 
-    /// One pass over everything: completes the sends the peer took, fills receives from the
-    /// incoming ring, writes what waits into the outgoing ring, and rings the peer if it
-    /// sleeps and something changed for it. Completions go to `emit` in order. Returns whether
+    /// One pass over everything: fills receives from the incoming ring, completes the sends
+    /// the peer took (see below), writes what waits into the outgoing ring, and rings the peer
+    /// if it sleeps and something changed for it. Completions go to `emit` in order. Returns whether
     /// anything moved; a reason to end the connection is left in `failed`.
     pub(crate) fn step(&mut self, report: &Reporter, emit: &mut dyn FnMut(Completion)) -> bool {
         if self.closed || self.failed.is_some() {
@@ -433,18 +433,8 @@ impl Flow {
         // or waiting keeps looking at the connection by itself (see `busy`).
         let mut ring = false;
         let mut mark = false;
-        match self.complete_sends(report, emit) {
-            Ok(m) => moved |= m,
-            Err(_) => {
-                self.fail_protocol();
-                return true;
-            }
-        }
-        match self.receive(report, emit) {
-            Ok(m) => {
-                moved |= m;
-                ring |= m;
-            }
+        let received = match self.receive(report, emit) {
+            Ok(m) => m,
             Err(ReceiveError::Length) => {
                 self.failed = Some(End::LocalLength);
                 return true;
@@ -452,6 +442,20 @@ impl Flow {
             Err(ReceiveError::Protocol) => {
                 self.fail_protocol();
                 return true;
+            }
+        };
+        moved |= received;
+        ring |= received;
+        // Sends complete when the peer has taken them, which means reading the peer's cursor:
+        // a cache line the peer writes. A step that delivered messages leaves that for the
+        // next one (the caller is waiting for what it got), unless the send queue is filling.
+        if !received || 2 * self.inflight.len() >= self.send_depth {
+            match self.complete_sends(report, emit) {
+                Ok(m) => moved |= m,
+                Err(_) => {
+                    self.fail_protocol();
+                    return true;
+                }
             }
         }
         match self.transmit() {
