@@ -132,6 +132,19 @@ pub(crate) trait Source: Send + Sync {
     /// Asks the device for an event on the next completion, which the connection's thread
     /// then moves into the queue.
     fn arm(&self);
+    /// After a poll of a connection with a notice-board slot that is polled every time:
+    /// whether it has been idle long enough to leave that list, in which case it has asked its
+    /// peer to mark the board when it next has news.
+    fn settle(&self) -> bool {
+        false
+    }
+    /// After a poll prompted by a mark on the board: whether the connection is busy (it
+    /// moved something, or has work outstanding) and so joins the list polled every time.
+    fn busy(&self) -> bool {
+        true
+    }
+    /// Joins the list polled every time: the peer need not mark the board any more.
+    fn activate(&self) {}
 }
 
 /// A completion queue that any number of connections share and any thread drains.
@@ -157,7 +170,7 @@ pub struct CompletionQueue {
     /// ([`Progress::Caller`]).
     sources: Mutex<Sources>,
     nsources: AtomicUsize,
-    /// Connections looked at on every poll (`Sources::scan`).
+    /// Connections looked at on every poll (`Sources::scan` and `Sources::active`).
     nscan: AtomicUsize,
     /// Where shm peers mark the connections that have news, so that a poll looks only at
     /// those; made with the first slot.
@@ -325,35 +338,73 @@ impl CompletionQueue {
     }
 
     /// Calls `f` with every connection that may have news: those without a notice-board slot
-    /// (always), and those whose slot is marked. With nothing marked and every connection on
-    /// the board, this is one load.
+    /// and the busy ones (always), and those whose slot is marked. A connection on the board
+    /// becomes busy when its slot is marked, and leaves the busy list once idle (see
+    /// [`Source::settle`]): a busy connection costs its peer no marking, and with nothing
+    /// marked and nothing busy this is one load.
     fn each_ready(&self, mut f: impl FnMut(&dyn Source)) {
         let marked = self.board.get().filter(|b| b.any());
         if marked.is_none() && self.nscan.load(Ordering::Relaxed) == 0 {
             return;
         }
-        let sources = self.lock_sources();
-        let len = sources.scan.len();
+        let mut guard = self.lock_sources();
+        let Sources {
+            scan,
+            slots,
+            active,
+            is_active,
+            ..
+        } = &mut *guard;
+        let len = scan.len();
         if len > 0 {
             let start = self.next_source.fetch_add(1, Ordering::Relaxed) % len;
             for i in 0..len {
-                f(&*sources.scan[(start + i) % len]);
+                f(&*scan[(start + i) % len]);
+            }
+        }
+        let mut i = 0;
+        while i < active.len() {
+            let slot = active[i] as usize;
+            let settled = match &slots[slot] {
+                Some(s) => {
+                    f(&**s);
+                    s.settle()
+                }
+                None => true,
+            };
+            if settled {
+                active.swap_remove(i);
+                is_active[slot] = false;
+            } else {
+                i += 1;
             }
         }
         if let Some(board) = marked {
             board.take(|slot| {
-                if let Some(Some(s)) = sources.slots.get(slot as usize) {
+                let slot = slot as usize;
+                if let Some(Some(s)) = slots.get(slot)
+                    && !is_active[slot]
+                {
                     f(&**s);
+                    if s.busy() {
+                        // News the peer writes before it sees this is polled now anyway.
+                        s.activate();
+                        active.push(slot as u32);
+                        is_active[slot] = true;
+                    }
                 }
             });
         }
+        self.nscan
+            .store(scan.len() + active.len(), Ordering::Relaxed);
     }
 
     /// Adds a connection that is looked at on every poll.
     pub(crate) fn add_source(&self, s: Arc<dyn Source>) {
         let mut sources = self.lock_sources();
         sources.scan.push(s);
-        self.nscan.store(sources.scan.len(), Ordering::Relaxed);
+        self.nscan
+            .store(sources.scan.len() + sources.active.len(), Ordering::Relaxed);
         self.nsources.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -378,6 +429,7 @@ impl CompletionQueue {
             Some(s) => s,
             None if (sources.slots.len() as u32) < SLOTS => {
                 sources.slots.push(None);
+                sources.is_active.push(false);
                 sources.slots.len() as u32 - 1
             }
             None => return None,
@@ -414,7 +466,6 @@ impl CompletionQueue {
         let before = sources.scan.len();
         sources.scan.retain(|s| s.key() != key);
         let mut removed = before - sources.scan.len();
-        self.nscan.store(sources.scan.len(), Ordering::Relaxed);
         let at = sources
             .slots
             .iter()
@@ -422,8 +473,14 @@ impl CompletionQueue {
         if let Some(i) = at {
             sources.slots[i] = None;
             sources.free.push(i as u32);
+            if sources.is_active[i] {
+                sources.is_active[i] = false;
+                sources.active.retain(|&a| a as usize != i);
+            }
             removed += 1;
         }
+        self.nscan
+            .store(sources.scan.len() + sources.active.len(), Ordering::Relaxed);
         self.nsources.fetch_sub(removed, Ordering::Relaxed);
     }
 
@@ -533,6 +590,9 @@ struct Sources {
     slots: Vec<Option<Arc<dyn Source>>>,
     /// Slots no connection holds or has reserved.
     free: Vec<u32>,
+    /// Slots polled every time (busy connections), and whether each slot is among them.
+    active: Vec<u32>,
+    is_active: Vec<bool>,
 }
 
 /// A notice-board slot reserved for a connection being made. Given back when dropped unless

@@ -716,7 +716,10 @@ impl Flow {
         // notice board and `sleeping`, pairing with its clearing of the board, and its store of
         // `sleeping`, before its re-check of the rings (Dekker).
         fence(Ordering::SeqCst);
-        if mark && let Some((board, slot)) = &self.peer_board {
+        if mark
+            && peer.want_mark.load(Ordering::SeqCst) == 1
+            && let Some((board, slot)) = &self.peer_board
+        {
             board.mark(*slot);
         }
         if peer.sleeping.load(Ordering::SeqCst) == 1
@@ -727,6 +730,18 @@ impl Flow {
         {
             send_packet(self.sock, WAKE);
         }
+    }
+
+    /// Announces (or withdraws) that this side wants its notice board marked when the peer
+    /// writes (it no longer polls the connection every time).
+    pub(crate) fn set_want_mark(&self, on: bool) {
+        self.seg
+            .ctrl(self.side)
+            .want_mark
+            .store(u32::from(on), Ordering::SeqCst);
+        // SeqCst fence: the store above comes before the caller's re-check of the rings
+        // (Dekker with `notify_peer`).
+        fence(Ordering::SeqCst);
     }
 
     /// Announces (or withdraws) that this side wants a doorbell when the peer writes.

@@ -4,8 +4,8 @@
 //! Layout (all offsets from the start of the mapping):
 //! - `0`: magic `u64`, version `u32`, ring capacity `u32`.
 //! - `CTRL + side * CTRL_STRIDE`: the control words one side writes (`side` 0 = the connecting
-//!   side, 1 = the accepting side): `sleeping` (u32), `recv_posted` (u64), `fatal` (u64),
-//!   `reads_peer` (u32), each on its own cache line pair.
+//!   side, 1 = the accepting side): `sleeping` and `want_mark` (u32 each), `recv_posted`
+//!   (u64), `fatal` (u64), `reads_peer` (u32), each on its own cache line pair.
 //! - `RING + dir * RING_STRIDE`: the cursor of ring `dir` (ring `d` carries side `d`'s
 //!   messages): `head`, written by the consumer (the records announce themselves, see
 //!   `ring.rs`).
@@ -41,6 +41,9 @@ pub(crate) const DEFAULT_RING_CAP: usize = 2 * 1024 * 1024;
 pub(crate) struct Ctrl<'a> {
     /// 1 while that side's progress thread sleeps and wants a doorbell.
     pub(crate) sleeping: &'a AtomicU32,
+    /// 1 while that side wants its notice board marked when the other has news (it does not
+    /// poll the connection every time). Next to `sleeping`: the writer reads both together.
+    pub(crate) want_mark: &'a AtomicU32,
     /// How many receives that side has posted in total (the peer's send credits).
     pub(crate) recv_posted: &'a AtomicU64,
     /// Non-zero once that side failed the connection: `FATAL_* << 48 | message sequence`.
@@ -161,6 +164,7 @@ impl Segment {
         let b = CTRL + side * CTRL_STRIDE;
         Ctrl {
             sleeping: self.u32_at(b),
+            want_mark: self.u32_at(b + 4),
             recv_posted: self.u64_at(b + 128),
             fatal: self.u64_at(b + 256),
             reads_peer: self.u32_at(b + 384),
