@@ -3,7 +3,7 @@
 //! [`Progress::Caller`] the pollers also take verbs completions straight from the devices.
 
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -175,6 +175,9 @@ pub struct CompletionQueue {
     /// Where shm peers mark the connections that have news, so that a poll looks only at
     /// those; made with the first slot.
     board: OnceLock<Board>,
+    /// Calls of `poll_with`: a sign of life of the pollers, which the shm transport samples
+    /// to tell when they have stopped driving its connections.
+    polls: AtomicU64,
     /// Where the next scan of `sources` starts, so a small `max` can't starve the later ones.
     next_source: AtomicUsize,
 }
@@ -215,6 +218,7 @@ impl CompletionQueue {
             nscan: AtomicUsize::new(0),
             board: OnceLock::new(),
             next_source: AtomicUsize::new(0),
+            polls: AtomicU64::new(0),
         }))
     }
 
@@ -257,6 +261,10 @@ impl CompletionQueue {
 
     /// Hands up to `max` completions, oldest first, to `take`. Returns how many. Never blocks.
     pub fn poll_with(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
+        // Not a read-modify-write: pollers racing may count two polls as one, which is still
+        // a sign of life.
+        self.polls
+            .store(self.polls.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         let mut n = self.pop_into(max, take);
         if n < max && self.nsources.load(Ordering::Relaxed) > 0 {
             n += self.poll_sources(max - n, take);
@@ -482,6 +490,11 @@ impl CompletionQueue {
         self.nscan
             .store(sources.scan.len() + sources.active.len(), Ordering::Relaxed);
         self.nsources.fetch_sub(removed, Ordering::Relaxed);
+    }
+
+    /// How many polls there have been (see `polls`).
+    pub(crate) fn polls(&self) -> u64 {
+        self.polls.load(Ordering::Relaxed)
     }
 
     /// Whether a thread sleeps on, or somebody watches, the descriptor: then the devices must

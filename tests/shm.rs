@@ -279,3 +279,98 @@ fn a_flood_of_silent_peers_does_not_make_the_loop_spin() {
     });
     drop(peers);
 }
+
+/// A receiver that only busy-polls gets every message over many connections, across idle
+/// gaps long enough for its connections to go back to waiting on the queue's notice board
+/// and to be woken by a mark again, in order per connection. (The connections' own threads do
+/// not step in while the queue is polled, so a missed mark would show as a lost message.)
+#[test]
+fn busy_poller_gets_every_message_across_idle_gaps() {
+    use rdmabridge::{Access, Opcode, SendFlags, WcStatus};
+    use std::collections::HashMap;
+    use std::time::Instant;
+
+    const CONNS: usize = 16;
+    const RECVS: usize = 8;
+    const MSGS: u64 = 400;
+    let ctx = Context::new().unwrap();
+    let addr = unique_addr("gaps");
+    let l = ctx.listen(&addr, 64).unwrap();
+    let ccq = CompletionQueue::new().unwrap();
+    let scq = CompletionQueue::new().unwrap();
+    let (clients, servers) = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            (0..CONNS)
+                .map(|_| {
+                    l.get_request(Some(Duration::from_secs(10)))
+                        .unwrap()
+                        .accept(&scq, &ConnOptions::default())
+                        .unwrap()
+                })
+                .collect::<Vec<_>>()
+        });
+        let c: Vec<_> = (0..CONNS)
+            .map(|_| ctx.connect(&addr, &ccq, &ConnOptions::default()).unwrap())
+            .collect();
+        (c, h.join().unwrap())
+    });
+    let mr = ctx
+        .alloc_mr(CONNS * RECVS * 8, Access::LOCAL_WRITE)
+        .unwrap();
+    let index: HashMap<u64, usize> = servers
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.id(), i))
+        .collect();
+    for (i, s) in servers.iter().enumerate() {
+        for j in 0..RECVS {
+            let slot = i * RECVS + j;
+            s.post_recv(&mr, slot * 8, 8, slot as u64).unwrap();
+        }
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for k in 0..MSGS {
+                // Gaps of 0 to 300 us: long enough, at the longer ones, for the receiving
+                // connections to settle back onto the board.
+                std::thread::sleep(Duration::from_micros(k % 4 * 100));
+                let c = &clients[(k as usize * 7) % CONNS];
+                c.post_send_inline(&k.to_le_bytes(), k, SendFlags::default())
+                    .unwrap();
+                while let Some(wc) = ccq.poll() {
+                    assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+                }
+            }
+        });
+        let mut last = [None::<u64>; CONNS];
+        let mut got = 0;
+        let mut since = Instant::now();
+        while got < MSGS {
+            let Some(wc) = scq.poll() else {
+                assert!(
+                    since.elapsed() < Duration::from_secs(5),
+                    "message {got} not seen within 5 s of busy polling"
+                );
+                continue;
+            };
+            since = Instant::now();
+            assert_eq!((wc.opcode, wc.status), (Opcode::Recv, WcStatus::Success));
+            let conn = index[&wc.conn_id];
+            let slot = wc.wr_id as usize;
+            let mut b = [0u8; 8];
+            mr.read(slot * 8, &mut b).unwrap();
+            let k = u64::from_le_bytes(b);
+            assert_eq!(
+                (k as usize * 7) % CONNS,
+                conn,
+                "message {k} on the wrong connection"
+            );
+            assert!(last[conn].is_none_or(|p| p < k), "message {k} out of order");
+            last[conn] = Some(k);
+            servers[conn]
+                .post_recv(&mr, slot * 8, 8, slot as u64)
+                .unwrap();
+            got += 1;
+        }
+    });
+}

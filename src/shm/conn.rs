@@ -5,7 +5,7 @@
 //! tears the connection down.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -35,9 +35,6 @@ pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     /// The connection's thread is about to sleep (or sleeps) and wants `wake` signalled.
     pub(crate) engine_sleeping: AtomicBool,
-    /// Polls of this connection by the queue's pollers, so its thread can tell when they have
-    /// stopped driving it.
-    pub(crate) polls: AtomicU64,
     pub(crate) wake: EventFd,
     /// The connection's slot on its queue's notice board, when it has one.
     slot: Option<u32>,
@@ -86,11 +83,6 @@ impl Source for Shared {
     }
 
     fn poll(&self, _max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
-        // Relaxed: only a sign of life for the connection's thread, which samples it.
-        // Not a read-modify-write: pollers racing may count one poll for two, which is still
-        // a sign of life.
-        self.polls
-            .store(self.polls.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         let mut flow = self.lock();
         if flow.closed || flow.failed.is_some() {
             return 0;
@@ -242,7 +234,6 @@ impl Conn {
             caller_polls,
             stop: AtomicBool::new(false),
             engine_sleeping: AtomicBool::new(false),
-            polls: AtomicU64::new(0),
             wake: EventFd::new().map_err(Error::Thread)?,
             slot: slot.as_ref().map(|r| r.slot()),
             idle_polls: AtomicU32::new(0),

@@ -64,7 +64,7 @@ impl Engine {
                 // sends that waited for a credit or ring space - so that nothing waits for this
                 // side to poll again. The same for sends that wait, at once.
                 idle_since = None;
-                let polls = self.sh.polls.load(Ordering::Relaxed);
+                let polls = self.sh.report.cq.polls();
                 let assist = polls == self.seen_polls;
                 self.seen_polls = polls;
                 let work = {
