@@ -374,3 +374,68 @@ fn busy_poller_gets_every_message_across_idle_gaps() {
         }
     });
 }
+
+/// Out of file descriptors, taking a request says so (EMFILE) instead of leaving the client
+/// to time out, and once descriptors are free again the same client is served. Runs in a
+/// child process, since it lowers the descriptor limit.
+#[test]
+fn listener_out_of_descriptors_says_so_and_recovers() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "out_of_descriptors_child",
+            "--test-threads=1",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("1 passed"), "{text}");
+}
+
+#[test]
+#[ignore = "run by listener_out_of_descriptors_says_so_and_recovers in a child process"]
+fn out_of_descriptors_child() {
+    use std::os::fd::OwnedFd;
+    let ctx = Context::new().unwrap();
+    let addr = unique_addr("emfile");
+    let l = ctx.listen(&addr, 4).unwrap();
+    std::thread::scope(|s| {
+        let client = s.spawn(|| {
+            let cq = CompletionQueue::new().unwrap();
+            let opts = ConnOptions {
+                timeout: Some(Duration::from_secs(20)),
+                ..Default::default()
+            };
+            // Connected (its socket made) before the descriptors run out.
+            ctx.connect(&addr, &cq, &opts).map(|_| ())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        // Use up every descriptor the limit allows.
+        let mut hog: Vec<OwnedFd> = Vec::new();
+        while let Ok(f) = std::fs::File::open("/dev/null") {
+            hog.push(f.into());
+        }
+        let r = l.get_request(Some(Duration::from_secs(1)));
+        let e = r.expect_err("accept without a descriptor");
+        assert!(
+            matches!(e, Error::Accept(ref io) if io.raw_os_error() == Some(libc::EMFILE)),
+            "{e}"
+        );
+        drop(hog);
+        let req = l
+            .get_request(Some(Duration::from_secs(5)))
+            .expect("the client that waited");
+        let cq = CompletionQueue::new().unwrap();
+        let _conn = req.accept(&cq, &ConnOptions::default()).unwrap();
+        client
+            .join()
+            .unwrap()
+            .expect("the client's connect succeeds");
+    });
+}

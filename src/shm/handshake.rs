@@ -423,9 +423,14 @@ impl Listener {
         }
         let ready: Vec<u64> = events[..n.max(0) as usize].iter().map(|e| e.u64).collect();
         let mut found = None;
+        // A failed accept (out of descriptors) is reported only when no request was found:
+        // the clients already pending are still served.
+        let mut accept_failed = None;
         for tag in ready {
             if tag == LISTEN_TAG {
-                self.accept_backlog(pending)?;
+                if let Err(e) = self.accept_backlog(pending) {
+                    accept_failed = Some(e);
+                }
                 continue;
             }
             if tag == TIMER_TAG {
@@ -460,7 +465,10 @@ impl Listener {
         while let Some(i) = pending.iter().position(|p| now >= p.since + HELLO_TIMEOUT) {
             drop(self.forget(pending, i));
         }
-        Ok(found)
+        match (found, accept_failed) {
+            (None, Some(e)) => Err(e),
+            (found, _) => Ok(found),
+        }
     }
 
     /// After a round: the listening socket is in the epoll set exactly while there is room for
@@ -512,9 +520,12 @@ impl Listener {
                 return match e.raw_os_error() {
                     Some(libc::EAGAIN) => Ok(()),
                     Some(libc::EINTR) | Some(libc::ECONNABORTED) => continue,
-                    // Out of descriptors or memory: leave the rest in the backlog for later.
-                    Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOBUFS)
-                    | Some(libc::ENOMEM) => Ok(()),
+                    // Out of descriptors: the caller must hear of it (a client waiting in the
+                    // backlog would otherwise only see its connect time out). The rest stay
+                    // in the backlog for a later call.
+                    Some(libc::EMFILE) | Some(libc::ENFILE) => Err(Error::Accept(e)),
+                    // Short of kernel memory for a moment: leave them for later.
+                    Some(libc::ENOBUFS) | Some(libc::ENOMEM) => Ok(()),
                     _ => Err(Error::Accept(e)),
                 };
             }
