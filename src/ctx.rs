@@ -22,6 +22,9 @@ pub(crate) struct ContextInner {
     /// Verbs protection domains, one per device, made on first use.
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) verbs: crate::verbs::Domain,
+    /// The thread that runs the background work of the context's shm connections, started
+    /// with the first one; stopped when the context goes (no connection is left then).
+    pub(crate) driver: crate::driver::Lazy,
 }
 
 /// The parent of listeners, connections and memory regions.
@@ -45,6 +48,7 @@ impl Context {
             inner: Arc::new(ContextInner {
                 opts,
                 verbs: Default::default(),
+                driver: Default::default(),
             }),
         })
     }

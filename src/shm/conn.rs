@@ -1,27 +1,26 @@
 //! One shm connection as its users see it: posting takes the connection's lock and drives the
 //! data path (`flow.rs`) on the caller's thread; with [`Progress::Caller`] so does polling the
-//! completion queue. The connection's own thread (`engine.rs`) watches for the peer leaving,
-//! moves data while somebody sleeps on the queue (or always, with [`Progress::Thread`]), and
-//! tears the connection down.
+//! completion queue. Its background work (`engine.rs`), run by the context's progress driver,
+//! watches for the peer leaving, moves data while somebody sleeps on the queue (or always, with
+//! [`Progress::Thread`]), and tears the connection down.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 
 use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
 use crate::cq::{Completion, CompletionQueue, Progress, Reporter, SlotReservation, Source};
 use crate::ctx::ContextInner;
+use crate::driver::Registration;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, RecvWr, SendSrc};
 use crate::shm::notice::Board;
 use crate::shm::segment::Segment;
-use crate::sys::EventFd;
 
 /// State shared by the users of a connection, the pollers of its completion queue, and its
-/// thread.
+/// background work on the driver.
 pub(crate) struct Shared {
     pub(crate) info: ConnInfo,
     /// Where this connection's completions go.
@@ -33,9 +32,10 @@ pub(crate) struct Shared {
     pub(crate) caller_polls: bool,
     /// The user asked for a disconnect.
     pub(crate) stop: AtomicBool,
-    /// The connection's thread is about to sleep (or sleeps) and wants `wake` signalled.
+    /// The background work is about to sleep (or sleeps) and wants `wake` called.
     pub(crate) engine_sleeping: AtomicBool,
-    pub(crate) wake: EventFd,
+    /// The connection's registration with the driver: wakes its background work.
+    pub(crate) wake: Registration,
     /// The connection's slot on its queue's notice board, when it has one.
     slot: Option<u32>,
     /// Polls in a row that moved nothing (see `settle`).
@@ -47,15 +47,15 @@ impl Shared {
         self.flow.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Wakes the connection's thread if it sleeps.
+    /// Wakes the connection's background work if it sleeps.
     pub(crate) fn kick(&self) {
         // SeqCst fence: orders what we changed before the read of `engine_sleeping`, pairing
-        // with the thread's store of `engine_sleeping` before it re-checks (Dekker).
+        // with the background work's store of `engine_sleeping` before it re-checks (Dekker).
         fence(Ordering::SeqCst);
         if self.engine_sleeping.load(Ordering::SeqCst)
             && self.engine_sleeping.swap(false, Ordering::SeqCst)
         {
-            self.wake.signal();
+            self.wake.wake();
         }
     }
 
@@ -67,8 +67,8 @@ impl Shared {
         }
     }
 
-    /// After a post: the connection's thread must see the new work if it is the one moving
-    /// data now (progress threads, or a sleeper on the queue).
+    /// After a post: the background work must see the new work if it is the one moving data
+    /// now (progress threads, or a sleeper on the queue).
     fn posted(&self) {
         if !self.caller_polls || self.report.cq.watched() {
             self.kick();
@@ -109,9 +109,9 @@ impl Source for Shared {
         };
         self.idle_polls.store(idle, Ordering::Relaxed);
         if flow.failed.is_some() {
-            // The connection's thread tears it down.
+            // The background work tears it down.
             drop(flow);
-            self.wake.signal();
+            self.wake.wake();
         } else if flow.busy() {
             drop(flow);
             self.watch_sends();
@@ -120,9 +120,9 @@ impl Source for Shared {
     }
 
     fn arm(&self) {
-        // Somebody is about to sleep on the queue: the connection's thread takes over moving
-        // data and asks the peer for doorbells until the queue is no longer watched.
-        self.wake.signal();
+        // Somebody is about to sleep on the queue: the background work takes over moving data
+        // and asks the peer for doorbells until the queue is no longer watched.
+        self.wake.wake();
     }
 
     fn settle(&self) -> bool {
@@ -176,7 +176,6 @@ const SETTLE_POLLS: u32 = 1024;
 /// The user's handle of an shm connection. Dropping it tears the connection down.
 pub(crate) struct Conn {
     sh: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
     private_data: Vec<u8>,
 }
 
@@ -213,6 +212,7 @@ impl Conn {
             transport: Transport::Shm,
         };
         let caller_polls = cq.options().progress == Progress::Caller;
+        let driver = ctx.driver.get().map_err(Error::Thread)?;
         let flow = Flow::new(
             seg,
             side,
@@ -234,11 +234,11 @@ impl Conn {
             caller_polls,
             stop: AtomicBool::new(false),
             engine_sleeping: AtomicBool::new(false),
-            wake: EventFd::new().map_err(Error::Thread)?,
+            wake: driver.registration(),
             slot: slot.as_ref().map(|r| r.slot()),
             idle_polls: AtomicU32::new(0),
         });
-        // Before the thread starts, so that its teardown's removal always comes after.
+        // Before the background work starts, so that its teardown's removal always comes after.
         if slot.is_some() {
             // The connection starts on the board, not polled every time: the peer marks it.
             // Asked for before the queue's first look at it, so no message falls between.
@@ -250,20 +250,14 @@ impl Conn {
                 None => sh.report.cq.add_source(sh.clone()),
             }
         }
-        let engine = Engine::new(sh.clone(), sock);
-        let thread = match std::thread::Builder::new()
-            .name(format!("rbr-shm-{}", info.id))
-            .spawn(move || engine.run())
-        {
-            Ok(t) => t,
-            Err(e) => {
-                sh.report.cq.remove_source(info.id);
-                return Err(Error::Thread(e));
-            }
-        };
+        let fd = sock.as_raw_fd();
+        let engine = Box::new(Engine::new(sh.clone(), sock));
+        if let Err(e) = driver.register(&sh.wake, &[fd], engine) {
+            sh.report.cq.remove_source(info.id);
+            return Err(Error::Thread(e));
+        }
         Ok(Conn {
             sh,
-            thread: Some(thread),
             private_data: peer_private_data,
         })
     }
@@ -348,17 +342,16 @@ impl Conn {
 
     pub(crate) fn disconnect(&self) {
         self.sh.stop.store(true, Ordering::SeqCst);
-        self.sh.wake.signal();
+        self.sh.wake.wake();
     }
 }
 
 impl Drop for Conn {
     fn drop(&mut self) {
         self.disconnect();
-        if let Some(t) = self.thread.take() {
-            // The teardown is local work and the thread's sleeps are woken by `disconnect`, so
-            // this join is bounded. A panic inside it has already been reported as a disconnect.
-            let _ = t.join();
-        }
+        // The teardown is local work that never waits for the peer, and the driver runs it at
+        // once after `disconnect`, so this wait is bounded. When it returns the disconnect has
+        // been reported and the socket closed.
+        self.sh.wake.wait_finished();
     }
 }

@@ -1,33 +1,53 @@
-//! The thread of one shm connection. It notices the peer leaving (its socket's end of file)
-//! and the user's disconnect, moves data while nobody else does - always with
+//! The background work of one shm connection, run by its context's progress driver
+//! (`crate::driver`). It notices the peer leaving (its socket's end of file) and the user's
+//! disconnect, moves data while nobody else does - always with
 //! [`Progress::Thread`](crate::Progress::Thread), and with
 //! [`Progress::Caller`](crate::Progress::Caller) only while somebody sleeps on the completion
 //! queue or watches its descriptor - and tears the connection down. The busy path, posting and
-//! polling, never waits for it.
+//! polling, never waits for it, and it never waits for them: where they hold the connection's
+//! lock it comes back on a later turn.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use crate::cq::Opcode;
+use crate::driver::{Handler, Next, Ready};
 use crate::shm::conn::Shared;
-use crate::shm::flow::{BYE, End, send_packet};
-use crate::sys;
+use crate::shm::flow::{BYE, End, Flow, send_packet};
 
-/// How long the thread spins on an idle connection before it sleeps, while it moves data.
+/// How long the connection spins on an idle connection before it sleeps, while it moves data.
 const SPIN: Duration = Duration::from_micros(50);
 /// Longest single sleep; each wake-up re-checks everything.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
-/// How long the pollers may leave the connection alone before its thread assists them.
+/// How long the pollers may leave the connection alone before the driver assists them.
 const IDLE: Duration = Duration::from_millis(10);
 
 pub(crate) struct Engine {
     sh: Arc<Shared>,
+    /// The handshake socket (descriptor 0 of the registration): doorbells, goodbye, hang-up.
     sock: OwnedFd,
     peer_said_bye: bool,
-    /// The pollers' count of polls when this thread last looked.
+    /// The pollers' count of polls when this connection's last turn looked.
     seen_polls: u64,
+    /// While it moves data: since when nothing moved (it spins for [`SPIN`], then sleeps).
+    idle_since: Option<Instant>,
+    /// The last turn went to sleep and asked posters for a wake-up (`engine_sleeping`).
+    slept: bool,
+    /// The connection is ending for this reason: the peer has been told and the rest of the
+    /// teardown waits for the connection's lock.
+    ending: Option<End>,
+}
+
+/// The connection's lock if nobody holds it now: a poster or poller holding it is moving the
+/// connection itself, and the driver must not wait for it.
+fn try_lock(sh: &Shared) -> Option<MutexGuard<'_, Flow>> {
+    match sh.flow.try_lock() {
+        Ok(g) => Some(g),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
 }
 
 impl Engine {
@@ -37,122 +57,101 @@ impl Engine {
             sock,
             peer_said_bye: false,
             seen_polls: u64::MAX,
+            idle_since: None,
+            slept: false,
+            ending: None,
         }
     }
 
-    /// Runs until the connection ends, then completes everything and reports the disconnect.
-    pub(crate) fn run(mut self) {
-        let end = crate::panic::catch(|| self.main_loop()).unwrap_or(End::Protocol);
-        self.teardown(end);
-    }
-
-    /// Whether this thread moves data now (rather than the pollers of the queue).
+    /// Whether this connection's turns move data now (rather than the pollers of the queue).
     fn drives(&self) -> bool {
         !self.sh.caller_polls || self.sh.report.cq.watched()
     }
 
-    fn main_loop(&mut self) -> End {
-        let mut idle_since: Option<Instant> = None;
-        loop {
-            if self.sh.stop.load(Ordering::SeqCst) {
-                return End::Local;
-            }
-            if !self.drives() {
-                // The pollers drive, and no doorbell from the peer is needed while they do.
-                // When they stop (no poll for IDLE) this thread assists: it asks the peer for
-                // doorbells and moves what they announce - messages into the posted receives,
-                // sends that waited for a credit or ring space - so that nothing waits for this
-                // side to poll again. The same for sends that wait, at once.
-                idle_since = None;
-                let polls = self.sh.report.cq.polls();
-                let assist = polls == self.seen_polls;
-                self.seen_polls = polls;
-                let work = {
-                    let mut flow = self.sh.lock();
-                    let help = assist || flow.blocked();
-                    if help {
-                        let cq = &self.sh.report.cq;
-                        flow.step(&self.sh.report, &mut |c| cq.push(c));
-                    }
-                    if let Some(end) = flow.failed {
-                        return end;
-                    }
-                    let help = assist || flow.blocked();
-                    flow.set_sleeping(help);
-                    help && flow.has_work()
-                };
-                let nap = if work {
-                    Duration::ZERO
-                } else if assist {
-                    MAX_SLEEP
-                } else {
-                    IDLE
-                };
-                if let Err(end) = self.sleep(nap) {
-                    return end;
-                }
-                continue;
-            }
-            let moved = {
-                let mut flow = self.sh.lock();
-                let cq = &self.sh.report.cq;
-                let moved = flow.step(&self.sh.report, &mut |c| cq.push(c));
-                if let Some(end) = flow.failed {
-                    return end;
-                }
-                moved
-            };
-            if moved {
-                idle_since = None;
-                continue;
-            }
-            let since = *idle_since.get_or_insert_with(Instant::now);
-            if since.elapsed() < SPIN {
-                std::hint::spin_loop();
-                continue;
-            }
-            // Ask the peer for a doorbell, then look once more before sleeping (Dekker with
-            // the peer's `ring_peer` and our posters' `kick`).
-            self.sh.engine_sleeping.store(true, Ordering::SeqCst);
-            let work = {
-                let flow = self.sh.lock();
-                flow.set_sleeping(true);
-                flow.has_work()
-            };
-            let r = self.sleep(if work { Duration::ZERO } else { MAX_SLEEP });
+    /// One turn while the connection is up: `Err` when it must end.
+    fn turn(&mut self, ready: &Ready) -> std::result::Result<Next, End> {
+        if self.slept {
+            // Woken (or the sleep ran out): posters need not wake us while we look.
+            self.slept = false;
             self.sh.engine_sleeping.store(false, Ordering::SeqCst);
-            if let Err(end) = r {
-                return end;
-            }
-            idle_since = None;
+            self.idle_since = None;
         }
-    }
-
-    /// Sleeps until the peer rings or hangs up, a poster or the user wakes us, or `timeout`.
-    fn sleep(&mut self, timeout: Duration) -> std::result::Result<(), End> {
-        let mut fds = [
-            libc::pollfd {
-                fd: self.sock.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: self.sh.wake.raw(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        let polled = sys::poll(&mut fds, Some(timeout));
-        if polled.is_err() {
-            return Err(End::Peer { clean: false });
-        }
-        if fds[1].revents != 0 {
-            self.sh.wake.clear();
-        }
-        if fds[0].revents != 0 {
+        if ready.fd(0) {
             self.drain_socket()?;
         }
-        Ok(())
+        if self.sh.stop.load(Ordering::SeqCst) {
+            return Err(End::Local);
+        }
+        if !self.drives() {
+            return self.assist();
+        }
+        let Some(mut flow) = try_lock(&self.sh) else {
+            // A poster or poller is moving data right now; look again next round.
+            return Ok(Next::Again);
+        };
+        let cq = &self.sh.report.cq;
+        let moved = flow.step(&self.sh.report, &mut |c| cq.push(c));
+        if let Some(end) = flow.failed {
+            return Err(end);
+        }
+        drop(flow);
+        if moved {
+            self.idle_since = None;
+            return Ok(Next::Again);
+        }
+        let since = *self.idle_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < SPIN {
+            return Ok(Next::Again);
+        }
+        // Ask the peer for a doorbell and our posters for a wake-up, then look once more
+        // before sleeping (Dekker with the peer's `ring_peer` and our posters' `kick`).
+        self.sh.engine_sleeping.store(true, Ordering::SeqCst);
+        self.slept = true;
+        let Some(flow) = try_lock(&self.sh) else {
+            return Ok(Next::Again);
+        };
+        flow.set_sleeping(true);
+        Ok(if flow.has_work() {
+            Next::Again
+        } else {
+            Next::Wait(Some(Instant::now() + MAX_SLEEP))
+        })
+    }
+
+    /// A turn while the pollers drive ([`Progress::Caller`](crate::Progress::Caller), nobody
+    /// sleeping on the queue): no doorbell from the peer is needed while they do. When they
+    /// stop (no poll for [`IDLE`]) the connection's turns assist them: they ask the peer for
+    /// doorbells and move what it announces - messages into the posted receives, sends that
+    /// waited for a credit or ring space - so that nothing waits for this side to poll again.
+    /// The same for sends that wait, at once.
+    fn assist(&mut self) -> std::result::Result<Next, End> {
+        self.idle_since = None;
+        // Relaxed: only a sign of life of the pollers, sampled.
+        let polls = self.sh.report.cq.polls();
+        let assist = polls == self.seen_polls;
+        self.seen_polls = polls;
+        let Some(mut flow) = try_lock(&self.sh) else {
+            // Somebody moves the connection right now; look again next round.
+            return Ok(Next::Again);
+        };
+        let help = assist || flow.blocked();
+        if help {
+            let cq = &self.sh.report.cq;
+            flow.step(&self.sh.report, &mut |c| cq.push(c));
+        }
+        if let Some(end) = flow.failed {
+            return Err(end);
+        }
+        let help = assist || flow.blocked();
+        flow.set_sleeping(help);
+        let work = help && flow.has_work();
+        Ok(if work {
+            Next::Again
+        } else if assist {
+            Next::Wait(Some(Instant::now() + MAX_SLEEP))
+        } else {
+            Next::Wait(Some(Instant::now() + IDLE))
+        })
     }
 
     /// Reads doorbell packets; an end of file means the peer is gone.
@@ -196,23 +195,50 @@ impl Engine {
         }
     }
 
-    /// Ends the connection: tells the peer, takes what it delivered, completes everything else
-    /// as flushed, and reports the disconnect as this connection's last completion.
-    fn teardown(&mut self, end: End) {
+    /// Starts ending the connection: tells the peer (goodbye when the user ended it, then
+    /// end of file at once) and takes it away from the pollers, who no longer drive it; from
+    /// here the driver alone completes it.
+    fn begin_teardown(&mut self, end: End) {
+        self.ending = Some(end);
         if end == End::Local {
             send_packet(self.sock.as_raw_fd(), BYE);
         }
         // SAFETY: plain syscall on our own socket; the peer sees end of file at once.
         unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };
-        // Pollers no longer drive the connection; from here this thread alone completes it.
+        self.sh.report.cq.remove_source(self.sh.info.id);
+    }
+
+    /// Finishes ending the connection once its lock is free: takes what the peer delivered,
+    /// completes everything else as flushed, and reports the disconnect as this connection's
+    /// last completion.
+    fn finish_teardown(&mut self, end: End) -> Next {
+        let Some(mut flow) = try_lock(&self.sh) else {
+            return Next::Again;
+        };
         let cq = &self.sh.report.cq;
-        cq.remove_source(self.sh.info.id);
-        let status = self
-            .sh
-            .lock()
-            .close(end, &self.sh.report, &mut |c| cq.push(c));
+        let status = flow.close(end, &self.sh.report, &mut |c| cq.push(c));
+        drop(flow);
         self.sh
             .report
             .complete(0, Opcode::Disconnected, status, 0, None);
+        Next::Done
+    }
+}
+
+impl Handler for Engine {
+    fn run(&mut self, ready: &Ready) -> Next {
+        let end = match self.ending {
+            Some(end) => end,
+            None => {
+                let end = match crate::panic::catch(|| self.turn(ready)) {
+                    Ok(Ok(next)) => return next,
+                    Ok(Err(end)) => end,
+                    Err(_) => End::Protocol,
+                };
+                self.begin_teardown(end);
+                end
+            }
+        };
+        self.finish_teardown(end)
     }
 }
