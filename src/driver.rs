@@ -359,6 +359,7 @@ impl Thread {
         }
         // Stopped: only by the owner going away, which a connection prevents while it lives.
         // Whatever is left is dropped, so nobody waits for it forever.
+        self.read_mail();
         for id in self.entries.keys().copied().collect::<Vec<_>>() {
             self.remove(id);
         }
@@ -505,5 +506,141 @@ impl Thread {
         // A panic while dropping is the handler's to report; the waiter is told either way.
         let _ = crate::panic::catch(move || drop(handler));
         slot.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+    use std::sync::mpsc::{Receiver, Sender, channel};
+
+    const LONG: Duration = Duration::from_secs(10);
+
+    /// Asks to run again on every turn until told to stop; counts its turns.
+    struct Spinner {
+        turns: Arc<AtomicU64>,
+        stop: Arc<AtomicBool>,
+        dropped: Arc<AtomicBool>,
+    }
+
+    impl Handler for Spinner {
+        fn run(&mut self, _: &Ready) -> Next {
+            self.turns.fetch_add(1, Ordering::SeqCst);
+            if self.stop.load(Ordering::SeqCst) {
+                Next::Done
+            } else {
+                Next::Again
+            }
+        }
+    }
+
+    impl Drop for Spinner {
+        fn drop(&mut self) {
+            self.dropped.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Reports each turn ("ready" when its descriptor was, else "turn"), then waits for
+    /// `every` (or without deadline).
+    struct Probe {
+        tx: Sender<&'static str>,
+        efd: Option<Arc<EventFd>>,
+        every: Option<Duration>,
+    }
+
+    impl Handler for Probe {
+        fn run(&mut self, ready: &Ready) -> Next {
+            if ready.fd(0) {
+                self.efd
+                    .as_ref()
+                    .expect("registered with a descriptor")
+                    .clear();
+                let _ = self.tx.send("ready");
+            } else {
+                let _ = self.tx.send("turn");
+            }
+            Next::Wait(self.every.map(|d| Instant::now() + d))
+        }
+    }
+
+    fn probe(
+        d: &Driver,
+        efd: Option<Arc<EventFd>>,
+        every: Option<Duration>,
+    ) -> (Registration, Receiver<&'static str>) {
+        let (tx, rx) = channel();
+        let reg = d.registration();
+        let fds: Vec<RawFd> = efd.iter().map(|e| e.raw()).collect();
+        d.register(&reg, &fds, Box::new(Probe { tx, efd, every }))
+            .unwrap();
+        assert_eq!(
+            rx.recv_timeout(LONG),
+            Ok("turn"),
+            "the first turn comes at once"
+        );
+        (reg, rx)
+    }
+
+    /// While one handler spins without end, the others still run for their descriptors,
+    /// wake-ups and deadlines; the spinner's end is waited for, after it was dropped.
+    #[test]
+    fn a_spinning_handler_does_not_starve_the_others() {
+        let lazy = Lazy::default();
+        let d = lazy.get().unwrap();
+        let turns = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let dropped = Arc::new(AtomicBool::new(false));
+        let spin = d.registration();
+        let spinner = Spinner {
+            turns: turns.clone(),
+            stop: stop.clone(),
+            dropped: dropped.clone(),
+        };
+        d.register(&spin, &[], Box::new(spinner)).unwrap();
+        let t = Instant::now();
+        while turns.load(Ordering::SeqCst) < 1000 {
+            assert!(t.elapsed() < LONG, "the spinner does not run");
+            std::thread::yield_now();
+        }
+
+        let efd = Arc::new(EventFd::new().unwrap());
+        let (reg, rx) = probe(&d, Some(efd.clone()), None);
+        efd.signal();
+        assert_eq!(rx.recv_timeout(LONG), Ok("ready"));
+        reg.wake();
+        assert_eq!(rx.recv_timeout(LONG), Ok("turn"));
+
+        let (_timed, rx) = probe(&d, None, Some(Duration::from_millis(5)));
+        for _ in 0..3 {
+            assert_eq!(
+                rx.recv_timeout(LONG),
+                Ok("turn"),
+                "the deadline passed unseen"
+            );
+        }
+
+        stop.store(true, Ordering::SeqCst);
+        spin.wait_finished();
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "finished before it was dropped"
+        );
+    }
+
+    /// A handler that panics ends its registration: its waiter is not left waiting.
+    #[test]
+    fn a_panicking_handler_is_finished() {
+        struct Panics;
+        impl Handler for Panics {
+            fn run(&mut self, _: &Ready) -> Next {
+                panic!("handler bug");
+            }
+        }
+        let lazy = Lazy::default();
+        let d = lazy.get().unwrap();
+        let reg = d.registration();
+        d.register(&reg, &[], Box::new(Panics)).unwrap();
+        reg.wait_finished();
     }
 }
