@@ -1,0 +1,156 @@
+//! Connections cost no threads: 1,024 shm connections between two contexts in one process run
+//! on the same library threads as 16 do, and carry traffic, in both progress modes. Alone in its
+//! own test binary, so no other test starts threads while it counts them.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use rdmabridge::{
+    CompletionQueue, ConnOptions, Connection, Context, CqOptions, Opcode, Progress, SendFlags,
+    WcStatus,
+};
+
+/// Threads of this process right now.
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").unwrap().count()
+}
+
+/// Raises this process's descriptor limit (soft, up to the hard one) to at least `want`.
+fn raise_fd_limit(want: u64) {
+    // SAFETY: reads and sets this process's own limit through a live local rlimit.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        if r.rlim_cur < want {
+            r.rlim_cur = r.rlim_max.min(want);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+        }
+        assert!(
+            r.rlim_cur >= want,
+            "descriptor limit {} < {want}",
+            r.rlim_cur
+        );
+    }
+}
+
+/// Opens connections until `pairs` holds `upto` of them: (client in `cctx`, server in `sctx`).
+fn open(
+    pairs: &mut Vec<(Connection, Connection)>,
+    upto: usize,
+    (cctx, ccq): (&Context, &std::sync::Arc<CompletionQueue>),
+    (l, scq): (&rdmabridge::Listener, &std::sync::Arc<CompletionQueue>),
+    addr: &str,
+) {
+    let n = upto - pairs.len();
+    std::thread::scope(|s| {
+        let acceptor = s.spawn(|| {
+            (0..n)
+                .map(|_| {
+                    l.get_request(Some(Duration::from_secs(10)))
+                        .unwrap()
+                        .accept(scq, &ConnOptions::default())
+                        .unwrap()
+                })
+                .collect::<Vec<_>>()
+        });
+        let clients: Vec<_> = (0..n)
+            .map(|_| cctx.connect(addr, ccq, &ConnOptions::default()).unwrap())
+            .collect();
+        // The acceptor takes the requests in the order the clients made them.
+        pairs.extend(clients.into_iter().zip(acceptor.join().unwrap()));
+    });
+}
+
+/// One message each way on `(c, s)`, checked on both sides.
+fn exchange(
+    (c, s): &(Connection, Connection),
+    (cctx, ccq): (&Context, &CompletionQueue),
+    (sctx, scq): (&Context, &CompletionQueue),
+    k: u64,
+) {
+    for (from, from_cq, to, to_ctx, to_cq, word) in
+        [(c, ccq, s, sctx, scq, k), (s, scq, c, cctx, ccq, !k)]
+    {
+        let mr = to_ctx
+            .alloc_mr(64, rdmabridge::Access::LOCAL_WRITE)
+            .unwrap();
+        to.post_recv(&mr, 0, 64, k).unwrap();
+        from.post_send_inline(&word.to_le_bytes(), k, SendFlags::SIGNALED)
+            .unwrap();
+        let r = next(to_cq);
+        assert_eq!(
+            (r.conn_id, r.opcode, r.status, r.wr_id, r.byte_len),
+            (to.id(), Opcode::Recv, WcStatus::Success, k, 8)
+        );
+        let mut got = [0u8; 8];
+        mr.read(0, &mut got).unwrap();
+        assert_eq!(u64::from_le_bytes(got), word, "pair {k}");
+        let sc = next(from_cq);
+        assert_eq!(
+            (sc.conn_id, sc.opcode, sc.status, sc.wr_id),
+            (from.id(), Opcode::Send, WcStatus::Success, k)
+        );
+    }
+}
+
+#[test]
+fn a_thousand_connections_cost_no_more_threads_than_sixteen() {
+    const FEW: usize = 16;
+    const MANY: usize = 1024;
+    raise_fd_limit(8192);
+    for progress in [Progress::Caller, Progress::Thread] {
+        let before = threads();
+        let cq_opts = CqOptions {
+            progress,
+            ..Default::default()
+        };
+        let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
+        let ccq = CompletionQueue::with_options(cq_opts).unwrap();
+        let scq = CompletionQueue::with_options(cq_opts).unwrap();
+        let addr = unique_addr("scale");
+        let l = sctx.listen(&addr, MANY as u32).unwrap();
+        let mut pairs = Vec::new();
+        open(&mut pairs, FEW, (&cctx, &ccq), (&l, &scq), &addr);
+        let (few_threads, few_fds) = (threads(), fd_count());
+        open(&mut pairs, MANY, (&cctx, &ccq), (&l, &scq), &addr);
+        let (many_threads, many_fds) = (threads(), fd_count());
+        eprintln!(
+            "{progress:?}: {FEW} connections: {few_threads} threads, {few_fds} fds; \
+             {MANY}: {many_threads} threads, {many_fds} fds (before: {before} threads)"
+        );
+        assert_eq!(
+            many_threads, few_threads,
+            "{progress:?}: threads grew with the connections"
+        );
+        assert!(
+            few_threads <= before + 4,
+            "{progress:?}: {} library threads for two contexts",
+            few_threads - before
+        );
+        // Traffic flows on a sample spread over all of them, each way, with the rest idle.
+        for (k, p) in pairs
+            .iter()
+            .enumerate()
+            .step_by(61)
+            .chain([(MANY - 1, &pairs[MANY - 1])])
+        {
+            exchange(p, (&cctx, &ccq), (&sctx, &scq), k as u64);
+        }
+        assert!(ccq.poll().is_none() && scq.poll().is_none());
+        // Every connection ends with its disconnect record, queued when its drop returns.
+        drop(pairs);
+        for cq in [&ccq, &scq] {
+            let mut n = 0;
+            while let Some(c) = cq.poll() {
+                assert_eq!(
+                    (c.opcode, c.status),
+                    (Opcode::Disconnected, WcStatus::Success)
+                );
+                n += 1;
+            }
+            assert_eq!(n, MANY, "{progress:?}: disconnect records");
+        }
+    }
+}
