@@ -74,15 +74,17 @@ pub enum Progress {
     /// The thread that polls or waits on the queue takes verbs completions straight from the
     /// device, and moves shm messages between the shared rings and the posted receives (a post
     /// writes its message into the ring itself when it can): no thread hand-off and no system
-    /// call on the busy path. Each connection's own thread still handles connection events,
-    /// keepalives and teardown, and moves work only while a caller sleeps in
-    /// [`CompletionQueue::wait`] or watches [`CompletionQueue::fd`] (and, over shm, for sends
-    /// that wait for the peer's receive or ring space). The default (it measured faster; see the
-    /// README).
+    /// call on the busy path. A library thread still handles connection events, keepalives and
+    /// teardown (over verbs each connection's own; over shm one per context for all its
+    /// connections), and moves work only while a caller sleeps in [`CompletionQueue::wait`] or
+    /// watches [`CompletionQueue::fd`] (and, over shm, for sends that wait for the peer's
+    /// receive or ring space, and when nobody has polled for 10 ms). The default (it measured
+    /// faster; see the README).
     Caller,
-    /// Each connection's own thread moves its work and every completion into the queue (verbs:
-    /// on the device's completion events; shm: between the rings and the posted buffers);
-    /// callers only take completions from there.
+    /// A library thread moves each connection's work and every completion into the queue
+    /// (verbs: the connection's own thread, on the device's completion events; shm: the
+    /// context's one thread for all its connections, between the rings and the posted buffers,
+    /// taking turns among the busy ones); callers only take completions from there.
     Thread,
 }
 
@@ -562,7 +564,7 @@ impl CompletionQueue {
 
     /// A descriptor for epoll/poll/select: readable exactly while completions are queued
     /// (level-triggered). With [`Progress::Caller`], asking for it makes the devices announce
-    /// every completion from then on, and the connections' threads queue them as they come (as
+    /// every completion from then on, and the library's threads queue them as they come (as
     /// with [`Progress::Thread`]); a program that only polls should not ask for it. Owned by the
     /// queue; do not read, write or close it.
     pub fn fd(&self) -> RawFd {

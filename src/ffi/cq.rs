@@ -115,16 +115,18 @@ pub const RBR_PROGRESS_DEFAULT: u32 = 0;
 /// polls. It is the default because it measured faster than RBR_PROGRESS_THREAD, side by side
 /// with perftest on soft-RoCE: 2 B one-way latency 1.7x ib_send_lat (progress threads: 14.6x),
 /// 64 KiB streaming 0.9x ib_send_bw (0.7x); README, "Progress". Connection events, keepalives
-/// and teardown still run on each connection's own thread. Over shm a post writes its message
+/// and teardown still run on a library thread: over verbs each connection's own, over shm one
+/// per context for all its connections. Over shm a post writes its message
 /// straight into the shared ring when the peer has a receive posted and the ring has room, and
 /// the poller takes incoming messages straight into the posted receives: messages move when
 /// either side posts, polls or waits (a thread that sleeps in `rbr_cq_wait` or on `rbr_cq_fd`
-/// hands the moving to the connection's thread meanwhile), so a receiver that neither polls nor
+/// hands the moving to the library's thread meanwhile), so a receiver that neither polls nor
 /// waits holds its peer's sends back, as a full socket buffer would.
 pub const RBR_PROGRESS_CALLER: u32 = 1;
-/// Progress: each connection's own thread moves its work and queues every completion (verbs:
-/// it waits for the device's completion events; shm: it moves messages between the rings and
-/// the posted buffers); callers only take completions from the queue.
+/// Progress: a library thread moves each connection's work and queues every completion (verbs:
+/// the connection's own thread, waiting for the device's completion events; shm: the context's
+/// one thread for all its connections, moving messages between the rings and the posted
+/// buffers); callers only take completions from the queue.
 pub const RBR_PROGRESS_THREAD: u32 = 2;
 
 /// Options of `rbr_cq_create_ex`. Fill with `rbr_cq_options_init`, then change fields. Fields
@@ -298,7 +300,7 @@ pub unsafe extern "C" fn rbr_cq_wait(cq: *mut rbr_cq, timeout_ms: i32) -> rbr_st
 /// completions (including connection events) are queued: level-triggered, no lost wake-up.
 /// The pattern: poll until RBR_EMPTY, then sleep on the descriptor. (With RBR_PROGRESS_CALLER,
 /// asking for the descriptor makes the devices announce every completion from then on, and the
-/// connections' threads queue them as they come: the queue then works as with
+/// library's threads queue them as they come: the queue then works as with
 /// RBR_PROGRESS_THREAD. A program that only polls should not ask for it.)
 /// The queue owns it: do not read, write or close it. Valid until the queue is destroyed.
 ///
