@@ -114,8 +114,9 @@ pub enum Error {
     /// Creating or waiting on a completion queue failed.
     #[error("completion queue failed: {0}")]
     CompletionQueue(#[source] io::Error),
-    /// Starting the connection's progress thread failed.
-    #[error("starting the progress thread failed: {0}")]
+    /// Starting a progress thread failed (over shm: the context's, with its first connection),
+    /// or registering the connection with it.
+    #[error("the progress thread could not be started or take the connection: {0}")]
     Thread(#[source] io::Error),
 }
 
