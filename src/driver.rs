@@ -42,6 +42,11 @@ const BELL: u64 = u64::MAX;
 pub(crate) enum Next {
     /// Run again in the next round, without waiting.
     Again,
+    /// As [`Next::Again`], for a handler that could not do its work because a thread of the
+    /// program holds what it needs (a connection's lock): when every handler that asked to run
+    /// again says this, the driver lets other threads run before the next round rather than
+    /// spin against the holder.
+    Yield,
     /// Run when a descriptor is ready, on a wake-up, or at the deadline (`None`: no deadline).
     Wait(Option<Instant>),
     /// Finished: remove the descriptors, drop the handler.
@@ -325,6 +330,8 @@ struct Thread {
     timers: BinaryHeap<Reverse<(Instant, u64)>>,
     /// Registrations that asked to run again at once.
     busy: Vec<u64>,
+    /// How many of them waited for a thread of the program ([`Next::Yield`]).
+    yielding: usize,
     due: Vec<u64>,
     round: u64,
 }
@@ -336,6 +343,7 @@ impl Thread {
             entries: HashMap::new(),
             timers: BinaryHeap::new(),
             busy: Vec::new(),
+            yielding: 0,
             due: Vec::new(),
             round: 0,
         }
@@ -356,6 +364,10 @@ impl Thread {
                 self.mark(id);
             }
             self.turns();
+            if self.yielding > 0 && self.yielding == self.busy.len() {
+                // Everyone busy waits for a thread of the program: let it run.
+                std::thread::yield_now();
+            }
         }
         // Stopped: only by the owner going away, which a connection prevents while it lives.
         // Whatever is left is dropped, so nobody waits for it forever.
@@ -464,6 +476,7 @@ impl Thread {
     /// Gives every registration due this round its turn, in the order they became due.
     fn turns(&mut self) {
         let due = std::mem::take(&mut self.due);
+        self.yielding = 0;
         for &id in &due {
             let Some(e) = self.entries.get_mut(&id) else {
                 continue;
@@ -473,6 +486,10 @@ impl Thread {
             let next = crate::panic::catch(|| e.handler.run(&ready)).unwrap_or(Next::Done);
             match next {
                 Next::Again => self.busy.push(id),
+                Next::Yield => {
+                    self.busy.push(id);
+                    self.yielding += 1;
+                }
                 Next::Wait(None) => {}
                 Next::Wait(Some(t)) => {
                     e.deadline = Some(t);

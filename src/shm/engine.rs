@@ -8,7 +8,7 @@
 //! lock it comes back on a later turn.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{Ordering, fence};
 use std::sync::{Arc, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,8 @@ use crate::shm::flow::{BYE, End, Flow, send_packet};
 const SPIN: Duration = Duration::from_micros(50);
 /// Longest single sleep; each wake-up re-checks everything.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
+/// Longest sleep of a connection whose lock a poster held (see `Engine::contended`).
+const POSTER_MISSED: Duration = Duration::from_millis(1);
 /// How long the pollers may leave the connection alone before the driver assists them.
 const IDLE: Duration = Duration::from_millis(10);
 
@@ -40,14 +42,20 @@ pub(crate) struct Engine {
     ending: Option<End>,
 }
 
-/// The connection's lock if nobody holds it now: a poster or poller holding it is moving the
-/// connection itself, and the driver must not wait for it.
+/// How often a turn tries the connection's lock before it gives up and comes back later.
+const LOCK_TRIES: u32 = 64;
+
+/// The connection's lock if it comes free at once: a poster or poller holding it is moving the
+/// connection itself (and holds it only briefly), and the driver must not wait for it.
 fn try_lock(sh: &Shared) -> Option<MutexGuard<'_, Flow>> {
-    match sh.flow.try_lock() {
-        Ok(g) => Some(g),
-        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-        Err(TryLockError::WouldBlock) => None,
+    for _ in 0..LOCK_TRIES {
+        match sh.flow.try_lock() {
+            Ok(g) => return Some(g),
+            Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => std::hint::spin_loop(),
+        }
     }
+    None
 }
 
 impl Engine {
@@ -86,8 +94,7 @@ impl Engine {
             return self.assist();
         }
         let Some(mut flow) = try_lock(&self.sh) else {
-            // A poster or poller is moving data right now; look again next round.
-            return Ok(Next::Again);
+            return Ok(self.contended());
         };
         let cq = &self.sh.report.cq;
         let moved = flow.step(&self.sh.report, &mut |c| cq.push(c));
@@ -108,7 +115,7 @@ impl Engine {
         self.sh.engine_sleeping.store(true, Ordering::SeqCst);
         self.slept = true;
         let Some(flow) = try_lock(&self.sh) else {
-            return Ok(Next::Again);
+            return Ok(self.contended());
         };
         flow.set_sleeping(true);
         Ok(if flow.has_work() {
@@ -116,6 +123,26 @@ impl Engine {
         } else {
             Next::Wait(Some(Instant::now() + MAX_SLEEP))
         })
+    }
+
+    /// What a turn that moves data does when a thread of the program holds the connection's
+    /// lock (it is moving the connection itself meanwhile). With progress threads only posters
+    /// take it, and each wakes the connection after its post if it says it sleeps: so it
+    /// sleeps (Dekker with `kick`), for at most [`POSTER_MISSED`] in case the post failed
+    /// (a failed post wakes nobody). Pollers wake nobody: come back next round.
+    fn contended(&mut self) -> Next {
+        if self.sh.caller_polls {
+            return Next::Yield;
+        }
+        self.sh.engine_sleeping.store(true, Ordering::SeqCst);
+        self.slept = true;
+        // SeqCst fence: the store above comes before the look at the lock, pairing with the
+        // fence in `kick` after the poster let go of it.
+        fence(Ordering::SeqCst);
+        match self.sh.flow.try_lock() {
+            Err(TryLockError::WouldBlock) => Next::Wait(Some(Instant::now() + POSTER_MISSED)),
+            _ => Next::Again,
+        }
     }
 
     /// A turn while the pollers drive ([`Progress::Caller`](crate::Progress::Caller), nobody
@@ -132,7 +159,7 @@ impl Engine {
         self.seen_polls = polls;
         let Some(mut flow) = try_lock(&self.sh) else {
             // Somebody moves the connection right now; look again next round.
-            return Ok(Next::Again);
+            return Ok(Next::Yield);
         };
         let help = assist || flow.blocked();
         if help {
@@ -213,7 +240,7 @@ impl Engine {
     /// last completion.
     fn finish_teardown(&mut self, end: End) -> Next {
         let Some(mut flow) = try_lock(&self.sh) else {
-            return Next::Again;
+            return Next::Yield;
         };
         let cq = &self.sh.report.cq;
         let status = flow.close(end, &self.sh.report, &mut |c| cq.push(c));
