@@ -17,7 +17,8 @@ use crate::driver::{Handler, Next, Ready};
 use crate::shm::conn::Shared;
 use crate::shm::flow::{BYE, End, Flow, send_packet};
 
-/// How long the connection spins on an idle connection before it sleeps, while it moves data.
+/// While the driver moves a connection's data: how long it keeps looking at it after the last
+/// movement before the connection sleeps.
 const SPIN: Duration = Duration::from_micros(50);
 /// Longest single sleep; each wake-up re-checks everything.
 const MAX_SLEEP: Duration = Duration::from_millis(500);
