@@ -272,7 +272,7 @@ impl CompletionQueue {
             n += self.poll_sources(max - n, take);
             n += self.pop_into(max - n, take);
             // No arming here for a sleeper on the descriptor: once it has been asked for, the
-            // connections' threads keep the devices' completion events armed (see `fd`).
+            // library's threads keep the devices' completion events armed (see `fd`).
         }
         n
     }

@@ -2,8 +2,8 @@
 //! Whoever holds the connection's lock drives it: the thread that posts writes its message
 //! straight into the outgoing ring when credits and space allow, and the thread that polls the
 //! completion queue takes incoming messages straight into the posted receives
-//! ([`Progress::Caller`](crate::Progress::Caller)); the connection's own thread does the same
-//! only while somebody sleeps on the queue, or always with
+//! ([`Progress::Caller`](crate::Progress::Caller)); the context's progress driver
+//! (`engine.rs`) does the same only while somebody sleeps on the queue, or always with
 //! [`Progress::Thread`](crate::Progress::Thread).
 //!
 //! Flow control is by credits: the receiver publishes how many receives it has posted in all,
@@ -110,8 +110,8 @@ impl From<Error> for ReceiveError {
 pub(crate) struct Flow {
     seg: Segment,
     side: usize,
-    /// The handshake socket, for doorbells; owned by the connection's thread, which closes it
-    /// only after setting `closed` under the lock.
+    /// The handshake socket, for doorbells; owned by the connection's driver handler, which
+    /// closes it only after setting `closed` under the lock.
     sock: RawFd,
     tx: Producer,
     rx: Consumer,
@@ -139,9 +139,9 @@ pub(crate) struct Flow {
     peer_pid: Option<libc::pid_t>,
     /// The peer can copy from ours, so large sends may go direct (known once it says so).
     peer_reads_us: bool,
-    /// No more posting or progress: the connection is down (set by its thread in teardown).
+    /// No more posting or progress: the connection is down (set by its driver in teardown).
     pub(crate) closed: bool,
-    /// Why the connection must end, as found by whoever drove it; its thread tears it down.
+    /// Why the connection must end, as found by whoever drove it; its driver tears it down.
     pub(crate) failed: Option<End>,
 }
 
@@ -277,7 +277,7 @@ impl Flow {
             self.copied = copied;
         }
         // The send waits for a credit or ring space: ask the peer for a doorbell when either
-        // changes, so the connection's thread can move it on even if nobody polls here. Then
+        // changes, so the connection's driver can move it on even if nobody polls here. Then
         // write what fits now, which also covers a change that came before the request (Dekker
         // with `ring_peer`), and tell the peer about everything written.
         self.set_sleeping(true);
@@ -837,7 +837,7 @@ impl Flow {
 /// Sends one packet on the handshake socket without waiting.
 pub(crate) fn send_packet(sock: RawFd, b: u8) {
     // SAFETY: sends one byte from a live local; MSG_NOSIGNAL turns a closed peer into EPIPE,
-    // which is ignored here because the hang-up is noticed by the connection's thread.
+    // which is ignored here because the hang-up is noticed by the connection's driver.
     unsafe {
         libc::send(
             sock,
