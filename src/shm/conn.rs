@@ -131,6 +131,8 @@ impl Source for Shared {
         }
         let flow = self.lock();
         if flow.busy() || flow.closed || flow.failed.is_some() {
+            // Waiting on the peer, not idle: count again from here.
+            self.idle_polls.store(0, Ordering::Relaxed);
             return false;
         }
         // Ask for marks, then look once more: whatever the peer wrote before it could see the

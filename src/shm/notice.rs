@@ -114,28 +114,21 @@ impl Board {
         self.summary().load(Ordering::Relaxed) != 0
     }
 
-    /// Takes every mark, clearing them, and calls `f` with each marked slot. The marks are
-    /// cleared before `f` runs, so news that comes during the call marks its slot again.
+    /// Takes every mark, clearing them, and calls `f` with each marked slot. A slot's mark is
+    /// cleared before `f` runs for it, so news that comes during the call marks it again.
     pub(crate) fn take(&self, mut f: impl FnMut(u32)) {
-        let groups = self.summary().swap(0, Ordering::SeqCst);
-        if groups == 0 {
-            return;
-        }
-        let mut taken = [0u64; WORDS];
-        let mut gs = groups;
-        while gs != 0 {
-            let g = gs.trailing_zeros() as usize;
-            gs &= gs - 1;
-            taken[g] = self.group(g).swap(0, Ordering::SeqCst);
-        }
-        // The clears above come before reading any ring or credit word (Dekker with `mark`).
-        fence(Ordering::SeqCst);
-        for (g, &bits) in taken.iter().enumerate() {
-            let mut b = bits;
-            while b != 0 {
-                let i = b.trailing_zeros();
-                b &= b - 1;
-                f(g as u32 * 64 + i);
+        let mut groups = self.summary().swap(0, Ordering::SeqCst);
+        while groups != 0 {
+            let g = groups.trailing_zeros();
+            groups &= groups - 1;
+            let mut bits = self.group(g as usize).swap(0, Ordering::SeqCst);
+            // The clear above comes before reading any ring or credit word of these slots
+            // (Dekker with `mark`).
+            fence(Ordering::SeqCst);
+            while bits != 0 {
+                let i = bits.trailing_zeros();
+                bits &= bits - 1;
+                f(g * 64 + i);
             }
         }
     }
