@@ -134,7 +134,7 @@ pub(crate) fn check_send_flags(flags: SendFlags) -> Result<()> {
 /// the start of the range.
 pub(crate) fn check_region(
     mr: &MemoryRegion,
-    ctx: &Arc<crate::ctx::ContextInner>,
+    ctx: &Arc<crate::domain::ContextInner>,
     offset: usize,
     len: usize,
 ) -> Result<*mut u8> {
@@ -151,7 +151,7 @@ pub(crate) fn check_region(
 /// allowed to write into the region.
 pub(crate) fn check_recv_region(
     mr: &MemoryRegion,
-    ctx: &Arc<crate::ctx::ContextInner>,
+    ctx: &Arc<crate::domain::ContextInner>,
     offset: usize,
     len: usize,
 ) -> Result<*mut u8> {

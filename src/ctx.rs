@@ -5,27 +5,11 @@ use std::sync::Arc;
 use crate::addr::{self, Endpoint};
 use crate::conn::{ConnOptions, Connection, Listener};
 use crate::cq::CompletionQueue;
+pub use crate::domain::ContextOptions;
+use crate::domain::ContextInner;
 use crate::error::{Error, Result};
 use crate::mr::{Access, MemoryRegion};
 use crate::shm;
-
-/// Settings of a [`Context`].
-#[derive(Debug, Clone, Default)]
-pub struct ContextOptions {
-    /// Let shared-memory peers running as another user connect (default: same user only).
-    pub shm_allow_any_uid: bool,
-}
-
-#[derive(Debug)]
-pub(crate) struct ContextInner {
-    pub(crate) opts: ContextOptions,
-    /// Verbs protection domains, one per device, made on first use.
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
-    pub(crate) verbs: crate::verbs::Domain,
-    /// The thread that runs the background work of the context's shm connections, started
-    /// with the first one; stopped when the context goes (no connection is left then).
-    pub(crate) driver: crate::driver::Lazy,
-}
 
 /// The parent of listeners, connections and memory regions.
 ///

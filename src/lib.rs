@@ -57,6 +57,7 @@ mod addr;
 mod conn;
 mod cq;
 mod ctx;
+mod domain;
 mod driver;
 mod error;
 pub mod ffi;

@@ -5,7 +5,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::ctx::ContextInner;
+use crate::domain::ContextInner;
 use crate::error::{Error, Result};
 use crate::sys::cvt;
 

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
 use crate::cq::{Completion, CompletionQueue, Progress, Reporter, SlotReservation, Source};
-use crate::ctx::ContextInner;
+use crate::domain::ContextInner;
 use crate::driver::Registration;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::conn::{ConnOptions, PRIVATE_DATA_MAX};
 use crate::cq::CompletionQueue;
-use crate::ctx::ContextInner;
+use crate::domain::ContextInner;
 use crate::error::{Error, Result};
 use crate::shm::conn::{Conn, Link};
 use crate::shm::direct;

@@ -24,7 +24,7 @@ use sys::rdma_cm_event_type::*;
 
 use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
 use crate::cq::{Completion, CompletionQueue, Opcode, Progress, Reporter, Source, WcStatus};
-use crate::ctx::ContextInner;
+use crate::domain::ContextInner;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::sys::EventFd;
