@@ -22,7 +22,8 @@
  * - rbr_listener_get_request: 0 never blocks (RBR_EMPTY when nothing is ready).
  * - rbr_cq_wait: 0 looks once without sleeping (RBR_OK if a completion is queued, else
  *   RBR_ERR_TIMEOUT). Before it sleeps, a wait polls for the queue's spin_us (default 50 us),
- *   or up to 1 ms while completions keep coming that soon (rbr_cq_options.spin_us).
+ *   or, with caller progress, up to 1 ms while completions keep coming that soon
+ *   (rbr_cq_options.spin_us).
  * - rbr_conn_options.timeout_ms (connect; accept over verbs): 0 is invalid.
  *
  * Limits:
@@ -372,12 +373,13 @@ typedef struct rbr_cq_options {
   uint32_t progress;
   /**
    * How long `rbr_cq_wait` keeps polling before it sleeps, at the least, in microseconds
-   * (at most 1000000). While completions keep coming soon after waits start, a wait polls
-   * longer: up to twice the longest recent wait (a figure that shrinks by an eighth with
-   * every shorter wait), never past 1000 us, so that a steady exchange whose round trip is
-   * near spin_us does not fall into sleeping; once a wait lasts longer than 1000 us (the
-   * queue went idle), the next one polls for spin_us again. Default 50; 0 never polls:
-   * every wait sleeps at once.
+   * (at most 1000000). With RBR_PROGRESS_CALLER, while completions keep coming soon after
+   * waits start, a wait polls longer: up to twice the longest recent wait (a figure that
+   * shrinks by an eighth with every shorter wait), never past 1000 us, so that a steady
+   * exchange whose round trip is near spin_us does not fall into sleeping; once a wait
+   * lasts longer than 1000 us (the queue went idle), the next one polls for spin_us again.
+   * With RBR_PROGRESS_THREAD it polls for spin_us exactly. Default 50; 0 never polls: every
+   * wait sleeps at once.
    */
   uint32_t spin_us;
 } rbr_cq_options;
@@ -741,9 +743,9 @@ rbr_status rbr_cq_poll(struct rbr_cq *cq, struct rbr_completion *out, size_t max
 
 /**
  * Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
- * -1 waits forever. Polls first (for the queue's `spin_us`, or longer while completions keep
- * coming soon after waits start: see rbr_cq_options), then sleeps. Takes nothing
- * from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
+ * -1 waits forever. Polls first (for the queue's `spin_us`, or with RBR_PROGRESS_CALLER longer
+ * while completions keep coming soon after waits start: see rbr_cq_options), then sleeps.
+ * Takes nothing from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
  *
  * # Safety
  * `cq` must be a live queue.

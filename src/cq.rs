@@ -101,12 +101,14 @@ pub struct CqOptions {
     /// Who takes verbs completions from the device. Default: [`Progress::from_env`].
     pub progress: Progress,
     /// How long [`CompletionQueue::wait`] keeps polling before it sleeps, at the least.
-    /// While completions keep coming soon after waits start, a wait polls longer: up to twice
-    /// the longest recent wait (a figure that shrinks by an eighth with every wait that is
-    /// shorter), never past [`SPIN_ADAPT_MAX`], so that a steady exchange whose round trip is
-    /// near `spin` does not fall into the sleeping path. Once a wait lasts longer than
-    /// [`SPIN_ADAPT_MAX`] (the queue went idle), the next one polls for `spin` again. Zero
-    /// never polls: every wait sleeps at once. Default [`DEFAULT_SPIN`]; at most [`SPIN_MAX`].
+    /// With [`Progress::Caller`], while completions keep coming soon after waits start, a wait
+    /// polls longer: up to twice the longest recent wait (a figure that shrinks by an eighth
+    /// with every wait that is shorter), never past [`SPIN_ADAPT_MAX`], so that a steady
+    /// exchange whose round trip is near `spin` does not fall into the sleeping path. Once a
+    /// wait lasts longer than [`SPIN_ADAPT_MAX`] (the queue went idle), the next one polls for
+    /// `spin` again. (With [`Progress::Thread`] the wait polls for `spin` exactly: longer
+    /// polling would take the CPU from the threads that fill the queue.) Zero never polls:
+    /// every wait sleeps at once. Default [`DEFAULT_SPIN`]; at most [`SPIN_MAX`].
     pub spin: Duration,
 }
 
@@ -388,11 +390,12 @@ impl CompletionQueue {
         }
     }
 
-    /// How long the next wait polls before it sleeps: [`CqOptions::spin`], or up to twice the
-    /// recent waits while they are short (at most [`SPIN_ADAPT_MAX`]); never with a spin of 0.
+    /// How long the next wait polls before it sleeps: [`CqOptions::spin`], or with caller
+    /// progress up to twice the recent waits while they are short (at most
+    /// [`SPIN_ADAPT_MAX`]); never with a spin of 0.
     fn spin_budget(&self) -> Duration {
         let spin = self.opts.spin;
-        if spin.is_zero() {
+        if spin.is_zero() || self.opts.progress != Progress::Caller {
             return spin;
         }
         // Relaxed: a hint only; a stale figure costs some polling or an early sleep.
@@ -544,10 +547,21 @@ mod tests {
     }
 
     #[test]
-    fn zero_spin_never_polls_and_a_long_spin_stays_as_set() {
+    fn zero_spin_progress_threads_and_a_long_spin_keep_the_spin_as_set() {
         let q = queue(Duration::ZERO);
         q.note_took(Duration::from_micros(100), true);
         assert_eq!(q.spin_budget(), Duration::ZERO);
+        let q = CompletionQueue::with_options(CqOptions {
+            progress: Progress::Thread,
+            spin: DEFAULT_SPIN,
+        })
+        .unwrap();
+        q.note_took(Duration::from_micros(100), true);
+        assert_eq!(
+            q.spin_budget(),
+            DEFAULT_SPIN,
+            "progress threads: spin exactly"
+        );
         let q = queue(SPIN_MAX);
         q.note_took(Duration::from_micros(100), true);
         assert_eq!(q.spin_budget(), SPIN_MAX);

@@ -136,12 +136,13 @@ pub struct rbr_cq_options {
     /// `RBR_PROGRESS_*`. Default RBR_PROGRESS_DEFAULT.
     pub progress: u32,
     /// How long `rbr_cq_wait` keeps polling before it sleeps, at the least, in microseconds
-    /// (at most 1000000). While completions keep coming soon after waits start, a wait polls
-    /// longer: up to twice the longest recent wait (a figure that shrinks by an eighth with
-    /// every shorter wait), never past 1000 us, so that a steady exchange whose round trip is
-    /// near spin_us does not fall into sleeping; once a wait lasts longer than 1000 us (the
-    /// queue went idle), the next one polls for spin_us again. Default 50; 0 never polls:
-    /// every wait sleeps at once.
+    /// (at most 1000000). With RBR_PROGRESS_CALLER, while completions keep coming soon after
+    /// waits start, a wait polls longer: up to twice the longest recent wait (a figure that
+    /// shrinks by an eighth with every shorter wait), never past 1000 us, so that a steady
+    /// exchange whose round trip is near spin_us does not fall into sleeping; once a wait
+    /// lasts longer than 1000 us (the queue went idle), the next one polls for spin_us again.
+    /// With RBR_PROGRESS_THREAD it polls for spin_us exactly. Default 50; 0 never polls: every
+    /// wait sleeps at once.
     pub spin_us: u32,
 }
 
@@ -278,9 +279,9 @@ pub unsafe extern "C" fn rbr_cq_poll(
 }
 
 /// Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
-/// -1 waits forever. Polls first (for the queue's `spin_us`, or longer while completions keep
-/// coming soon after waits start: see rbr_cq_options), then sleeps. Takes nothing
-/// from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
+/// -1 waits forever. Polls first (for the queue's `spin_us`, or with RBR_PROGRESS_CALLER longer
+/// while completions keep coming soon after waits start: see rbr_cq_options), then sleeps.
+/// Takes nothing from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
 ///
 /// # Safety
 /// `cq` must be a live queue.
