@@ -1139,8 +1139,14 @@ impl Conn {
                 let data = unsafe { std::slice::from_raw_parts(ptr, len) };
                 h.ptr = c.stage(data, self.sh.info.send_queue_depth, self.sh.info.max_inline);
             }
+            let first = c.held.is_empty();
             c.held.push_back(h);
             st.user_sends += 1;
+            if first {
+                // The credits may come while this thread polls nothing: the connection's
+                // thread starts held sends then, once it knows some are held.
+                self.sh.wake.signal();
+            }
             return Ok(());
         }
         if let Err((r, _)) = self.sh.post_user_send(&mut st, h) {
