@@ -43,11 +43,16 @@ perftest() { # TOOL ARGS...
     timeout 120 "$tool" -R -d rxe0 -p "$port" "$@" >/tmp/perf-server.log 2>&1 &
     local s=$!
     sleep 1
+    local row=
     if timeout 120 "$tool" -R -d rxe0 -p "$port" "$@" "$ip" >/tmp/perf-client.log 2>&1; then
       wait "$s"
-      # The result row: the first line that starts with the size column.
-      awk '$1 ~ /^[0-9]+$/ && NF >= 5 { print; exit }' /tmp/perf-client.log
-      return 0
+      # The result row: the first line that starts with the size column. A row of 0 or inf
+      # (seen on rxe) is a failed run.
+      row=$(awk '$1 ~ /^[0-9]+$/ && NF >= 5 { print; exit }' /tmp/perf-client.log)
+      if [ -n "$row" ] && ! echo "$row" | awk '{ for (i = 3; i <= NF && i <= 6; i++) if ($i == "inf" || $i + 0 == 0) exit 1 }'; then
+        row=
+      fi
+      if [ -n "$row" ]; then echo "$row"; return 0; fi
     fi
     kill "$s" 2>/dev/null; wait "$s" 2>/dev/null
     echo "($tool try $try failed: $(tail -n 2 /tmp/perf-client.log | tr '\n' ' '))" >&2
