@@ -3,7 +3,7 @@
 //! [`Progress::Caller`] the pollers also take verbs completions straight from the devices.
 
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -102,13 +102,15 @@ pub struct CqOptions {
     pub progress: Progress,
     /// How long [`CompletionQueue::wait`] keeps polling before it sleeps, at the least.
     /// With [`Progress::Caller`], while completions keep coming soon after waits start, a wait
-    /// polls longer: up to twice the longest recent wait (a figure that shrinks by an eighth
-    /// with every wait that is shorter), never past [`SPIN_ADAPT_MAX`], so that a steady
-    /// exchange whose round trip is near `spin` does not fall into the sleeping path. Once a
-    /// wait lasts longer than [`SPIN_ADAPT_MAX`] (the queue went idle), the next one polls for
-    /// `spin` again. (With [`Progress::Thread`] the wait polls for `spin` exactly: longer
-    /// polling would take the CPU from the threads that fill the queue.) Zero never polls:
-    /// every wait sleeps at once. Default [`DEFAULT_SPIN`]; at most [`SPIN_MAX`].
+    /// polls longer: up to four times the longest recent wait (a figure that shrinks by an
+    /// eighth with every wait that is shorter), never past [`SPIN_ADAPT_MAX`], so that a steady
+    /// exchange whose round trip is near `spin` does not fall into the sleeping path. After a
+    /// wait longer than [`SPIN_ADAPT_MAX`] (the queue went idle, or waking up took that long),
+    /// waits poll for `spin` again, except the first and every 16th of a run of such waits,
+    /// which poll for [`SPIN_ADAPT_MAX`] to find out whether completions come soon again.
+    /// (With [`Progress::Thread`] the wait polls for `spin` exactly: longer polling would take
+    /// the CPU from the threads that fill the queue.) Zero never polls: every wait sleeps at
+    /// once. Default [`DEFAULT_SPIN`]; at most [`SPIN_MAX`].
     pub spin: Duration,
 }
 
@@ -169,8 +171,10 @@ pub struct CompletionQueue {
     next_source: AtomicUsize,
     /// How long recent waits took to find a completion, in nanoseconds: the longest of them,
     /// shrinking by an eighth with every shorter one; 0 once the queue went idle. `wait`
-    /// polls for up to twice this (see [`CqOptions::spin`]).
+    /// polls for up to four times this (see [`CqOptions::spin`]).
     recent_wait: AtomicU64,
+    /// How many waits in a row lasted longer than [`SPIN_ADAPT_MAX`].
+    long_waits: AtomicU32,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -208,6 +212,7 @@ impl CompletionQueue {
             nsources: AtomicUsize::new(0),
             next_source: AtomicUsize::new(0),
             recent_wait: AtomicU64::new(0),
+            long_waits: AtomicU32::new(0),
         }))
     }
 
@@ -391,16 +396,29 @@ impl CompletionQueue {
     }
 
     /// How long the next wait polls before it sleeps: [`CqOptions::spin`], or with caller
-    /// progress up to twice the recent waits while they are short (at most
+    /// progress up to four times the recent waits while they are short (at most
     /// [`SPIN_ADAPT_MAX`]); never with a spin of 0.
     fn spin_budget(&self) -> Duration {
+        /// In a run of long waits, the first and every this many-th poll for SPIN_ADAPT_MAX.
+        const PROBE_EVERY: u32 = 16;
         let spin = self.opts.spin;
         if spin.is_zero() || self.opts.progress != Progress::Caller {
             return spin;
         }
-        // Relaxed: a hint only; a stale figure costs some polling or an early sleep.
+        // Relaxed, here and below: hints only; a stale figure costs some polling or an early
+        // sleep.
+        let long = self.long_waits.load(Ordering::Relaxed);
+        if long > 0 {
+            // The queue went idle, or waking from a sleep is that slow: polling that long now
+            // and then tells which, and leaves the sleeping path once completions come soon.
+            return if long % PROBE_EVERY == 1 {
+                spin.max(SPIN_ADAPT_MAX)
+            } else {
+                spin
+            };
+        }
         let recent = Duration::from_nanos(self.recent_wait.load(Ordering::Relaxed));
-        spin.max((recent * 2).min(SPIN_ADAPT_MAX))
+        spin.max((recent * 4).min(SPIN_ADAPT_MAX))
     }
 
     /// Notes how long a wait that began at `start` took (`found`: it ended with a completion,
@@ -410,19 +428,22 @@ impl CompletionQueue {
     }
 
     fn note_took(&self, took: Duration, found: bool) {
-        let next = if took > SPIN_ADAPT_MAX {
-            // Idle: polling that long would have been wasted.
-            0
-        } else if !found {
+        // Relaxed throughout: hints only (see spin_budget); racing waiters may each lose an
+        // update.
+        if took > SPIN_ADAPT_MAX {
+            self.long_waits.fetch_add(1, Ordering::Relaxed);
+            self.recent_wait.store(0, Ordering::Relaxed);
+            return;
+        }
+        if !found {
             // A short timeout says nothing about when completions come.
             return;
-        } else {
-            let took = took.as_nanos() as u64;
-            // Relaxed: a hint only (see spin_budget); racing waiters may each lose an update.
-            let recent = self.recent_wait.load(Ordering::Relaxed);
-            took.max(recent - recent / 8)
-        };
-        self.recent_wait.store(next, Ordering::Relaxed);
+        }
+        let took = took.as_nanos() as u64;
+        let recent = self.recent_wait.load(Ordering::Relaxed);
+        self.recent_wait
+            .store(took.max(recent - recent / 8), Ordering::Relaxed);
+        self.long_waits.store(0, Ordering::Relaxed);
     }
 
     fn sleep(&self, deadline: Option<Instant>) -> Result<bool> {
@@ -528,10 +549,14 @@ mod tests {
         let q = queue(us(50));
         assert_eq!(q.spin_budget(), us(50), "a new queue polls for its spin");
         q.note_took(us(100), true);
-        assert_eq!(q.spin_budget(), us(200), "twice the longest recent wait");
+        assert_eq!(
+            q.spin_budget(),
+            us(400),
+            "four times the longest recent wait"
+        );
         // A shorter wait shrinks the figure by an eighth: 100 -> 87.5 us.
         q.note_took(us(10), true);
-        assert_eq!(q.spin_budget(), Duration::from_nanos(175_000));
+        assert_eq!(q.spin_budget(), us(350));
         // Never below the spin, never past SPIN_ADAPT_MAX.
         for _ in 0..64 {
             q.note_took(us(1), true);
@@ -539,11 +564,29 @@ mod tests {
         assert_eq!(q.spin_budget(), us(50));
         q.note_took(SPIN_ADAPT_MAX, true);
         assert_eq!(q.spin_budget(), SPIN_ADAPT_MAX);
-        // A short timeout changes nothing; a wait longer than SPIN_ADAPT_MAX means idle.
+        // A short timeout changes nothing.
         q.note_took(us(5), false);
         assert_eq!(q.spin_budget(), SPIN_ADAPT_MAX);
-        q.note_took(SPIN_ADAPT_MAX + us(1), true);
-        assert_eq!(q.spin_budget(), us(50));
+    }
+
+    #[test]
+    fn after_long_waits_only_every_16th_polls_long_until_one_is_short() {
+        let us = Duration::from_micros;
+        let q = queue(us(50));
+        q.note_took(us(100), true);
+        let long = SPIN_ADAPT_MAX + us(1);
+        let mut budgets = Vec::new();
+        for _ in 0..33 {
+            q.note_took(long, true);
+            budgets.push(q.spin_budget());
+        }
+        for (i, b) in budgets.iter().enumerate() {
+            let probe = i % 16 == 0;
+            assert_eq!(*b, if probe { SPIN_ADAPT_MAX } else { us(50) }, "wait {i}");
+        }
+        // A probe that finds a completion soon ends the run.
+        q.note_took(us(30), true);
+        assert_eq!(q.spin_budget(), us(120));
     }
 
     #[test]

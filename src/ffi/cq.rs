@@ -137,12 +137,13 @@ pub struct rbr_cq_options {
     pub progress: u32,
     /// How long `rbr_cq_wait` keeps polling before it sleeps, at the least, in microseconds
     /// (at most 1000000). With RBR_PROGRESS_CALLER, while completions keep coming soon after
-    /// waits start, a wait polls longer: up to twice the longest recent wait (a figure that
-    /// shrinks by an eighth with every shorter wait), never past 1000 us, so that a steady
-    /// exchange whose round trip is near spin_us does not fall into sleeping; once a wait
-    /// lasts longer than 1000 us (the queue went idle), the next one polls for spin_us again.
-    /// With RBR_PROGRESS_THREAD it polls for spin_us exactly. Default 50; 0 never polls: every
-    /// wait sleeps at once.
+    /// waits start, a wait polls longer: up to four times the longest recent wait (a figure
+    /// that shrinks by an eighth with every shorter wait), never past 1000 us, so that a
+    /// steady exchange whose round trip is near spin_us does not fall into sleeping. After a
+    /// wait longer than 1000 us (the queue went idle, or waking up took that long), waits poll
+    /// for spin_us again, except the first and every 16th of a run of such waits, which poll
+    /// for 1000 us to find out whether completions come soon again. With RBR_PROGRESS_THREAD
+    /// it polls for spin_us exactly. Default 50; 0 never polls: every wait sleeps at once.
     pub spin_us: u32,
 }
 
