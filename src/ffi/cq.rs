@@ -113,8 +113,8 @@ pub const RBR_PROGRESS_DEFAULT: u32 = 0;
 /// Progress (the default): the thread that calls `rbr_cq_poll` or `rbr_cq_wait` takes verbs
 /// completions straight from the device, with no thread hand-off and no system call while it
 /// polls. It is the default because it measured faster than RBR_PROGRESS_THREAD, side by side
-/// with perftest on soft-RoCE: 2 B one-way latency 1.7x ib_send_lat (progress threads: 14.6x),
-/// 64 KiB streaming 0.9x ib_send_bw (0.7x); README, "Progress". Connection events, keepalives
+/// with perftest on soft-RoCE: 2 B one-way latency 1.6x ib_send_lat (progress threads: 15.6x),
+/// 64 KiB streaming 0.8x ib_send_bw (0.6x); README, "Progress". Connection events, keepalives
 /// and teardown still run on each connection's own thread. Over shm a post writes its message
 /// straight into the shared ring when the peer has a receive posted and the ring has room, and
 /// the poller takes incoming messages straight into the posted receives: messages move when
