@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
 # Runs inside the soft-RoCE VM (benchmarks/verbs-progress.sh boots it). Measures, side by side in
-# one boot, the stock perftest tools against the C examples over verbs in both progress modes:
-#   latency:    ib_send_lat -R -s 2       vs  rbr_client ping-pong, 2 B (median one-way)
-#   throughput: ib_send_bw  -R -s 65536   vs  rbr_client streaming, 64 KiB, window 32
+# one boot, the stock tools against the C examples over verbs in both progress modes:
+#   latency:    ib_send_lat -R at 2 B and 4 KiB  vs  rbr_client ping-pong (one-way: p50, p99)
+#   throughput: ib_send_bw -R from 64 KiB up     vs  rbr_client streaming, window 32
+#   setup:      cmtime (N connections)           vs  rbr_close_loop (N connect + accept + close,
+#               one after another, both ends in one process); connections per second
 # rdmabridge runs as rbr-caller (progress on the caller's thread, the default), rbr-thread
 # (progress threads) and rbr-caller-busy (caller progress, rbr_cq_wait never sleeping).
-# Each round runs every variant once, in turn, so drift hits them alike. Prints one line per run
-# ("RESULT kind tool value") and, at the end, medians and ratios.
-# Usage (in the guest): benchmarks/verbs-progress-guest.sh C_BUILD_DIR [ROUNDS]
+# Each round runs every tool once per measure, in turn, so drift hits them alike. Prints one
+# line per figure ("RESULT measure tool field value") and, at the end, a table: medians over
+# the rounds, the spread (min-max over rounds) and ratios to the stock tool of each measure.
+# Usage (in the guest): benchmarks/verbs-progress-guest.sh C_BUILD_DIR [ROUNDS] [--quick]
+#   --quick: one round at tiny counts, caller progress only (proves the pipeline works)
 set -u
-build=$1 rounds=${2:-3}
+build=$1 rounds=${2:-3} quick=${3:-}
 ip=${RBR_TEST_ADDR:?RBR_TEST_ADDR is unset: run me through benchmarks/verbs-progress.sh}
 port=18000 results=/tmp/bench-results
 : >"$results"
 
+# Sizes and counts. Streaming moves about 64 MiB per run (at least 64 messages).
+lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100
+lat_n() { [ "$1" -ge 4096 ] && echo 300 || echo 1000; } # ib_send_lat hangs on rxe at 4 KiB x 1000
+bw_n() { local n=$((64 * 1048576 / $1)); [ "$n" -ge 64 ] && echo "$n" || echo 64; }
+variants=${RBR_BENCH_VARIANTS:-"caller/- thread/- caller/1000000"}
+if [ "$quick" = --quick ]; then
+  rounds=1 bw_sizes=65536 conns=10
+  lat_n() { echo 100; }
+  bw_n() { echo 50; }
+  variants=${RBR_BENCH_VARIANTS:-"caller/-"}
+fi
+
 next_port() { port=$((port + 1)); }
+now_ns() { date +%s%N; }
 
 # perftest: server and client of TOOL with ARGS; prints the client's result line. About 1 run in
 # 18 fails to connect on rxe (BENCH-ANCHORS.md), so up to 3 tries with a fresh server each.
@@ -26,11 +43,16 @@ perftest() { # TOOL ARGS...
     timeout 120 "$tool" -R -d rxe0 -p "$port" "$@" >/tmp/perf-server.log 2>&1 &
     local s=$!
     sleep 1
+    local row=
     if timeout 120 "$tool" -R -d rxe0 -p "$port" "$@" "$ip" >/tmp/perf-client.log 2>&1; then
       wait "$s"
-      # The result row: the first line that starts with the size column.
-      awk '$1 ~ /^[0-9]+$/ && NF >= 5 { print; exit }' /tmp/perf-client.log
-      return 0
+      # The result row: the first line that starts with the size column. A row of 0 or inf
+      # (seen on rxe) is a failed run.
+      row=$(awk '$1 ~ /^[0-9]+$/ && NF >= 5 { print; exit }' /tmp/perf-client.log)
+      if [ -n "$row" ] && ! echo "$row" | awk '{ for (i = 3; i <= NF && i <= 6; i++) if ($i == "inf" || $i + 0 == 0) exit 1 }'; then
+        row=
+      fi
+      if [ -n "$row" ]; then echo "$row"; return 0; fi
     fi
     kill "$s" 2>/dev/null; wait "$s" 2>/dev/null
     echo "($tool try $try failed: $(tail -n 2 /tmp/perf-client.log | tr '\n' ' '))" >&2
@@ -63,52 +85,122 @@ rbr() { # MODE SPIN SIZE COUNT
   cat /tmp/rbr-client.log
 }
 
+# cmtime: N connections (set up at once, then torn down); prints connections per second of the
+# client's whole run. The rdma-core 44 server never exits: killed once the client is done.
+cmtime_rate() { # N
+  local n=$1 try
+  for try in 1 2 3; do
+    next_port
+    timeout 120 cmtime -b "$ip" -c "$n" -p "$port" >/tmp/cmtime-server.log 2>&1 &
+    local s=$!
+    sleep 1
+    local t0; t0=$(now_ns)
+    if timeout 120 cmtime -s "$ip" -c "$n" -p "$port" >/tmp/cmtime-client.log 2>&1; then
+      local t1; t1=$(now_ns)
+      kill "$s" 2>/dev/null; wait "$s" 2>/dev/null
+      awk -v n="$n" -v ns=$((t1 - t0)) 'BEGIN { printf "%.1f\n", n / (ns / 1e9) }'
+      return 0
+    fi
+    kill "$s" 2>/dev/null; wait "$s" 2>/dev/null
+    echo "(cmtime try $try failed: $(tail -n 2 /tmp/cmtime-client.log | tr '\n' ' '))" >&2
+  done
+  return 1
+}
+
+# rbr_close_loop: N connections, each connected, accepted, given receives and closed before the
+# next; prints connections per second.
+rbr_conn_rate() { # N
+  local n=$1
+  next_port
+  local t0; t0=$(now_ns)
+  if ! timeout 300 "$build/rbr_close_loop" -a "rdma://$ip:$port" -n "$n" >/tmp/close-loop.log 2>&1; then
+    echo "rbr_close_loop failed:" >&2; cat /tmp/close-loop.log >&2
+    return 1
+  fi
+  local t1; t1=$(now_ns)
+  awk -v n="$n" -v ns=$((t1 - t0)) 'BEGIN { printf "%.1f\n", n / (ns / 1e9) }'
+}
+
 record() { echo "RESULT $*" | tee -a "$results"; }
 
-# The rdmabridge variants, MODE/SPIN: both progress modes with the library's default spin, and
-# caller progress polling without sleeping (as perftest does) for a ping-pong's whole wait.
-# RBR_BENCH_VARIANTS="MODE/SPIN ..." measures others.
-variants=${RBR_BENCH_VARIANTS:-"caller/- thread/- caller/1000000"}
 name() { case $1 in */-) echo "rbr-${1%/*}" ;; */1000000) echo "rbr-${1%/*}-busy" ;; *) echo "rbr-${1%/*}-spin${1#*/}" ;; esac; }
 
 echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource), $(nproc) CPUs"
 for round in $(seq "$rounds"); do
   echo "== round $round"
-  # ib_send_lat columns: bytes iterations t_min t_max t_typical t_avg ...
-  if row=$(perftest ib_send_lat -s 2 -n 1000); then
-    record lat ib_send_lat "$(echo "$row" | awk '{ print $5 }')"
-  fi
-  for v in $variants; do
-    if out=$(rbr "${v%/*}" "${v#*/}" 2 1000); then
-      record lat "$(name "$v")" "$(echo "$out" | sed -n 's/.*latency median \([0-9.]*\) us.*/\1/p')"
+  for size in $lat_sizes; do
+    n=$(lat_n "$size")
+    # ib_send_lat columns: bytes iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%.
+    if row=$(perftest ib_send_lat -s "$size" -n "$n"); then
+      record "lat$size" ib_send_lat p50 "$(echo "$row" | awk '{ print $5 }')"
+      record "lat$size" ib_send_lat p99 "$(echo "$row" | awk '{ print $8 }')"
     fi
+    for v in $variants; do
+      if out=$(rbr "${v%/*}" "${v#*/}" "$size" "$n"); then
+        record "lat$size" "$(name "$v")" p50 "$(echo "$out" | sed -n 's/.*latency median \([0-9.]*\) us.*/\1/p')"
+        record "lat$size" "$(name "$v")" p99 "$(echo "$out" | sed -n 's/.*latency median .*, p99 \([0-9.]*\) us.*/\1/p')"
+      fi
+    done
   done
-  # ib_send_bw columns: bytes iterations BW_peak BW_average MsgRate, in MiB/s.
-  if row=$(perftest ib_send_bw -s 65536 -n 1000); then
-    record bw ib_send_bw "$(echo "$row" | awk '{ printf "%.1f", $4 * 1.048576 }')"
-  fi
-  for v in $variants; do
-    if out=$(rbr "${v%/*}" "${v#*/}" 65536 1000); then
-      record bw "$(name "$v")" "$(echo "$out" | sed -n 's/^streaming: .*: \([0-9.]*\) MB\/s.*/\1/p')"
+  for size in $bw_sizes; do
+    n=$(bw_n "$size")
+    # ib_send_bw columns: bytes iterations BW_peak BW_average MsgRate; BW in MiB/s.
+    if row=$(perftest ib_send_bw -s "$size" -n "$n"); then
+      record "bw$size" ib_send_bw mbs "$(echo "$row" | awk '{ printf "%.1f", $4 * 1.048576 }')"
     fi
+    for v in $variants; do
+      if out=$(rbr "${v%/*}" "${v#*/}" "$size" "$n"); then
+        record "bw$size" "$(name "$v")" mbs "$(echo "$out" | sed -n 's/^streaming: .*: \([0-9.]*\) MB\/s.*/\1/p')"
+      fi
+    done
   done
+  if v=$(cmtime_rate "$conns"); then record conn cmtime cps "$v"; fi
+  if v=$(rbr_conn_rate "$conns"); then record conn rbr-close-loop cps "$v"; fi
 done
 
-echo "== summary (medians over $rounds rounds; latency: one-way us, lower is better;"
-echo "   throughput: MB/s = 10^6 bytes/s, higher is better)"
-median() { sort -n | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
-m() { awk -v k="$1" -v t="$2" '$2 == k && $3 == t && $4 != "" { print $4 }' "$results" | median; }
-lat_ref=$(m lat ib_send_lat) bw_ref=$(m bw ib_send_bw)
-names=$(for v in $variants; do name "$v"; done)
-for t in ib_send_lat $names; do
-  v=$(m lat "$t"); [ -n "$v" ] || continue
-  echo "latency  $t: $v us ($(awk -v a="$v" -v b="$lat_ref" 'BEGIN { if (b > 0) printf "%.2fx ib_send_lat", a / b }'))"
-done
-for t in ib_send_bw $names; do
-  v=$(m bw "$t"); [ -n "$v" ] || continue
-  echo "throughput $t: $v MB/s ($(awk -v a="$v" -v b="$bw_ref" 'BEGIN { if (b > 0) printf "%.2fx ib_send_bw", a / b }'))"
-done
-# Every variant must have produced every round's figure.
-n=$(wc -l <"$results")
-want=$((rounds * 2 * (1 + $(echo $variants | wc -w))))
-[ "$n" -eq "$want" ] || { echo "bench: $n of $want runs produced a figure" >&2; exit 1; }
+# The table: per measure, the stock tool first, then ours; medians over the rounds, the spread
+# of the headline figure (min-max over rounds), and ratios to the stock tool's medians.
+# Latency: one-way us, lower is better (ratio > 1 is slower). Throughput: MB/s (10^6 bytes/s),
+# setup: connections/s, higher is better (ratio < 1 is slower).
+echo "== summary: $rounds round(s); medians (min-max over rounds); ratio = ours / stock tool"
+awk '
+  $1 == "RESULT" && $5 != "" {
+    k = $2 SUBSEP $3 SUBSEP $4; n[k]++; v[k, n[k]] = $5
+    if (!(($2, $3) in seen)) { seen[$2, $3] = 1; tools[$2] = tools[$2] " " $3 }
+    if (!($2 in mseen)) { mseen[$2] = 1; order[++nm] = $2 }
+  }
+  function med(k,   i, j, t, c, a) {
+    c = n[k]; if (!c) return ""
+    for (i = 1; i <= c; i++) a[i] = v[k, i] + 0
+    for (i = 2; i <= c; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+    lo[k] = a[1]; hi[k] = a[c]
+    return c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2
+  }
+  function label(m) {
+    if (m ~ /^lat/) { s = substr(m, 4) + 0; return "latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
+    if (m ~ /^bw/) { s = substr(m, 3) + 0; return "bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
+    return "connection setup"
+  }
+  function ratio(a, b) { return (b > 0 && a != "") ? sprintf("%.2fx", a / b) : "-" }
+  END {
+    printf "| measure | tool | p50 or figure (min-max) | p99 (min-max) | ratio p50 | ratio p99 |\n"
+    printf "| --- | --- | --- | --- | --- | --- |\n"
+    for (i = 1; i <= nm; i++) {
+      m = order[i]; split(substr(tools[m], 2), ts, " ")
+      field = m ~ /^lat/ ? "p50" : (m ~ /^bw/ ? "mbs" : "cps")
+      unit = m ~ /^lat/ ? " us" : (m ~ /^bw/ ? " MB/s" : " conn/s")
+      ref = ts[1]; r50 = med(m SUBSEP ref SUBSEP field); r99 = med(m SUBSEP ref SUBSEP "p99")
+      for (j = 1; (j in ts); j++) {
+        t = ts[j]; k = m SUBSEP t SUBSEP field
+        a = med(k); if (a == "") continue
+        kb = m SUBSEP t SUBSEP "p99"; b = med(kb)
+        printf "| %s | %s | %s%s (%s-%s) | %s | %s | %s |\n", label(m), t, a, unit, lo[k], hi[k],
+          (b == "" ? "-" : b unit " (" lo[kb] "-" hi[kb] ")"), ratio(a, r50), (b == "" ? "-" : ratio(b, r99))
+      }
+    }
+  }' "$results"
+# Every tool must have produced every round's figure.
+nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
+want=$((rounds * (nl * 2 * (1 + nv) + nb * (1 + nv) + 2)))
+n=$(awk 'NF == 5' "$results" | wc -l)
+[ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }

@@ -21,7 +21,9 @@
  * Timeouts, in milliseconds, -1 = no limit:
  * - rbr_listener_get_request: 0 never blocks (RBR_EMPTY when nothing is ready).
  * - rbr_cq_wait: 0 looks once without sleeping (RBR_OK if a completion is queued, else
- *   RBR_ERR_TIMEOUT).
+ *   RBR_ERR_TIMEOUT). Before it sleeps, a wait polls for the queue's spin_us (default 50 us),
+ *   or, with caller progress, up to 1 ms while completions keep coming that soon
+ *   (rbr_cq_options.spin_us).
  * - rbr_conn_options.timeout_ms (connect; accept over verbs): 0 is invalid.
  *
  * Limits:
@@ -165,8 +167,8 @@
  * Progress (the default): the thread that calls `rbr_cq_poll` or `rbr_cq_wait` takes verbs
  * completions straight from the device, with no thread hand-off and no system call while it
  * polls. It is the default because it measured faster than RBR_PROGRESS_THREAD, side by side
- * with perftest on soft-RoCE: 2 B one-way latency 1.7x ib_send_lat (progress threads: 14.6x),
- * 64 KiB streaming 0.9x ib_send_bw (0.7x); README, "Progress". Connection events, keepalives
+ * with perftest on soft-RoCE: 2 B one-way latency 1.6x ib_send_lat (progress threads: 15.6x),
+ * 64 KiB streaming 0.8x ib_send_bw (0.6x); README, "Progress". Connection events, keepalives
  * and teardown still run on a library thread: over verbs each connection's own, over shm one
  * per context for all its connections. Over shm a post writes its message
  * straight into the shared ring when the peer has a receive posted and the ring has room, and
@@ -372,8 +374,15 @@ typedef struct rbr_cq_options {
    */
   uint32_t progress;
   /**
-   * How long `rbr_cq_wait` keeps polling before it sleeps, in microseconds (at most
-   * 1000000). Default 50; 0 sleeps at once.
+   * How long `rbr_cq_wait` keeps polling before it sleeps, at the least, in microseconds
+   * (at most 1000000). With RBR_PROGRESS_CALLER, while completions keep coming soon after
+   * waits start, a wait polls longer: up to four times the longest recent wait (a figure
+   * that shrinks by an eighth with every shorter wait), never past 1000 us, so that a
+   * steady exchange whose round trip is near spin_us does not fall into sleeping. After a
+   * wait longer than 1000 us (the queue went idle, or waking up took that long), waits poll
+   * for spin_us again, except the first and every 16th of a run of such waits, which poll
+   * for 1000 us to find out whether completions come soon again. With RBR_PROGRESS_THREAD
+   * it polls for spin_us exactly. Default 50; 0 never polls: every wait sleeps at once.
    */
   uint32_t spin_us;
 } rbr_cq_options;
@@ -737,8 +746,9 @@ rbr_status rbr_cq_poll(struct rbr_cq *cq, struct rbr_completion *out, size_t max
 
 /**
  * Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
- * -1 waits forever. Polls for up to the queue's `spin_us` first, then sleeps. Takes nothing
- * from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
+ * -1 waits forever. Polls first (for the queue's `spin_us`, or with RBR_PROGRESS_CALLER longer
+ * while completions keep coming soon after waits start: see rbr_cq_options), then sleeps.
+ * Takes nothing from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
  *
  * # Safety
  * `cq` must be a live queue.

@@ -8,7 +8,8 @@
 #      that finds no receive fails at once (README, Verbs specifics)
 #   4. a non-root client under `ulimit -l 64`: its first post of a 1 MiB region fails, naming
 #      RLIMIT_MEMLOCK, its value and the size
-#   5. the local link taken down under idle connections
+#   5. the verbs benchmark at tiny counts (benchmarks/verbs-progress-guest.sh --quick)
+#   6. the local link taken down under idle connections
 # Usage (in the guest): scripts/vm-suite.sh VERBS_TEST_BINARY C_BUILD_DIR
 # Prints one line per step and a closing "N passed, N failed"; exits non-zero if any failed.
 set -u
@@ -95,6 +96,10 @@ step "C client with the stock rdma_server" stock_server
 step "library server with the stock ucmatose client (no RNR retries)" "$verbs_bin" --ignored \
   --exact plain_client_without_rnr_retries_fails_a_send_that_finds_no_receive --nocapture
 step "non-root C client over RLIMIT_MEMLOCK: the error names the limit" memlock_limit
+# The verbs benchmark's whole pipeline (perftest, cmtime and ours, side by side) at tiny counts:
+# proves it works; its figures are not checked.
+step "verbs benchmark pipeline at tiny counts (figures not checked)" \
+  benchmarks/verbs-progress-guest.sh "$build" 1 --quick
 # Last, since it takes the interface down for a while.
 step "local link down under idle connections" "$verbs_bin" --ignored --exact \
   local_link_down_fails_idle_connections_within_bound --nocapture

@@ -3,7 +3,7 @@
 //! [`Progress::Caller`] the pollers also take verbs completions straight from the devices.
 
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -103,8 +103,17 @@ impl Progress {
 pub struct CqOptions {
     /// Who takes verbs completions from the device. Default: [`Progress::from_env`].
     pub progress: Progress,
-    /// How long [`CompletionQueue::wait`] keeps polling before it sleeps. Default
-    /// [`DEFAULT_SPIN`].
+    /// How long [`CompletionQueue::wait`] keeps polling before it sleeps, at the least.
+    /// With [`Progress::Caller`], while completions keep coming soon after waits start, a wait
+    /// polls longer: up to four times the longest recent wait (a figure that shrinks by an
+    /// eighth with every wait that is shorter), never past [`SPIN_ADAPT_MAX`], so that a steady
+    /// exchange whose round trip is near `spin` does not fall into the sleeping path. After a
+    /// wait longer than [`SPIN_ADAPT_MAX`] (the queue went idle, or waking up took that long),
+    /// waits poll for `spin` again, except the first and every 16th of a run of such waits,
+    /// which poll for [`SPIN_ADAPT_MAX`] to find out whether completions come soon again.
+    /// (With [`Progress::Thread`] the wait polls for `spin` exactly: longer polling would take
+    /// the CPU from the threads that fill the queue.) Zero never polls: every wait sleeps at
+    /// once. Default [`DEFAULT_SPIN`]; at most [`SPIN_MAX`].
     pub spin: Duration,
 }
 
@@ -121,6 +130,9 @@ impl Default for CqOptions {
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 /// Longest [`CqOptions::spin`].
 pub const SPIN_MAX: Duration = Duration::from_secs(1);
+/// Longest that [`CompletionQueue::wait`] extends its polling to, beyond [`CqOptions::spin`],
+/// while completions keep coming soon after waits start.
+pub const SPIN_ADAPT_MAX: Duration = Duration::from_millis(1);
 
 /// Completions a connection keeps in the device until a caller takes them
 /// ([`Progress::Caller`]). Implemented by the verbs connection.
@@ -182,6 +194,12 @@ pub struct CompletionQueue {
     polls: AtomicU64,
     /// Where the next scan of `sources` starts, so a small `max` can't starve the later ones.
     next_source: AtomicUsize,
+    /// How long recent waits took to find a completion, in nanoseconds: the longest of them,
+    /// shrinking by an eighth with every shorter one; 0 once the queue went idle. `wait`
+    /// polls for up to four times this (see [`CqOptions::spin`]).
+    recent_wait: AtomicU64,
+    /// How many waits in a row lasted longer than [`SPIN_ADAPT_MAX`].
+    long_waits: AtomicU32,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -221,6 +239,8 @@ impl CompletionQueue {
             board: OnceLock::new(),
             next_source: AtomicUsize::new(0),
             polls: AtomicU64::new(0),
+            recent_wait: AtomicU64::new(0),
+            long_waits: AtomicU32::new(0),
         }))
     }
 
@@ -516,19 +536,21 @@ impl CompletionQueue {
     }
 
     /// Waits until at least one completion is queued or the timeout passes (`None` = forever).
-    /// Polls for up to [`CqOptions::spin`] first, then sleeps. Returns `Ok(true)` when something
-    /// is queued, `Ok(false)` on timeout. Takes nothing (completions found in a device are
-    /// queued for the next poll).
+    /// Polls first - for [`CqOptions::spin`], or longer while completions keep coming soon
+    /// after waits start (see there) - then sleeps. Returns `Ok(true)` when something is
+    /// queued, `Ok(false)` on timeout. Takes nothing (completions found in a device are queued
+    /// for the next poll).
     pub fn wait(&self, timeout: Option<Duration>) -> Result<bool> {
         if !self.queue.is_empty() {
             return Ok(true);
         }
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
-        let spin_end = start + self.opts.spin.min(timeout.unwrap_or(SPIN_MAX));
+        let spin_end = start + self.spin_budget().min(timeout.unwrap_or(SPIN_MAX));
         let mut round = 0u32;
         loop {
             if self.fill_from_sources(false) > 0 || !self.queue.is_empty() {
+                self.note_wait(start, true);
                 return Ok(true);
             }
             // The clock is read every 16th round only: on some machines it costs more than a
@@ -547,9 +569,64 @@ impl CompletionQueue {
                 // The descriptor was stale (nobody watched it while the queue drained): it is
                 // up to date now, so sleep again.
                 Ok(true) if self.queue.is_empty() => continue,
+                Ok(found) => {
+                    self.note_wait(start, found);
+                    return Ok(found);
+                }
                 r => return r,
             }
         }
+    }
+
+    /// How long the next wait polls before it sleeps: [`CqOptions::spin`], or with caller
+    /// progress up to four times the recent waits while they are short (at most
+    /// [`SPIN_ADAPT_MAX`]); never with a spin of 0.
+    fn spin_budget(&self) -> Duration {
+        /// In a run of long waits, the first and every this many-th poll for SPIN_ADAPT_MAX.
+        const PROBE_EVERY: u32 = 16;
+        let spin = self.opts.spin;
+        if spin.is_zero() || self.opts.progress != Progress::Caller {
+            return spin;
+        }
+        // Relaxed, here and below: hints only; a stale figure costs some polling or an early
+        // sleep.
+        let long = self.long_waits.load(Ordering::Relaxed);
+        if long > 0 {
+            // The queue went idle, or waking from a sleep is that slow: polling that long now
+            // and then tells which, and leaves the sleeping path once completions come soon.
+            return if long % PROBE_EVERY == 1 {
+                spin.max(SPIN_ADAPT_MAX)
+            } else {
+                spin
+            };
+        }
+        let recent = Duration::from_nanos(self.recent_wait.load(Ordering::Relaxed));
+        spin.max((recent * 4).min(SPIN_ADAPT_MAX))
+    }
+
+    /// Notes how long a wait that began at `start` took (`found`: it ended with a completion,
+    /// else by its timeout), for [`spin_budget`](Self::spin_budget).
+    fn note_wait(&self, start: Instant, found: bool) {
+        self.note_took(start.elapsed(), found);
+    }
+
+    fn note_took(&self, took: Duration, found: bool) {
+        // Relaxed throughout: hints only (see spin_budget); racing waiters may each lose an
+        // update.
+        if took > SPIN_ADAPT_MAX {
+            self.long_waits.fetch_add(1, Ordering::Relaxed);
+            self.recent_wait.store(0, Ordering::Relaxed);
+            return;
+        }
+        if !found {
+            // A short timeout says nothing about when completions come.
+            return;
+        }
+        let took = took.as_nanos() as u64;
+        let recent = self.recent_wait.load(Ordering::Relaxed);
+        self.recent_wait
+            .store(took.max(recent - recent / 8), Ordering::Relaxed);
+        self.long_waits.store(0, Ordering::Relaxed);
     }
 
     fn sleep(&self, deadline: Option<Instant>) -> Result<bool> {
@@ -685,5 +762,85 @@ impl Reporter {
             byte_len,
             imm,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue(spin: Duration) -> Arc<CompletionQueue> {
+        CompletionQueue::with_options(CqOptions {
+            progress: Progress::Caller,
+            spin,
+        })
+        .expect("queue")
+    }
+
+    #[test]
+    fn wait_polls_longer_while_completions_come_soon_and_falls_back_when_idle() {
+        let us = Duration::from_micros;
+        let q = queue(us(50));
+        assert_eq!(q.spin_budget(), us(50), "a new queue polls for its spin");
+        q.note_took(us(100), true);
+        assert_eq!(
+            q.spin_budget(),
+            us(400),
+            "four times the longest recent wait"
+        );
+        // A shorter wait shrinks the figure by an eighth: 100 -> 87.5 us.
+        q.note_took(us(10), true);
+        assert_eq!(q.spin_budget(), us(350));
+        // Never below the spin, never past SPIN_ADAPT_MAX.
+        for _ in 0..64 {
+            q.note_took(us(1), true);
+        }
+        assert_eq!(q.spin_budget(), us(50));
+        q.note_took(SPIN_ADAPT_MAX, true);
+        assert_eq!(q.spin_budget(), SPIN_ADAPT_MAX);
+        // A short timeout changes nothing.
+        q.note_took(us(5), false);
+        assert_eq!(q.spin_budget(), SPIN_ADAPT_MAX);
+    }
+
+    #[test]
+    fn after_long_waits_only_every_16th_polls_long_until_one_is_short() {
+        let us = Duration::from_micros;
+        let q = queue(us(50));
+        q.note_took(us(100), true);
+        let long = SPIN_ADAPT_MAX + us(1);
+        let mut budgets = Vec::new();
+        for _ in 0..33 {
+            q.note_took(long, true);
+            budgets.push(q.spin_budget());
+        }
+        for (i, b) in budgets.iter().enumerate() {
+            let probe = i % 16 == 0;
+            assert_eq!(*b, if probe { SPIN_ADAPT_MAX } else { us(50) }, "wait {i}");
+        }
+        // A probe that finds a completion soon ends the run.
+        q.note_took(us(30), true);
+        assert_eq!(q.spin_budget(), us(120));
+    }
+
+    #[test]
+    fn zero_spin_progress_threads_and_a_long_spin_keep_the_spin_as_set() {
+        let q = queue(Duration::ZERO);
+        q.note_took(Duration::from_micros(100), true);
+        assert_eq!(q.spin_budget(), Duration::ZERO);
+        let q = CompletionQueue::with_options(CqOptions {
+            progress: Progress::Thread,
+            spin: DEFAULT_SPIN,
+        })
+        .unwrap();
+        q.note_took(Duration::from_micros(100), true);
+        assert_eq!(
+            q.spin_budget(),
+            DEFAULT_SPIN,
+            "progress threads: spin exactly"
+        );
+        let q = queue(SPIN_MAX);
+        q.note_took(Duration::from_micros(100), true);
+        assert_eq!(q.spin_budget(), SPIN_MAX);
     }
 }

@@ -215,3 +215,115 @@ fn plain_client_without_rnr_retries_fails_a_send_that_finds_no_receive() {
     drop(conn);
     let _ = client.wait();
 }
+
+/// Allocations made by the current thread (counted by [`Counting`]).
+mod alloc_count {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    thread_local! {
+        static COUNT: Cell<u64> = const { Cell::new(0) };
+    }
+
+    /// The system allocator, counting each thread's allocations.
+    pub struct Counting;
+
+    // SAFETY: every call is passed on to the system allocator unchanged; the count is a
+    // const-initialized thread-local that needs no allocation itself.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            let _ = COUNT.try_with(|c| c.set(c.get() + 1));
+            // SAFETY: the caller's contract is System's.
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: as above.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
+            let _ = COUNT.try_with(|c| c.set(c.get() + 1));
+            // SAFETY: as above.
+            unsafe { System.realloc(ptr, layout, new) }
+        }
+    }
+
+    pub fn this_thread() -> u64 {
+        COUNT.with(|c| c.get())
+    }
+}
+
+#[global_allocator]
+static ALLOC: alloc_count::Counting = alloc_count::Counting;
+
+/// Posting and polling allocate nothing: a thousand ping-pongs over verbs, with sends both
+/// inline-sized and larger, make no allocation on the one thread that posts and polls both
+/// ends (with progress on the caller's thread, the default).
+#[test]
+#[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+fn posting_and_polling_allocate_nothing() {
+    use rdmabridge::{
+        Access, CompletionQueue, ConnOptions, Context, CqOptions, Opcode, Progress, SendFlags,
+        WcStatus,
+    };
+    use std::time::{Duration, Instant};
+    let net = Net::verbs_from_env();
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions::default();
+    let cq_opts = CqOptions {
+        progress: Progress::Caller,
+        ..Default::default()
+    };
+    let (client, ccq, server, scq) = common::pair_with(&net, &ctx, &opts, &opts, cq_opts);
+    const SIZE: usize = 4096;
+    let mr = ctx.alloc_mr(4 * SIZE, Access::LOCAL_WRITE).unwrap();
+    // Slots: client send, client receive, server receive (the server echoes from it).
+    let (c_send, c_recv, s_recv) = (0, SIZE, 2 * SIZE);
+    // Completions seen so far: [client send, client receive, server send, server receive].
+    let mut seen = [0u64; 4];
+    // Polls both queues, as a one-thread program serving both ends would, until `done`.
+    let drive = |seen: &mut [u64; 4], len: usize, done: &dyn Fn(&[u64; 4]) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done(seen) {
+            for (cq, base) in [(&ccq, 0), (&scq, 2)] {
+                let cq: &CompletionQueue = cq;
+                if let Some(c) = cq.poll() {
+                    assert_eq!(c.status, WcStatus::Success, "{c:?}");
+                    match c.opcode {
+                        Opcode::Send => seen[base] += 1,
+                        Opcode::Recv => {
+                            assert_eq!(c.byte_len as usize, len, "{c:?}");
+                            seen[base + 1] += 1;
+                        }
+                        _ => panic!("unexpected {c:?}"),
+                    }
+                }
+            }
+            // A guard against a hang, not a measurement.
+            assert!(Instant::now() < deadline, "stuck at {seen:?}");
+        }
+    };
+    let mut round = |i: u64, len: usize| {
+        server.post_recv(&mr, s_recv, SIZE, 2).unwrap();
+        client.post_recv(&mr, c_recv, SIZE, 1).unwrap();
+        client
+            .post_send(&mr, c_send, len, 3, SendFlags::SIGNALED)
+            .unwrap();
+        drive(&mut seen, len, &|s| s[3] > i);
+        server
+            .post_send(&mr, s_recv, len, 4, SendFlags::SIGNALED)
+            .unwrap();
+        drive(&mut seen, len, &|s| s.iter().all(|&n| n > i));
+    };
+    let lens = [2, SIZE];
+    // Warm-up: the first use of a region registers it, and the connections' first credit
+    // writes and queues settle.
+    for i in 0..100 {
+        round(i, lens[i as usize % 2]);
+    }
+    let before = alloc_count::this_thread();
+    for i in 100..1100 {
+        round(i, lens[i as usize % 2]);
+    }
+    let made = alloc_count::this_thread() - before;
+    assert_eq!(made, 0, "{made} allocations in 1000 ping-pongs");
+}

@@ -113,8 +113,8 @@ pub const RBR_PROGRESS_DEFAULT: u32 = 0;
 /// Progress (the default): the thread that calls `rbr_cq_poll` or `rbr_cq_wait` takes verbs
 /// completions straight from the device, with no thread hand-off and no system call while it
 /// polls. It is the default because it measured faster than RBR_PROGRESS_THREAD, side by side
-/// with perftest on soft-RoCE: 2 B one-way latency 1.7x ib_send_lat (progress threads: 14.6x),
-/// 64 KiB streaming 0.9x ib_send_bw (0.7x); README, "Progress". Connection events, keepalives
+/// with perftest on soft-RoCE: 2 B one-way latency 1.6x ib_send_lat (progress threads: 15.6x),
+/// 64 KiB streaming 0.8x ib_send_bw (0.6x); README, "Progress". Connection events, keepalives
 /// and teardown still run on a library thread: over verbs each connection's own, over shm one
 /// per context for all its connections. Over shm a post writes its message
 /// straight into the shared ring when the peer has a receive posted and the ring has room, and
@@ -137,8 +137,15 @@ pub struct rbr_cq_options {
     pub struct_size: u32,
     /// `RBR_PROGRESS_*`. Default RBR_PROGRESS_DEFAULT.
     pub progress: u32,
-    /// How long `rbr_cq_wait` keeps polling before it sleeps, in microseconds (at most
-    /// 1000000). Default 50; 0 sleeps at once.
+    /// How long `rbr_cq_wait` keeps polling before it sleeps, at the least, in microseconds
+    /// (at most 1000000). With RBR_PROGRESS_CALLER, while completions keep coming soon after
+    /// waits start, a wait polls longer: up to four times the longest recent wait (a figure
+    /// that shrinks by an eighth with every shorter wait), never past 1000 us, so that a
+    /// steady exchange whose round trip is near spin_us does not fall into sleeping. After a
+    /// wait longer than 1000 us (the queue went idle, or waking up took that long), waits poll
+    /// for spin_us again, except the first and every 16th of a run of such waits, which poll
+    /// for 1000 us to find out whether completions come soon again. With RBR_PROGRESS_THREAD
+    /// it polls for spin_us exactly. Default 50; 0 never polls: every wait sleeps at once.
     pub spin_us: u32,
 }
 
@@ -275,8 +282,9 @@ pub unsafe extern "C" fn rbr_cq_poll(
 }
 
 /// Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
-/// -1 waits forever. Polls for up to the queue's `spin_us` first, then sleeps. Takes nothing
-/// from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
+/// -1 waits forever. Polls first (for the queue's `spin_us`, or with RBR_PROGRESS_CALLER longer
+/// while completions keep coming soon after waits start: see rbr_cq_options), then sleeps.
+/// Takes nothing from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
 ///
 /// # Safety
 /// `cq` must be a live queue.

@@ -629,7 +629,7 @@ impl Shared {
     /// order, through `emit`. Notes the first error that failed the queue pair in
     /// `st.failed`. Returns how many records it emitted.
     fn take_hw(&self, st: &mut PostState, max: usize, emit: &mut dyn FnMut(Completion)) -> usize {
-        const BATCH: usize = 16;
+        const BATCH: usize = 32;
         let mut n = 0;
         let mut wcs = std::mem::MaybeUninit::<[sys::ibv_wc; BATCH]>::uninit();
         while n < max {
@@ -766,8 +766,9 @@ impl Shared {
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live while `closed` is false (callers check it under the lock); the
         // work request and SGE are live locals; the buffer is valid until the send completes
-        // (held by `mr`) or, inline, copied during the call (from the caller's slice, or from
-        // the staging slot that no later send reuses before this one left).
+        // (held by `mr`) or, inline, copied during the call (from the caller's slice or region,
+        // which the posting call holds, or from the staging slot that no later send reuses
+        // before this one left).
         let r = unsafe { sys::ibv_post_send(self.qp, &mut wr, &mut bad) };
         if r != 0 {
             return Err((r, h));
@@ -1077,6 +1078,11 @@ impl Conn {
         crate::conn::check_send_flags(flags)?;
         let ptr = crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
         let lkey = mr.verbs_lkey(&self.sh.pd)?;
+        if len > 0 && len <= self.sh.info.max_inline as usize {
+            // Small enough to travel inside the work request: copied now, so the device reads
+            // no memory for it and the region need not be held until it completes.
+            return self.post_send_raw(ptr, len, lkey, wr_id, flags, true, None);
+        }
         self.post_send_raw(ptr, len, lkey, wr_id, flags, false, Some(mr.clone()))
     }
 
@@ -1127,12 +1133,20 @@ impl Conn {
             // The peer has no receive for it yet: held, and started in order when credits
             // arrive. An inline send's bytes are copied now, as the caller may reuse them.
             if inline {
-                // SAFETY: `ptr`/`len` are the caller's slice (post_send_inline).
+                // SAFETY: `ptr`/`len` are the caller's slice (post_send_inline) or a range of
+                // the caller's region that check_region found inside it (post_send), readable
+                // for the whole call.
                 let data = unsafe { std::slice::from_raw_parts(ptr, len) };
                 h.ptr = c.stage(data, self.sh.info.send_queue_depth, self.sh.info.max_inline);
             }
+            let first = c.held.is_empty();
             c.held.push_back(h);
             st.user_sends += 1;
+            if first {
+                // The credits may come while this thread polls nothing: the connection's
+                // thread starts held sends then, once it knows some are held.
+                self.sh.wake.signal();
+            }
             return Ok(());
         }
         if let Err((r, _)) = self.sh.post_user_send(&mut st, h) {

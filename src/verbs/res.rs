@@ -3,7 +3,7 @@
 //! registrations, completion channels and completion queues.
 
 use std::io;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use rdma_sys as sys;
@@ -63,6 +63,10 @@ impl Domain {
 #[derive(Default)]
 pub(crate) struct Registrations {
     regs: Mutex<Vec<(Arc<Pd>, *mut sys::ibv_mr)>>,
+    /// The first registration's protection domain (by address) and local key, read without the
+    /// lock on every post: most regions are only ever used on one device. The address cannot
+    /// name another domain while the region lives, since `regs` keeps that domain alive.
+    first: OnceLock<(usize, u32)>,
 }
 
 // SAFETY: the raw MR pointers are only read (lkey/rkey) and deregistered under the lock.
@@ -85,6 +89,11 @@ impl Registrations {
         len: usize,
         access: Access,
     ) -> Result<u32> {
+        if let Some(&(at, lkey)) = self.first.get()
+            && at == Arc::as_ptr(pd) as usize
+        {
+            return Ok(lkey);
+        }
         let mut regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((_, mr)) = regs.iter().find(|(p, _)| Arc::ptr_eq(p, pd)) {
             // SAFETY: registrations stay live until `self` is dropped.
@@ -111,7 +120,12 @@ impl Registrations {
         }
         regs.push((pd.clone(), mr));
         // SAFETY: just registered.
-        Ok(unsafe { (*mr).lkey })
+        let lkey = unsafe { (*mr).lkey };
+        if regs.len() == 1 {
+            // Only the first registration ever sets it (under the lock), so it never changes.
+            let _ = self.first.set((Arc::as_ptr(pd) as usize, lkey));
+        }
+        Ok(lkey)
     }
 }
 
