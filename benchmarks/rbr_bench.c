@@ -290,33 +290,18 @@ static int parse_opts(int argc, char **argv, struct bench_opts *o)
  */
 static int poll_some(struct peer *p, rbr_completion *wc, size_t *n, int *disc)
 {
-    uint64_t deadline = 0;
-    uint32_t spins = 0;
+    rbr_status st = ex_busy_poll(p->cq, wc, POLL_BATCH, n, p->timeout_ns);
     size_t i;
 
-    for (;;) {
-        rbr_status st = rbr_cq_poll(p->cq, wc, POLL_BATCH, n);
-
-        if (st == RBR_OK)
-            break;
-        if (st != RBR_EMPTY)
-            return ex_check(st, "rbr_cq_poll");
-        /* Read the clock only now and then: it is not free. */
-        if (++spins % 4096 == 0) {
-            uint64_t now = ex_now_ns();
-
-            if (deadline == 0) {
-                deadline = now + (uint64_t)p->timeout_ns;
-            } else if (now > deadline) {
-                ex_error("no completion for %lld s (sends posted %llu, "
-                         "done %llu)",
-                         (long long)(p->timeout_ns / 1000000000),
-                         (unsigned long long)p->sends_posted,
-                         (unsigned long long)p->sends_done);
-                return -1;
-            }
-        }
+    if (st == RBR_ERR_TIMEOUT) {
+        ex_error("no completion for %lld s (sends posted %llu, done %llu)",
+                 (long long)(p->timeout_ns / 1000000000),
+                 (unsigned long long)p->sends_posted,
+                 (unsigned long long)p->sends_done);
+        return -1;
     }
+    if (st != RBR_OK)
+        return ex_check(st, "rbr_cq_poll");
     for (i = 0; i < *n; i++) {
         if (wc[i].opcode == RBR_OP_DISCONNECTED && disc != NULL) {
             *disc = 1;

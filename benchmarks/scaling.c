@@ -339,29 +339,16 @@ static long count_fds(void)
  */
 static int poll_some(struct side *s, rbr_completion *wc, size_t *n)
 {
-    uint64_t deadline = 0;
-    uint32_t spins = 0;
+    rbr_status st = ex_busy_poll(s->cq, wc, POLL_BATCH, n, s->timeout_ns);
     size_t i;
 
-    for (;;) {
-        rbr_status st = rbr_cq_poll(s->cq, wc, POLL_BATCH, n);
-
-        if (st == RBR_OK)
-            break;
-        if (st != RBR_EMPTY)
-            return ex_check(st, "rbr_cq_poll");
-        if (++spins % 4096 == 0) {
-            uint64_t now = ex_now_ns();
-
-            if (deadline == 0) {
-                deadline = now + (uint64_t)s->timeout_ns;
-            } else if (now > deadline) {
-                ex_error("no completion for %lld s",
-                         (long long)(s->timeout_ns / 1000000000));
-                return -1;
-            }
-        }
+    if (st == RBR_ERR_TIMEOUT) {
+        ex_error("no completion for %lld s",
+                 (long long)(s->timeout_ns / 1000000000));
+        return -1;
     }
+    if (st != RBR_OK)
+        return ex_check(st, "rbr_cq_poll");
     for (i = 0; i < *n; i++) {
         if (wc[i].status != RBR_WC_SUCCESS ||
             (wc[i].opcode != RBR_OP_SEND && wc[i].opcode != RBR_OP_RECV)) {

@@ -68,6 +68,15 @@ rbr_status ex_wait_completions(rbr_cq *cq, rbr_completion *out, size_t max,
 /* ex_wait_completions for exactly one completion. */
 rbr_status ex_wait_one(rbr_cq *cq, rbr_completion *out, int32_t timeout_ms);
 
+/*
+ * Busy-polls `cq` (never sleeping, as the stock benchmark tools poll) until at
+ * least one completion is there: up to `max` into `out`, their number in *n.
+ * RBR_OK, RBR_ERR_TIMEOUT after `timeout_ns` with nothing, or the status of a
+ * failed poll.  The clock is read only now and then: it is not free.
+ */
+rbr_status ex_busy_poll(rbr_cq *cq, rbr_completion *out, size_t max, size_t *n,
+                        int64_t timeout_ns);
+
 /* Readable names for completion opcodes and statuses (never NULL). */
 const char *ex_opcode_str(uint32_t opcode);
 const char *ex_wc_status_str(int32_t status);

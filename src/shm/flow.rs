@@ -735,24 +735,12 @@ impl Flow {
     /// Announces (or withdraws) that this side wants its notice board marked when the peer
     /// writes (it no longer polls the connection every time).
     pub(crate) fn set_want_mark(&self, on: bool) {
-        self.seg
-            .ctrl(self.side)
-            .want_mark
-            .store(u32::from(on), Ordering::SeqCst);
-        // SeqCst fence: the store above comes before the caller's re-check of the rings
-        // (Dekker with `notify_peer`).
-        fence(Ordering::SeqCst);
+        announce(self.seg.ctrl(self.side).want_mark, on);
     }
 
     /// Announces (or withdraws) that this side wants a doorbell when the peer writes.
     pub(crate) fn set_sleeping(&self, on: bool) {
-        self.seg
-            .ctrl(self.side)
-            .sleeping
-            .store(u32::from(on), Ordering::SeqCst);
-        // SeqCst fence: the store above comes before the caller's re-check of the rings
-        // (Dekker with `ring_peer`).
-        fence(Ordering::SeqCst);
+        announce(self.seg.ctrl(self.side).sleeping, on);
     }
 
     /// Whether anything could move now (checked after announcing sleep).
@@ -832,6 +820,15 @@ impl Flow {
             _ => WcStatus::General,
         }
     }
+}
+
+/// Sets one of this side's request flags for the peer. The SeqCst fence orders the store
+/// before the caller's re-check of the rings, pairing with the peer's fence before it reads the
+/// flag in `notify_peer` (Dekker): either the peer sees the request or the caller sees what the
+/// peer wrote.
+fn announce(flag: &std::sync::atomic::AtomicU32, on: bool) {
+    flag.store(u32::from(on), Ordering::SeqCst);
+    fence(Ordering::SeqCst);
 }
 
 /// Sends one packet on the handshake socket without waiting.
