@@ -10,7 +10,8 @@
 //!
 //! Library peers recognise each other by an 8-byte preamble in the private data (magic,
 //! version, flags, length of the caller's data); a peer without it is a plain librdmacm
-//! program and gets plain RC semantics, its private data passed through untouched.
+//! program and gets plain RC semantics, its private data passed through untouched
+//! (`preamble.rs`).
 
 use std::collections::VecDeque;
 use std::io;
@@ -33,13 +34,9 @@ use crate::verbs::credit::{
     CREDIT_WRITES_MAX, CreditMr, Credits, FLAG_CREDITS, HELLO_LEN, Held, INTERNAL_SLOTS, Remote,
     SIGNAL_EVERY,
 };
+use crate::verbs::preamble::{parse_credit_ext, parse_preamble, with_preamble};
 use crate::verbs::res::{CompChannel, Cq, DeviceEvents, Pd, device_events};
 
-const MAGIC: [u8; 4] = *b"RBRv";
-/// Version 2: library peers speak credits (see [`crate::verbs::credit`]). A version-1 peer is
-/// treated as a plain librdmacm program, and treats this one as such: plain RC both ways.
-const PREAMBLE_VERSION: u8 = 2;
-const PREAMBLE: usize = 8;
 /// `rdma_set_option` level and name for the ACK timeout (rdma_cma.h; not in the bindings).
 const RDMA_OPTION_ID: i32 = 0;
 const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
@@ -58,37 +55,6 @@ const FLUSH_WAIT: Duration = Duration::from_secs(2);
 /// How often the engine looks at the connection when nothing else wakes it (port state, and the
 /// device CQ with progress on the caller's thread), at the least.
 const TICK: Duration = Duration::from_secs(1);
-
-/// The private data of a library peer: magic, version, flags, length of the caller's data, the
-/// caller's data, then `ext` (what the flags announce).
-fn with_preamble(user: &[u8], flags: u8, ext: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(PREAMBLE + user.len() + ext.len());
-    v.extend_from_slice(&MAGIC);
-    v.extend_from_slice(&[PREAMBLE_VERSION, flags, user.len() as u8, 0]);
-    v.extend_from_slice(user);
-    v.extend_from_slice(ext);
-    v
-}
-
-/// The credit extension of a library peer's accept: the peer's credit word, if it offers one.
-fn parse_credit_ext(data: &[u8]) -> Option<Remote> {
-    if !parse_preamble(data).0 || data[5] & FLAG_CREDITS == 0 {
-        return None;
-    }
-    let at = PREAMBLE + data[6] as usize;
-    Remote::decode(data.get(at..)?)
-}
-
-/// Splits received private data into (is a library peer, the caller's data).
-fn parse_preamble(data: &[u8]) -> (bool, Vec<u8>) {
-    if data.len() >= PREAMBLE && data[..4] == MAGIC && data[4] == PREAMBLE_VERSION {
-        let len = data[6] as usize;
-        if PREAMBLE + len <= data.len() {
-            return (true, data[PREAMBLE..PREAMBLE + len].to_vec());
-        }
-    }
-    (false, data.to_vec())
-}
 
 fn cm_err(what: &'static str) -> impl Fn(io::Error) -> Error {
     move |e| Error::Connect(io::Error::new(e.kind(), format!("{what}: {e}")))

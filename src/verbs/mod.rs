@@ -8,6 +8,8 @@ mod conn;
 #[cfg(feature = "verbs")]
 mod credit;
 #[cfg(feature = "verbs")]
+mod preamble;
+#[cfg(feature = "verbs")]
 mod res;
 
 #[cfg(feature = "verbs")]

@@ -1,0 +1,79 @@
+//! How library peers recognise each other over RDMA CM: an 8-byte preamble in the private data
+//! (magic, version, flags, length of the caller's data), the caller's data, then what the
+//! flags announce (the credit extension of [`crate::verbs::credit`]). A peer without it is a
+//! plain librdmacm program, whose private data passes through untouched.
+
+use crate::verbs::credit::{FLAG_CREDITS, Remote};
+
+const MAGIC: [u8; 4] = *b"RBRv";
+/// Version 2: library peers speak credits (see [`crate::verbs::credit`]). A version-1 peer is
+/// treated as a plain librdmacm program, and treats this one as such: plain RC both ways.
+const PREAMBLE_VERSION: u8 = 2;
+const PREAMBLE: usize = 8;
+
+/// The private data of a library peer: magic, version, flags, length of the caller's data, the
+/// caller's data, then `ext` (what the flags announce).
+pub(super) fn with_preamble(user: &[u8], flags: u8, ext: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(PREAMBLE + user.len() + ext.len());
+    v.extend_from_slice(&MAGIC);
+    v.extend_from_slice(&[PREAMBLE_VERSION, flags, user.len() as u8, 0]);
+    v.extend_from_slice(user);
+    v.extend_from_slice(ext);
+    v
+}
+
+/// The credit extension of a library peer's accept: the peer's credit word, if it offers one.
+pub(super) fn parse_credit_ext(data: &[u8]) -> Option<Remote> {
+    if !parse_preamble(data).0 || data[5] & FLAG_CREDITS == 0 {
+        return None;
+    }
+    let at = PREAMBLE + data[6] as usize;
+    Remote::decode(data.get(at..)?)
+}
+
+/// Splits received private data into (is a library peer, the caller's data).
+pub(super) fn parse_preamble(data: &[u8]) -> (bool, Vec<u8>) {
+    if data.len() >= PREAMBLE && data[..4] == MAGIC && data[4] == PREAMBLE_VERSION {
+        let len = data[6] as usize;
+        if PREAMBLE + len <= data.len() {
+            return (true, data[PREAMBLE..PREAMBLE + len].to_vec());
+        }
+    }
+    (false, data.to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_library_peer_round_trips_its_data() {
+        let d = with_preamble(b"hello", 0, &[]);
+        assert_eq!(parse_preamble(&d), (true, b"hello".to_vec()));
+        assert!(
+            parse_credit_ext(&d).is_none(),
+            "no credit flag, no extension"
+        );
+    }
+
+    #[test]
+    fn plain_and_other_version_data_pass_through_untouched() {
+        let plain = b"RBRx-not-ours".to_vec();
+        assert_eq!(parse_preamble(&plain), (false, plain.clone()));
+        let mut v1 = with_preamble(b"x", 0, &[]);
+        v1[4] = 1;
+        assert_eq!(parse_preamble(&v1), (false, v1.clone()));
+        // A length past the end is not a preamble either.
+        let mut long = with_preamble(b"abc", 0, &[]);
+        long[6] = 200;
+        assert!(!parse_preamble(&long).0);
+        assert_eq!(parse_preamble(&[]), (false, Vec::new()));
+    }
+
+    #[test]
+    fn a_credit_flag_without_its_extension_yields_none() {
+        let d = with_preamble(b"u", FLAG_CREDITS, &[]);
+        assert!(parse_preamble(&d).0);
+        assert!(parse_credit_ext(&d).is_none());
+    }
+}
