@@ -425,16 +425,14 @@ impl CompletionQueue {
                 }
             });
         }
-        self.nscan
-            .store(scan.len() + active.len(), Ordering::Relaxed);
+        guard.publish_scan_count(&self.nscan);
     }
 
     /// Adds a connection that is looked at on every poll.
     pub(crate) fn add_source(&self, s: Arc<dyn Source>) {
         let mut sources = self.lock_sources();
         sources.scan.push(s);
-        self.nscan
-            .store(sources.scan.len() + sources.active.len(), Ordering::Relaxed);
+        sources.publish_scan_count(&self.nscan);
         self.nsources.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -509,8 +507,7 @@ impl CompletionQueue {
             }
             removed += 1;
         }
-        self.nscan
-            .store(sources.scan.len() + sources.active.len(), Ordering::Relaxed);
+        sources.publish_scan_count(&self.nscan);
         self.nsources.fetch_sub(removed, Ordering::Relaxed);
     }
 
@@ -685,6 +682,14 @@ struct Sources {
     /// Slots polled every time (busy connections), and whether each slot is among them.
     active: Vec<u32>,
     is_active: Vec<bool>,
+}
+
+impl Sources {
+    /// Publishes how many connections a poll looks at every time, for the lock-free check
+    /// of whether it must take the lock at all.
+    fn publish_scan_count(&self, nscan: &AtomicUsize) {
+        nscan.store(self.scan.len() + self.active.len(), Ordering::Relaxed);
+    }
 }
 
 /// A notice-board slot reserved for a connection being made. Given back when dropped unless

@@ -328,7 +328,7 @@ impl Flow {
         signaled: bool,
         mr: &Arc<MemoryRegion>,
     ) -> Result<bool> {
-        if self.msgs_started >= self.seen_credits && self.msgs_started >= self.credits() {
+        if !self.has_credit() {
             return Ok(false);
         }
         if !self.tx.write_direct(ptr as u64, len)? {
@@ -357,9 +357,7 @@ impl Flow {
         wr_id: u64,
         signaled: bool,
     ) -> Result<Option<usize>> {
-        // The peer's count is read again only when the one seen last is used up, which keeps
-        // its cache line off the common path.
-        if self.msgs_started >= self.seen_credits && self.msgs_started >= self.credits() {
+        if !self.has_credit() {
             return Ok(None);
         }
         let want = len.min(self.max_chunk);
@@ -396,6 +394,13 @@ impl Flow {
         // at the connection by itself (see `busy`). A sleeping peer is woken.
         self.notify_peer(false);
         Ok(())
+    }
+
+    /// Whether a new message may start: the peer has a receive for it. The peer's count is
+    /// read again only when the one seen last is used up, which keeps its cache line off the
+    /// common path.
+    fn has_credit(&mut self) -> bool {
+        self.msgs_started < self.seen_credits || self.msgs_started < self.credits()
     }
 
     /// The peer's receive count: our send credits.
@@ -621,18 +626,23 @@ impl Flow {
                 return Err(proto("message shorter than announced"));
             }
             let imm = (rec.flags & ring::IMM != 0).then_some(rec.imm);
-            let wr = self.recvs.pop_front().expect("front exists");
-            emit(report.record(
-                wr.wr_id,
-                Opcode::Recv,
-                WcStatus::Success,
-                rec.total as u32,
-                imm,
-            ));
-            self.filling = false;
-            self.msgs_received += 1;
+            self.deliver(rec.total, imm, report, emit);
         }
         Ok(())
+    }
+
+    /// The front receive holds a whole message of `total` bytes: it completes.
+    fn deliver(
+        &mut self,
+        total: usize,
+        imm: Option<u32>,
+        report: &Reporter,
+        emit: &mut dyn FnMut(Completion),
+    ) {
+        let wr = self.recvs.pop_front().expect("a receive is posted");
+        emit(report.record(wr.wr_id, Opcode::Recv, WcStatus::Success, total as u32, imm));
+        self.filling = false;
+        self.msgs_received += 1;
     }
 
     /// A receive too small for the message of `total` bytes: the receive fails, and so does
@@ -690,15 +700,7 @@ impl Flow {
         // The receive's range was bounds-checked against its region, which the work request
         // holds; a bad address of the peer's fails the copy, not this process.
         direct::copy_from(pid, addr, dst, rec.total).map_err(|_| ReceiveError::Protocol)?;
-        let wr = self.recvs.pop_front().expect("front exists");
-        emit(report.record(
-            wr.wr_id,
-            Opcode::Recv,
-            WcStatus::Success,
-            rec.total as u32,
-            None,
-        ));
-        self.msgs_received += 1;
+        self.deliver(rec.total, None, report, emit);
         Ok(())
     }
 
