@@ -62,6 +62,19 @@ fn ok(c: &Completion) -> Result<(), String> {
     Ok(())
 }
 
+/// A post refused (the connection went down, say): how long after the last successful
+/// completion, as for an error completion, since either may be the first sign of a loss.
+/// Before any completion succeeded there is no such time, and none is claimed.
+fn post_failed(e: rdmabridge::Error) -> String {
+    match LAST_OK.with(|t| t.get()) {
+        Some(t) => format!(
+            "{e}, {} ms after the last successful one",
+            t.elapsed().as_millis()
+        ),
+        None => e.to_string(),
+    }
+}
+
 fn slot_mr(ctx: &Context, slots: usize, size: usize) -> Result<Arc<MemoryRegion>, String> {
     ctx.alloc_mr((slots * size).max(1), Access::LOCAL_WRITE)
         .map_err(|e| e.to_string())
@@ -104,7 +117,7 @@ fn server(addr: &str, count: u64, size: usize) -> Result<(), String> {
     let mr = slot_mr(&ctx, SERVER_SLOTS, size)?;
     for s in 0..SERVER_SLOTS {
         conn.post_recv(&mr, s * size, size, s as u64)
-            .map_err(|e| e.to_string())?;
+            .map_err(post_failed)?;
     }
     let (mut received, mut echoed) = (0u64, 0u64);
     while echoed < count {
@@ -122,13 +135,13 @@ fn server(addr: &str, count: u64, size: usize) -> Result<(), String> {
                     slot as u64 | SEND_BIT,
                     SendFlags::SIGNALED,
                 )
-                .map_err(|e| e.to_string())?;
+                .map_err(post_failed)?;
             }
             _ => {
                 echoed += 1;
                 if received < count {
                     conn.post_recv(&mr, slot * size, size, slot as u64)
-                        .map_err(|e| e.to_string())?;
+                        .map_err(post_failed)?;
                 }
             }
         }
@@ -173,7 +186,7 @@ fn client(addr: &str, count: u64, size: usize) -> Result<(), String> {
     let smr = slot_mr(&ctx, WINDOW, size)?;
     for s in 0..WINDOW {
         conn.post_recv(&rmr, s * size, size, s as u64)
-            .map_err(|e| e.to_string())?;
+            .map_err(post_failed)?;
     }
     let start = Instant::now();
     let (mut sent, mut send_done, mut echoed) = (0u64, 0u64, 0u64);
@@ -189,7 +202,7 @@ fn client(addr: &str, count: u64, size: usize) -> Result<(), String> {
                 slot as u64 | SEND_BIT,
                 SendFlags::SIGNALED,
             )
-            .map_err(|e| e.to_string())?;
+            .map_err(post_failed)?;
             sent += 1;
         }
         let c = next(&cq)?;
