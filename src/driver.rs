@@ -220,6 +220,11 @@ impl Registration {
         }
     }
 
+    /// Whether the handler has said [`Next::Done`] (or failed) and has been dropped.
+    pub(crate) fn finished(&self) -> bool {
+        *self.slot.finished.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Waits until the handler has said [`Next::Done`] (or failed) and has been dropped.
     /// Bounded as long as handlers finish in bounded time: the driver never blocks.
     pub(crate) fn wait_finished(&self) {

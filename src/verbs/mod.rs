@@ -4,18 +4,34 @@
 #[cfg(feature = "verbs")]
 mod cm;
 #[cfg(feature = "verbs")]
-mod conn;
-#[cfg(feature = "verbs")]
 mod credit;
 #[cfg(feature = "verbs")]
+mod devcq;
+#[cfg(feature = "verbs")]
+mod dispatch;
+#[cfg(feature = "verbs")]
+mod domain;
+#[cfg(feature = "verbs")]
+mod establish;
+#[cfg(feature = "verbs")]
+mod post;
+#[cfg(feature = "verbs")]
 mod preamble;
+#[cfg(feature = "verbs")]
+mod progress;
 #[cfg(feature = "verbs")]
 mod res;
 
 #[cfg(feature = "verbs")]
-pub(crate) use conn::{Conn, Listener, Request, connect};
+pub(crate) use domain::Domain;
 #[cfg(feature = "verbs")]
-pub(crate) use res::{Domain, Pd, Registrations};
+pub(crate) use establish::{Listener, Request};
+#[cfg(feature = "verbs")]
+pub(crate) use post::Conn;
+#[cfg(feature = "verbs")]
+pub(crate) use progress::connect;
+#[cfg(feature = "verbs")]
+pub(crate) use res::{Pd, Registrations};
 
 /// Whether this machine has at least one RDMA device.
 #[cfg(feature = "verbs")]

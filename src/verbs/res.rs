@@ -1,6 +1,7 @@
 //! Verbs resources, each owning its raw pointer and holding an `Arc` of its parent so drop
 //! order cannot be wrong: protection domains (one per device per context), memory-region
-//! registrations, completion channels and completion queues.
+//! registrations, and the device's port events (read by one driver turn per context and
+//! device, see `domain.rs`).
 
 use std::io;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -27,35 +28,6 @@ impl Drop for Pd {
         // SAFETY: every registration and QP holds an Arc of this PD, so none is left; the
         // device context is kept open by librdmacm for the life of the process.
         unsafe { sys::ibv_dealloc_pd(self.raw) };
-    }
-}
-
-/// The verbs state of a context: one protection domain per device, made on first use.
-#[derive(Default)]
-pub(crate) struct Domain {
-    pds: Mutex<Vec<Arc<Pd>>>,
-}
-
-impl std::fmt::Debug for Domain {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("verbs::Domain")
-    }
-}
-
-impl Domain {
-    pub(crate) fn pd(&self, device: *mut sys::ibv_context) -> Result<Arc<Pd>> {
-        let mut pds = self.pds.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(pd) = pds.iter().find(|p| p.device == device) {
-            return Ok(pd.clone());
-        }
-        // SAFETY: `device` is a live device context from a CM id.
-        let raw = unsafe { sys::ibv_alloc_pd(device) };
-        if raw.is_null() {
-            return Err(Error::MemoryRegion(io::Error::last_os_error()));
-        }
-        let pd = Arc::new(Pd { raw, device });
-        pds.push(pd.clone());
-        Ok(pd)
     }
 }
 
@@ -170,62 +142,10 @@ impl Drop for Registrations {
     }
 }
 
-/// A completion channel: the fd a CQ's notifications arrive on.
-pub(crate) struct CompChannel(pub(crate) *mut sys::ibv_comp_channel);
-
-// SAFETY: owned by one connection and used from its engine thread only after creation.
-unsafe impl Send for CompChannel {}
-
-impl Drop for CompChannel {
-    fn drop(&mut self) {
-        // SAFETY: the CQ using it (which holds an Arc-free borrow through its owner) is
-        // destroyed first by the owner's field order.
-        unsafe { sys::ibv_destroy_comp_channel(self.0) };
-    }
-}
-
-/// A completion queue bound to a completion channel.
-pub(crate) struct Cq {
-    pub(crate) raw: *mut sys::ibv_cq,
-    /// CQ events taken with ibv_get_cq_event and not yet acked.
-    pub(crate) unacked: u32,
-}
-
-// SAFETY: as for CompChannel.
-unsafe impl Send for Cq {}
-
-impl Cq {
-    pub(crate) fn new(device: *mut sys::ibv_context, ch: &CompChannel, depth: u32) -> Result<Cq> {
-        // SAFETY: live device and channel; NULL with errno on failure.
-        let raw =
-            unsafe { sys::ibv_create_cq(device, depth as i32, std::ptr::null_mut(), ch.0, 0) };
-        if raw.is_null() {
-            return Err(Error::CompletionQueue(io::Error::last_os_error()));
-        }
-        Ok(Cq { raw, unacked: 0 })
-    }
-
-    pub(crate) fn ack(&mut self) {
-        if self.unacked > 0 {
-            // SAFETY: acks exactly the events taken from this CQ.
-            unsafe { sys::ibv_ack_cq_events(self.raw, self.unacked) };
-            self.unacked = 0;
-        }
-    }
-}
-
-impl Drop for Cq {
-    fn drop(&mut self) {
-        self.ack();
-        // SAFETY: every CQ event was acked just above, and the QP using it is gone.
-        unsafe { sys::ibv_destroy_cq(self.raw) };
-    }
-}
-
 /// What a device's asynchronous events say about its ports: one per device per process (the
-/// device's event descriptor is), shared by every connection on the device. The connections'
-/// threads read the events (whichever finds the descriptor readable) and each checks whether
-/// its own port is down.
+/// device's event descriptor is), shared by every connection on the device. Each context's driver reads the events (whichever
+/// finds the descriptor readable first), and each connection's turn checks whether its own
+/// port is down.
 pub(crate) struct DeviceEvents {
     device: *mut sys::ibv_context,
     /// (port, since when) for each port that is down; port 0 stands for the whole device after
@@ -242,7 +162,7 @@ unsafe impl Sync for DeviceEvents {}
 static DEVICES: Mutex<Vec<Arc<DeviceEvents>>> = Mutex::new(Vec::new());
 
 /// The event state of `device`, made on first use (which makes its event descriptor
-/// non-blocking, so that no connection's thread can block reading an event another took).
+/// non-blocking, so that no driver can block reading an event another took).
 pub(crate) fn device_events(device: *mut sys::ibv_context) -> Result<Arc<DeviceEvents>> {
     let mut devs = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(d) = devs.iter().find(|d| d.device == device) {

@@ -1,0 +1,579 @@
+//! One device CQ per (completion queue, device, context), shared by the queue pairs of every
+//! connection of that queue on that device: an empty poll of the queue costs one
+//! `ibv_poll_cq`, however many connections it serves.
+//!
+//! Each work completion is dispatched (`dispatch.rs`) by its queue-pair number to its
+//! connection's ledger (`post.rs`), under that connection's lock, so the per-connection order and semantics hold
+//! (flushes, unsignaled sends completed by a later signaled one, credits and hello, failed-state
+//! detection). A connection is a member from the creation of its queue pair until its teardown
+//! has drained its flushes (or given up after the flush deadline); a completion of an unknown
+//! queue pair is ignored. Queue-pair numbers are reused by devices, so a stale completion of a
+//! destroyed queue pair could carry the number of a new one: every work-request id also
+//! carries its connection's 16-bit tag (see `post::TAG_SHIFT`), given out in turn by this CQ,
+//! and a completion whose tag is not its member's is ignored. Mis-routing would take a stale
+//! completion left unpolled while 65,536 more connections were made on this CQ and the last
+//! of them got the same queue-pair number.
+//!
+//! Lock order: the poll lock (`DevCq::poll`), then a connection's state lock; posters take only
+//! the latter. Callers' polls may wait for locks; the driver's turns only try them: a
+//! completion whose connection's lock is held is parked, in order, and delivered before any
+//! later one of that connection.
+//!
+//! The completion channel and its notification belong to this CQ: its driver turn takes the
+//! channel's events and moves completions into the queue - always with
+//! [`Progress::Thread`], and with [`Progress::Caller`] while somebody sleeps on or watches
+//! the queue - re-arming, then polling once more, so no completion is missed.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use rdma_sys as sys;
+
+use crate::conn::next_conn_id;
+use crate::cq::{Completion, CompletionQueue, Progress, Source};
+use crate::driver::{Driver, Handler, Next, Ready, Registration};
+use crate::error::{Error, Result};
+use crate::verbs::cm::set_nonblocking;
+use crate::verbs::dispatch::{Member, PollState, Wc, complete, deliver, unpark};
+use crate::verbs::post::{PostState, Shared, TAG_SHIFT, try_lock};
+
+/// Smallest device CQ made: room for a few connections before the first resize.
+const MIN_CQE: u32 = 1024;
+/// Most completions one driver turn moves before it lets the others run.
+const TURN_BUDGET: usize = 4096;
+/// CQ events taken before they are acknowledged in one call.
+const ACK_EVERY: u32 = 64;
+
+/// A device CQ shared by the connections of one completion queue on one device.
+pub(crate) struct DevCq {
+    /// Its key among the completion queue's sources (unique among connection ids).
+    key: u64,
+    cq: Arc<CompletionQueue>,
+    device: *mut sys::ibv_context,
+    pub(super) raw: *mut sys::ibv_cq,
+    caller_polls: bool,
+    max_cqe: u32,
+    /// Whether the device will announce the next completion on the completion channel.
+    notify_armed: AtomicBool,
+    /// How many members have sends held for credits (pollers then start those whose credits
+    /// arrived).
+    held: Arc<AtomicUsize>,
+    poll: Mutex<PollState>,
+    /// The CQ's own driver turns (completion events, and its end).
+    reg: Registration,
+}
+
+// SAFETY: the raw CQ is polled, armed and resized only under the poll lock while not retired
+// (or by its own driver turn, which owns and destroys it); libibverbs calls on it are
+// thread-safe. The device context lives as long as the process (librdmacm keeps it open).
+unsafe impl Send for DevCq {}
+// SAFETY: as above.
+unsafe impl Sync for DevCq {}
+
+fn too_big(need: u32, max: u32) -> Error {
+    Error::CompletionQueue(io::Error::other(format!(
+        "the connections of this completion queue on this device would need a device CQ of \
+         {need} entries (each takes its send and receive depths plus {} library slots), but \
+         the device allows {max}: use smaller queue depths, or another completion queue",
+        crate::verbs::credit::INTERNAL_SLOTS + 1
+    )))
+}
+
+/// A context's device CQs (held by their connections; found here by queue and device).
+#[derive(Default)]
+pub(crate) struct Table(Mutex<Vec<Weak<DevCq>>>);
+
+/// The device CQ of `cq` on `device` in a context's `table`, made (its turns on `driver`) or
+/// grown for one more connection that needs `need` entries.
+pub(super) fn attach(
+    table: &Table,
+    driver: &Driver,
+    cq: &Arc<CompletionQueue>,
+    device: *mut sys::ibv_context,
+    need: u32,
+) -> Result<Attachment> {
+    let mut table = table.0.lock().unwrap_or_else(|p| p.into_inner());
+    table.retain(|w| w.strong_count() > 0);
+    for d in table.iter().filter_map(Weak::upgrade) {
+        if d.device != device || !Arc::ptr_eq(&d.cq, cq) {
+            continue;
+        }
+        let mut ps = d.lock();
+        if ps.retired {
+            continue;
+        }
+        let tag = d.reserve(&mut ps, need)?;
+        drop(ps);
+        return Ok(Attachment {
+            devcq: d,
+            need,
+            tag,
+            qp_num: None,
+            released: false,
+        });
+    }
+    let d = DevCq::create(driver, cq, device, need)?;
+    table.push(Arc::downgrade(&d));
+    Ok(Attachment {
+        devcq: d,
+        need,
+        tag: 0,
+        qp_num: None,
+        released: false,
+    })
+}
+
+/// Owns the device CQ and its completion channel: destroyed when the CQ's driver turns end
+/// (after the driver took the channel out of its set, and after the last user left).
+struct Owner {
+    raw: *mut sys::ibv_cq,
+    comp: *mut sys::ibv_comp_channel,
+    /// CQ events taken and not yet acknowledged.
+    unacked: u32,
+}
+
+// SAFETY: moved to the driver's thread whole, and used only there.
+unsafe impl Send for Owner {}
+
+impl Owner {
+    fn ack(&mut self) {
+        if self.unacked > 0 && !self.raw.is_null() {
+            // SAFETY: acknowledges exactly the events taken from this CQ.
+            unsafe { sys::ibv_ack_cq_events(self.raw, self.unacked) };
+            self.unacked = 0;
+        }
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.ack();
+        if !self.raw.is_null() {
+            // SAFETY: every event was acknowledged just above; every queue pair that used it
+            // is destroyed (its last user left), and nobody polls it any more (retired).
+            unsafe { sys::ibv_destroy_cq(self.raw) };
+        }
+        // SAFETY: the CQ that used the channel is gone; destroyed once.
+        unsafe { sys::ibv_destroy_comp_channel(self.comp) };
+    }
+}
+
+impl DevCq {
+    fn create(
+        driver: &Driver,
+        cq: &Arc<CompletionQueue>,
+        device: *mut sys::ibv_context,
+        need: u32,
+    ) -> Result<Arc<DevCq>> {
+        // SAFETY: ibv_device_attr is plain data; zero is a valid start.
+        let mut attr: sys::ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live device context; `attr` is written on success. Returns the errno value.
+        let r = unsafe { sys::ibv_query_device(device, &mut attr) };
+        if r != 0 {
+            return Err(Error::CompletionQueue(io::Error::from_raw_os_error(r)));
+        }
+        let max_cqe = attr.max_cqe.max(1) as u32;
+        if need > max_cqe {
+            return Err(too_big(need, max_cqe));
+        }
+        // SAFETY: live device context; NULL with errno on failure.
+        let comp = unsafe { sys::ibv_create_comp_channel(device) };
+        if comp.is_null() {
+            return Err(Error::CompletionQueue(io::Error::last_os_error()));
+        }
+        let mut owner = Owner {
+            raw: std::ptr::null_mut(),
+            comp,
+            unacked: 0,
+        };
+        // SAFETY: the channel is live.
+        let comp_fd = unsafe { (*comp).fd };
+        set_nonblocking(comp_fd)?;
+        let size = need.max(MIN_CQE).min(max_cqe);
+        // SAFETY: live device and channel; NULL with errno on failure.
+        let raw = unsafe { sys::ibv_create_cq(device, size as i32, std::ptr::null_mut(), comp, 0) };
+        if raw.is_null() {
+            return Err(Error::CompletionQueue(io::Error::last_os_error()));
+        }
+        owner.raw = raw;
+        let d = Arc::new(DevCq {
+            key: next_conn_id(),
+            cq: cq.clone(),
+            device,
+            raw,
+            caller_polls: cq.options().progress == Progress::Caller,
+            max_cqe,
+            notify_armed: AtomicBool::new(false),
+            held: Arc::new(AtomicUsize::new(0)),
+            poll: Mutex::new(PollState {
+                members: HashMap::new(),
+                parked: 0,
+                users: 1,
+                // SAFETY: live CQ; `cqe` is what the device granted (at least the size asked).
+                size: unsafe { (*raw).cqe }.max(0) as u32,
+                need,
+                next_tag: 1,
+                retired: false,
+            }),
+            reg: driver.registration(),
+        });
+        // The first completion is announced (the driver then decides whether to go on).
+        d.arm_notify();
+        let turns = CqTurns {
+            d: d.clone(),
+            owner,
+            pending: true,
+        };
+        driver
+            .register(&d.reg, &[comp_fd], Box::new(turns))
+            .map_err(Error::Thread)?;
+        if d.caller_polls {
+            cq.add_source(d.clone());
+        }
+        Ok(d)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PollState> {
+        self.poll.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes room for one more connection needing `need` entries; returns its tag.
+    fn reserve(&self, ps: &mut PollState, need: u32) -> Result<u64> {
+        let total = ps.need.saturating_add(need);
+        if total > self.max_cqe {
+            return Err(too_big(total, self.max_cqe));
+        }
+        if total > ps.size {
+            let size = ps.size.saturating_mul(2).max(total).min(self.max_cqe);
+            // SAFETY: live CQ (not retired, under the poll lock: nobody polls it meanwhile).
+            // Returns the errno value.
+            let r = unsafe { sys::ibv_resize_cq(self.raw, size as i32) };
+            if r != 0 {
+                return Err(Error::CompletionQueue(io::Error::new(
+                    io::Error::from_raw_os_error(r).kind(),
+                    format!(
+                        "growing the device CQ to {size} entries failed: {}",
+                        io::Error::from_raw_os_error(r)
+                    ),
+                )));
+            }
+            // SAFETY: live CQ; `cqe` is its size now.
+            ps.size = unsafe { (*self.raw).cqe }.max(0) as u32;
+        }
+        ps.need = total;
+        ps.users += 1;
+        let tag = ps.next_tag;
+        ps.next_tag = ps.next_tag.wrapping_add(1);
+        Ok(u64::from(tag) << TAG_SHIFT)
+    }
+
+    /// Asks the device for an event on the next completion, unless that is already asked.
+    /// The caller holds the poll lock (not retired) or is the CQ's own turn.
+    fn arm_notify(&self) {
+        if !self.notify_armed.swap(true, Ordering::SeqCst) {
+            // SAFETY: live CQ (see above).
+            unsafe { sys::ibv_req_notify_cq(self.raw, 0) };
+        }
+    }
+
+    /// The count of members with sends held, which each member keeps up to date
+    /// (`Shared::note_held`).
+    pub(super) fn held_conns(&self) -> Arc<AtomicUsize> {
+        self.held.clone()
+    }
+
+    /// From a driver turn: moves what the device has into the queue, if the poll lock is free
+    /// at once (else a poller is doing just that).
+    pub(super) fn drain_now(&self) {
+        if let Some(mut ps) = try_lock(&self.poll)
+            && !ps.retired
+        {
+            let cq = &self.cq;
+            self.drain(&mut ps, TURN_BUDGET, false, &mut |c| cq.push(c));
+        }
+    }
+
+    /// From a driver turn: asks for an event on the next completion (a closing connection
+    /// waits for its flushes).
+    pub(super) fn arm_now(&self) {
+        if let Some(ps) = try_lock(&self.poll)
+            && !ps.retired
+        {
+            self.arm_notify();
+        }
+    }
+
+    /// Polls the device for about `max` records and delivers them (parked ones first).
+    /// `blocking`: a caller's poll, which may wait for connections' locks; else a driver turn,
+    /// which parks what it cannot deliver at once. Returns how many records it emitted.
+    fn drain(
+        &self,
+        ps: &mut PollState,
+        max: usize,
+        blocking: bool,
+        emit: &mut dyn FnMut(Completion),
+    ) -> usize {
+        const BATCH: usize = 32;
+        let mut n = 0;
+        if ps.parked > 0 {
+            n += unpark(ps, blocking, emit);
+        }
+        let mut wcs = std::mem::MaybeUninit::<[sys::ibv_wc; BATCH]>::uninit();
+        while n < max {
+            let want = (max - n).min(BATCH) as i32;
+            // SAFETY: live CQ (the poll lock is held and it is not retired); `wcs` has room
+            // for BATCH >= want entries.
+            let got = unsafe { sys::ibv_poll_cq(self.raw, want, wcs.as_mut_ptr().cast()) };
+            if got <= 0 {
+                break;
+            }
+            for i in 0..got as usize {
+                // SAFETY: ibv_poll_cq filled the first `got` entries.
+                let wc = Wc::new(unsafe { &*wcs.as_ptr().cast::<sys::ibv_wc>().add(i) });
+                n += deliver(ps, wc, blocking, emit);
+            }
+            if got < want {
+                break;
+            }
+        }
+        n
+    }
+
+    /// A closing connection's last look: delivers what the device has (and what of its own is
+    /// parked), takes it off the CQ, and runs `flush` under its lock, so that nothing of it is
+    /// delivered afterwards. `false` when a lock was not free at once (try again later).
+    pub(super) fn leave(
+        &self,
+        sh: &Shared,
+        qp_num: u32,
+        flush: impl FnOnce(&mut PostState),
+    ) -> bool {
+        let Some(mut ps) = try_lock(&self.poll) else {
+            return false;
+        };
+        let cq = &self.cq;
+        if !ps.retired {
+            self.drain(&mut ps, usize::MAX, false, &mut |c| cq.push(c));
+        }
+        let Some(mut st) = try_lock(&sh.state) else {
+            return false;
+        };
+        if let Some(m) = ps.members.remove(&qp_num) {
+            ps.parked -= m.parked.len();
+            for wc in &m.parked {
+                complete(sh, &mut st, wc, &mut |c| cq.push(c));
+            }
+        }
+        flush(&mut st);
+        true
+    }
+
+    /// Starts the sends of members whose credits arrived (pollers, while sends are held).
+    fn pump_held(&self, ps: &PollState) {
+        for m in ps.members.values() {
+            if let Some(sh) = &m.sh
+                && sh.has_held.load(Ordering::Relaxed)
+            {
+                let mut st = sh.lock();
+                sh.pump(&mut st);
+            }
+        }
+    }
+
+    /// One user fewer (blocking: `wait`; else only if the lock is free at once: `None` if it
+    /// was not). When none is left the CQ retires: it leaves the queue's sources, and its turn
+    /// destroys it (see [`gone`](Self::gone)); returns whether it did.
+    fn release(&self, need: u32, qp_num: Option<u32>, wait: bool) -> Option<bool> {
+        let mut ps = if wait {
+            self.lock()
+        } else {
+            try_lock(&self.poll)?
+        };
+        if let Some(m) = qp_num.and_then(|q| ps.members.remove(&q)) {
+            ps.parked -= m.parked.len();
+        }
+        ps.users -= 1;
+        ps.need -= need;
+        let retire = ps.users == 0;
+        if retire {
+            ps.retired = true;
+        }
+        drop(ps);
+        if retire {
+            if self.caller_polls {
+                self.cq.remove_source(self.key);
+            }
+            self.reg.wake();
+        }
+        Some(retire)
+    }
+
+    /// Whether the retired CQ is destroyed (its turn ended).
+    pub(super) fn gone(&self) -> bool {
+        self.reg.finished()
+    }
+}
+
+/// With [`Progress::Caller`], the completion queue's pollers take the completions of all the
+/// CQ's connections straight from the device: one source, one `ibv_poll_cq` when empty.
+impl Source for DevCq {
+    fn key(&self) -> u64 {
+        self.key
+    }
+
+    fn poll(&self, max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
+        let mut ps = self.lock();
+        if ps.retired {
+            return 0;
+        }
+        // Relaxed: a hint (see `Shared::note_held`).
+        if self.held.load(Ordering::Relaxed) > 0 {
+            self.pump_held(&ps);
+        }
+        let cq = &self.cq;
+        match direct {
+            // Under the poll lock nothing of these connections is on its way into the queue
+            // from the device, so an empty queue means no older record of theirs waits there.
+            Some(take) if cq.is_empty() => self.drain(&mut ps, max, true, take),
+            _ => self.drain(&mut ps, max, true, &mut |c| cq.push(c)),
+        }
+    }
+
+    fn arm(&self) {
+        let ps = self.lock();
+        if !ps.retired {
+            self.arm_notify();
+        }
+    }
+}
+
+/// A connection's share of a device CQ: from before its queue pair is made until after it is
+/// destroyed. Dropping it without [`try_release`](Self::try_release) releases it, waiting for
+/// the poll lock.
+pub(super) struct Attachment {
+    pub(super) devcq: Arc<DevCq>,
+    need: u32,
+    /// The connection's tag, shifted into place (see `post::TAG_SHIFT`).
+    pub(super) tag: u64,
+    qp_num: Option<u32>,
+    released: bool,
+}
+
+impl Attachment {
+    /// The queue pair was made: its completions are collected (parked) from now on.
+    pub(super) fn enter(&mut self, qp_num: u32) {
+        let mut ps = self.devcq.lock();
+        ps.members.insert(
+            qp_num,
+            Member {
+                tag: self.tag,
+                sh: None,
+                parked: VecDeque::new(),
+            },
+        );
+        self.qp_num = Some(qp_num);
+    }
+
+    /// The connection started: its completions go to `sh`, those parked until now first.
+    pub(super) fn join(&self, sh: &Arc<Shared>) {
+        let mut ps = self.devcq.lock();
+        let PollState {
+            members, parked, ..
+        } = &mut *ps;
+        let Some(m) = self.qp_num.and_then(|q| members.get_mut(&q)) else {
+            return;
+        };
+        m.sh = Some(sh.clone());
+        let mut st = sh.lock();
+        let cq = &self.devcq.cq;
+        while let Some(p) = m.parked.pop_front() {
+            *parked -= 1;
+            complete(sh, &mut st, &p, &mut |c| cq.push(c));
+        }
+        if st.credits.is_some() {
+            sh.push_credits(&mut st);
+        }
+    }
+
+    pub(super) fn qp_num(&self) -> Option<u32> {
+        self.qp_num
+    }
+
+    /// Gives the share back once the queue pair is destroyed, if the poll lock is free at
+    /// once (`None`: try again later). Returns whether that retired the device CQ.
+    pub(super) fn try_release(&mut self) -> Option<bool> {
+        let retired = self.devcq.release(self.need, self.qp_num, false)?;
+        self.released = true;
+        Some(retired)
+    }
+}
+
+impl Drop for Attachment {
+    fn drop(&mut self) {
+        if !self.released {
+            self.devcq.release(self.need, self.qp_num, true);
+        }
+    }
+}
+
+/// The device CQ's driver turns: its completion events, and its end.
+struct CqTurns {
+    d: Arc<DevCq>,
+    owner: Owner,
+    /// Events came (or the CQ is new): the device may hold completions nobody moved yet.
+    pending: bool,
+}
+
+impl Handler for CqTurns {
+    fn run(&mut self, ready: &Ready) -> Next {
+        let d = &self.d;
+        if ready.fd(0) {
+            loop {
+                let mut cq = std::ptr::null_mut();
+                let mut ctx = std::ptr::null_mut();
+                // SAFETY: live non-blocking channel; fails with EAGAIN when empty.
+                if unsafe { sys::ibv_get_cq_event(self.owner.comp, &mut cq, &mut ctx) } != 0 {
+                    break;
+                }
+                self.owner.unacked += 1;
+            }
+            if self.owner.unacked >= ACK_EVERY {
+                self.owner.ack();
+            }
+            // The event consumed the request.
+            d.notify_armed.store(false, Ordering::SeqCst);
+            self.pending = true;
+        }
+        let Some(mut ps) = try_lock(&d.poll) else {
+            // A poller holds it (and moves the completions meanwhile).
+            return Next::Yield;
+        };
+        if ps.retired {
+            return Next::Done;
+        }
+        if self.pending || ps.parked > 0 {
+            let cq = &d.cq;
+            loop {
+                if d.drain(&mut ps, TURN_BUDGET, false, &mut |c| cq.push(c)) >= TURN_BUDGET {
+                    return Next::Again;
+                }
+                // With progress threads, or while somebody sleeps on the queue, the device must
+                // announce the next completion: ask, then look once more, so that nothing that
+                // came in between is missed.
+                if (!d.caller_polls || cq.watched()) && !d.notify_armed.load(Ordering::SeqCst) {
+                    d.arm_notify();
+                    continue;
+                }
+                break;
+            }
+            self.pending = false;
+        }
+        if ps.parked > 0 {
+            Next::Yield
+        } else {
+            Next::Wait(None)
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! Dispatch of a shared device CQ's work completions (`devcq.rs`) to the connections' ledgers
+//! (`post.rs`): by queue-pair number and tag, under each connection's lock, in the order the
+//! device reported them - parked, in order, when a driver turn finds the lock held.
+//!
+//! The ledger keeps each connection's outstanding work in posting order (sends and receives
+//! each complete in order on an RC queue pair): a completion also completes the unsignaled
+//! sends before it (successfully) and the receives before it (as flushed); the first error
+//! fails the connection; the server's hello receive tells it where its credit writes go.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use rdma_sys as sys;
+
+use crate::cq::{Completion, Opcode, WcStatus};
+use crate::verbs::post::{
+    HELLO_BIT, PostState, RECV_BIT, SEQ_MASK, Shared, TAG_MASK, at_or_before, try_lock,
+};
+
+/// A work completion, copied out of the device's record.
+#[derive(Clone, Copy)]
+pub(super) struct Wc {
+    pub(super) wr_id: u64,
+    pub(super) qp_num: u32,
+    status: WcStatus,
+    byte_len: u32,
+    imm: Option<u32>,
+}
+
+impl Wc {
+    pub(super) fn new(wc: &sys::ibv_wc) -> Wc {
+        let mut status = map_status(wc.status);
+        // soft-RoCE (rxe) reports a receive too small for its message as a local QP operation
+        // error rather than a length error; on a receive that is what it means.
+        if wc.wr_id & RECV_BIT != 0 && wc.status == sys::ibv_wc_status::IBV_WC_LOC_QP_OP_ERR {
+            status = WcStatus::LocalLength;
+        }
+        let imm = (wc.wc_flags & sys::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0)
+            // SAFETY: with IBV_WC_WITH_IMM the union holds the immediate data.
+            .then(|| u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }));
+        Wc {
+            wr_id: wc.wr_id,
+            qp_num: wc.qp_num,
+            status,
+            // The device's byte count means something only for a success.
+            byte_len: if status == WcStatus::Success {
+                wc.byte_len
+            } else {
+                0
+            },
+            imm,
+        }
+    }
+}
+
+fn map_status(s: u32) -> WcStatus {
+    use sys::ibv_wc_status::*;
+    match s {
+        IBV_WC_SUCCESS => WcStatus::Success,
+        IBV_WC_WR_FLUSH_ERR => WcStatus::Flushed,
+        IBV_WC_LOC_LEN_ERR => WcStatus::LocalLength,
+        IBV_WC_LOC_PROT_ERR | IBV_WC_LOC_ACCESS_ERR => WcStatus::LocalProtection,
+        IBV_WC_REM_ACCESS_ERR => WcStatus::RemoteAccess,
+        IBV_WC_REM_INV_REQ_ERR | IBV_WC_REM_OP_ERR => WcStatus::RemoteError,
+        IBV_WC_RETRY_EXC_ERR | IBV_WC_RNR_RETRY_EXC_ERR | IBV_WC_RESP_TIMEOUT_ERR => {
+            WcStatus::Transport
+        }
+        _ => WcStatus::General,
+    }
+}
+
+/// A connection on the device CQ.
+pub(super) struct Member {
+    pub(super) tag: u64,
+    /// Its shared state, from the start of the connection (completions that come before, such
+    /// as the client's hello arriving at a server still setting up, are parked until then).
+    pub(super) sh: Option<Arc<Shared>>,
+    /// Completions not yet delivered because its lock was held by a thread of the program.
+    pub(super) parked: VecDeque<Wc>,
+}
+
+/// What the poll lock guards.
+pub(super) struct PollState {
+    pub(super) members: HashMap<u32, Member>,
+    /// Parked completions, over all members.
+    pub(super) parked: usize,
+    /// Connections using the CQ (from before their queue pair exists until after it is gone).
+    pub(super) users: u32,
+    /// Entries the CQ holds, and how many its users may need at once: each connection's send
+    /// and receive depths and the library's own slots, since a queue pair in error reports
+    /// every outstanding work request, signaled or not.
+    pub(super) size: u32,
+    pub(super) need: u32,
+    pub(super) next_tag: u16,
+    /// No user is left: the CQ is being destroyed, and must not be touched.
+    pub(super) retired: bool,
+}
+
+/// Delivers `wc` to its connection, or parks it (see [`DevCq::drain`]). Returns how many
+/// records it emitted.
+pub(super) fn deliver(
+    ps: &mut PollState,
+    wc: Wc,
+    blocking: bool,
+    emit: &mut dyn FnMut(Completion),
+) -> usize {
+    let PollState {
+        members, parked, ..
+    } = ps;
+    // An unknown queue pair, or a stale completion of an earlier one with the same number
+    // (see the module's doc): nobody's.
+    let Some(m) = members.get_mut(&wc.qp_num) else {
+        return 0;
+    };
+    if wc.wr_id & TAG_MASK != m.tag {
+        return 0;
+    }
+    let Some(sh) = m.sh.clone() else {
+        m.parked.push_back(wc);
+        *parked += 1;
+        return 0;
+    };
+    let guard = if blocking {
+        Some(sh.lock())
+    } else {
+        try_lock(&sh.state)
+    };
+    let Some(mut st) = guard else {
+        m.parked.push_back(wc);
+        *parked += 1;
+        return 0;
+    };
+    let failed = st.failed.is_some();
+    let mut n = 0;
+    while let Some(p) = m.parked.pop_front() {
+        *parked -= 1;
+        n += complete(&sh, &mut st, &p, emit);
+    }
+    n += complete(&sh, &mut st, &wc, emit);
+    settle(&sh, &mut st, failed);
+    n
+}
+
+/// Delivers parked completions of every member whose lock can be had. Returns the records.
+pub(super) fn unpark(
+    ps: &mut PollState,
+    blocking: bool,
+    emit: &mut dyn FnMut(Completion),
+) -> usize {
+    let mut n = 0;
+    let PollState {
+        members, parked, ..
+    } = ps;
+    for m in members.values_mut() {
+        if m.parked.is_empty() {
+            continue;
+        }
+        let Some(sh) = m.sh.clone() else { continue };
+        let guard = if blocking {
+            Some(sh.lock())
+        } else {
+            try_lock(&sh.state)
+        };
+        let Some(mut st) = guard else { continue };
+        let failed = st.failed.is_some();
+        while let Some(p) = m.parked.pop_front() {
+            *parked -= 1;
+            n += complete(&sh, &mut st, &p, emit);
+        }
+        settle(&sh, &mut st, failed);
+    }
+    n
+}
+
+/// After completions were delivered to a connection: owed credit writes go out, and its turn
+/// runs when it just failed (to tear it down) or is closing (it waits for its flushes).
+fn settle(sh: &Shared, st: &mut PostState, failed_before: bool) {
+    if st.credits.is_some() {
+        sh.push_credits(st);
+    }
+    if (!failed_before && st.failed.is_some()) || st.closed {
+        sh.reg.wake();
+    }
+}
+
+/// Completes the work one device completion reports, in the connection's ledger. Notes the
+/// first error that failed the queue pair. Returns how many records it emitted.
+pub(super) fn complete(
+    sh: &Shared,
+    st: &mut PostState,
+    wc: &Wc,
+    emit: &mut dyn FnMut(Completion),
+) -> usize {
+    let status = wc.status;
+    if status != WcStatus::Success && status != WcStatus::Flushed && st.failed.is_none() {
+        st.failed = Some(status);
+    }
+    let mut n = 0;
+    if wc.wr_id & HELLO_BIT != 0 {
+        // The client's hello: where this side's credit writes go from now on.
+        if status == WcStatus::Success
+            && let Some(c) = st.credits.as_mut()
+        {
+            c.peer = Some(c.mr.read_hello());
+            c.owed = c.posted > c.pushed;
+        }
+        return 0;
+    }
+    let seq = wc.wr_id & SEQ_MASK;
+    if wc.wr_id & RECV_BIT != 0 {
+        while st.recvs.front().is_some_and(|e| at_or_before(e.seq, seq)) {
+            let e = st.recvs.pop_front().expect("front exists");
+            if let Some(c) = st.credits.as_mut() {
+                c.consumed += 1;
+            }
+            let this = e.seq & SEQ_MASK == seq;
+            let (status, len, imm) = if this {
+                (status, wc.byte_len, wc.imm)
+            } else {
+                (WcStatus::Flushed, 0, None)
+            };
+            emit(sh.report.record(e.wr_id, Opcode::Recv, status, len, imm));
+            n += 1;
+        }
+    } else {
+        // Sends complete in order: the unsignaled ones before `seq` finished successfully.
+        while st.sends.front().is_some_and(|e| at_or_before(e.seq, seq)) {
+            let e = st.sends.pop_front().expect("front exists");
+            if e.internal {
+                st.internal_out -= 1;
+            } else {
+                st.user_sends -= 1;
+            }
+            let s = if e.seq & SEQ_MASK == seq {
+                status
+            } else {
+                WcStatus::Success
+            };
+            if !e.internal && (e.signaled || s != WcStatus::Success) {
+                emit(sh.report.record(e.wr_id, Opcode::Send, s, 0, None));
+                n += 1;
+            }
+        }
+    }
+    n
+}

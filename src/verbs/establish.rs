@@ -1,0 +1,546 @@
+//! Establishing verbs connections: the RDMA CM connection flow on RC queue pairs, and the
+//! verbs objects each connection owns.
+//!
+//! Server: event channel -> id (RDMA_PS_TCP) -> bind -> listen -> CONNECT_REQUEST (the new id
+//! moves to a channel of its own) -> PD / shared device CQ / QP -> accept -> ESTABLISHED.
+//! Client: event channel -> id -> resolve address -> resolve route -> PD / shared device CQ /
+//! QP -> connect -> ESTABLISHED. Each failure event maps to its own error. The device CQ is
+//! shared by the connections of one completion queue on one device (`devcq.rs`).
+//!
+//! Library peers recognise each other by an 8-byte preamble in the private data (magic,
+//! version, flags, length of the caller's data); a peer without it is a plain librdmacm
+//! program and gets plain RC semantics, its private data passed through untouched
+//! (`preamble.rs`).
+
+use std::io;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rdma_sys as sys;
+use sys::rdma_cm_event_type::*;
+
+use crate::conn::ConnOptions;
+use crate::cq::CompletionQueue;
+use crate::domain::ContextInner;
+use crate::error::{Error, Result};
+use crate::verbs::cm::{CmEvent, CmId, EventChannel, sockaddr};
+use crate::verbs::credit::{CreditMr, FLAG_CREDITS, HELLO_LEN, INTERNAL_SLOTS, Remote};
+use crate::verbs::devcq::{Attachment, attach};
+use crate::verbs::post::{HELLO_BIT, RECV_BIT, post_error};
+use crate::verbs::preamble::{parse_credit_ext, parse_preamble, with_preamble};
+use crate::verbs::res::{DeviceEvents, Pd, device_events};
+
+/// `rdma_set_option` level and name for the ACK timeout (rdma_cma.h; not in the bindings).
+const RDMA_OPTION_ID: i32 = 0;
+const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
+/// rdma_cm's reject reason when nobody listens on the port (IB_CM_REJ_INVALID_SERVICE_ID).
+const REJ_NO_LISTENER: i32 = 8;
+fn cm_err(what: &'static str) -> impl Fn(io::Error) -> Error {
+    move |e| Error::Connect(io::Error::new(e.kind(), format!("{what}: {e}")))
+}
+
+/// Maps a failure event during establishment to its error.
+fn event_error(ev: &CmEvent, target: &str) -> Error {
+    let errno = -ev.status;
+    let unreachable = [
+        libc::ENETUNREACH,
+        libc::EHOSTUNREACH,
+        libc::ENODEV,
+        libc::EADDRNOTAVAIL,
+    ]
+    .contains(&errno);
+    match ev.kind {
+        RDMA_CM_EVENT_ADDR_ERROR if unreachable || errno == libc::ETIMEDOUT => {
+            Error::Unreachable(format!(
+                "{target}: address resolution failed ({})",
+                io::Error::from_raw_os_error(errno)
+            ))
+        }
+        RDMA_CM_EVENT_ADDR_ERROR => Error::Address {
+            addr: target.to_owned(),
+            reason: format!(
+                "address resolution failed ({})",
+                io::Error::from_raw_os_error(errno)
+            ),
+        },
+        RDMA_CM_EVENT_ROUTE_ERROR => {
+            Error::Route(format!("{target}: {}", io::Error::from_raw_os_error(errno)))
+        }
+        RDMA_CM_EVENT_UNREACHABLE => Error::Unreachable(format!(
+            "{target}: the peer did not answer (status {})",
+            ev.status
+        )),
+        RDMA_CM_EVENT_REJECTED if ev.status == REJ_NO_LISTENER => Error::Refused(target.to_owned()),
+        RDMA_CM_EVENT_REJECTED => Error::Rejected(parse_preamble(&ev.private_data).1),
+        RDMA_CM_EVENT_DEVICE_REMOVAL => Error::DeviceRemoved,
+        _ => Error::ConnectFailed(format!("{target}: {} (status {})", ev.name(), ev.status)),
+    }
+}
+
+/// Waits for the next event on `ch`, which must be `want`; anything else is an error.
+fn expect_event(
+    ch: &EventChannel,
+    want: u32,
+    deadline: Option<Instant>,
+    doing: &'static str,
+    target: &str,
+) -> Result<CmEvent> {
+    match ch.get_event(deadline)? {
+        None => Err(Error::Timeout(doing)),
+        Some(ev) if ev.kind == want => Ok(ev),
+        Some(ev) => Err(event_error(&ev, target)),
+    }
+}
+
+fn timeout_ms(deadline: Option<Instant>) -> i32 {
+    crate::sys::remaining(deadline).map_or(5000, |d| d.as_millis().clamp(1, 60_000) as i32)
+}
+
+/// The verbs objects of one connection, destroyed in field order: QP, its share of the device
+/// CQ, CM id, event channel (the driver takes the channel once the connection starts).
+pub(super) struct Resources {
+    qp: Option<QpGuard>,
+    pub(super) att: Attachment,
+    id: Option<CmId>,
+    pub(super) ch: Option<EventChannel>,
+    pub(super) pd: Arc<Pd>,
+    pub(super) caps: sys::ibv_qp_cap,
+    /// The device's port events, and the port this connection uses.
+    pub(super) dev: Arc<DeviceEvents>,
+    pub(super) port: u8,
+    /// The credit word toward a library peer: after the QP in drop order, since the peer's
+    /// device may write into it while the QP lives.
+    credit: Option<CreditMr>,
+}
+
+/// Destroys the id's QP on drop.
+struct QpGuard(*mut sys::rdma_cm_id);
+
+// SAFETY: moves with the Resources that own the id.
+unsafe impl Send for QpGuard {}
+
+impl Drop for QpGuard {
+    fn drop(&mut self) {
+        // SAFETY: the QP was created on this id by rdma_create_qp, and posters are fenced off by
+        // the connection's `closed` flag before the resources are dropped.
+        unsafe { sys::rdma_destroy_qp(self.0) };
+    }
+}
+
+impl Resources {
+    fn new(
+        ctx: &ContextInner,
+        cq: &Arc<CompletionQueue>,
+        id: CmId,
+        ch: EventChannel,
+        opts: &ConnOptions,
+    ) -> Result<Resources> {
+        let device = id.verbs();
+        if device.is_null() {
+            return Err(Error::NoDevice);
+        }
+        let pd = ctx.verbs.pd(device)?;
+        let dev = device_events(device)?;
+        // SAFETY: live id, bound to a device port by now.
+        let port = unsafe { (*id.0).port_num };
+        // Room in the shared device CQ for everything the queue pair may report at once: a
+        // queue pair in error reports every outstanding work request, signaled or not - the
+        // caller's, the library's own (credit writes, keepalive, hello) and the server's hello
+        // receive.
+        let need = opts.send_queue_depth + opts.recv_queue_depth + INTERNAL_SLOTS + 1;
+        let driver = ctx.driver.get().map_err(Error::Thread)?;
+        ctx.verbs.watch_ports(device, &driver)?;
+        let mut att = attach(&ctx.verbs.devcqs, &driver, cq, device, need)?;
+        // SAFETY: ibv_qp_init_attr is plain data; zero is a valid start.
+        let mut attr: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        attr.send_cq = att.devcq.raw;
+        attr.recv_cq = att.devcq.raw;
+        attr.qp_type = sys::ibv_qp_type::IBV_QPT_RC;
+        attr.sq_sig_all = 0;
+        // Slots beyond the caller's: the library's own work (keepalive, hello, credit writes)
+        // must never take the caller's, nor the server's hello receive.
+        attr.cap.max_send_wr = opts.send_queue_depth + INTERNAL_SLOTS;
+        attr.cap.max_recv_wr = opts.recv_queue_depth + 1;
+        attr.cap.max_send_sge = 1;
+        attr.cap.max_recv_sge = 1;
+        attr.cap.max_inline_data = opts.max_inline;
+        // SAFETY: live id, PD and attr (its CQ lives while `att` does); on success the id owns
+        // the QP and attr.cap holds the granted capabilities.
+        if unsafe { sys::rdma_create_qp(id.0, pd.raw, &mut attr) } != 0 {
+            let e = io::Error::last_os_error();
+            return Err(Error::invalid(format!(
+                "the device refused the queue pair (depths {}/{}, inline {}): {e}",
+                opts.send_queue_depth, opts.recv_queue_depth, opts.max_inline
+            )));
+        }
+        let qp = QpGuard(id.0);
+        // SAFETY: the id owns the live QP just made.
+        att.enter(unsafe { (*(*id.0).qp).qp_num });
+        Ok(Resources {
+            qp: Some(qp),
+            att,
+            caps: attr.cap,
+            pd,
+            dev,
+            port,
+            id: Some(id),
+            ch: Some(ch),
+            credit: None,
+        })
+    }
+
+    fn id(&self) -> &CmId {
+        self.id
+            .as_ref()
+            .expect("the id lives until the connection is destroyed")
+    }
+
+    fn ch(&self) -> &EventChannel {
+        self.ch
+            .as_ref()
+            .expect("the channel is taken only once established")
+    }
+
+    pub(super) fn id_raw(&self) -> *mut sys::rdma_cm_id {
+        self.id().0
+    }
+
+    /// The queue pair.
+    pub(super) fn qp_raw(&self) -> *mut sys::ibv_qp {
+        // SAFETY: live id owning a QP (made in `new`).
+        unsafe { (*self.id().0).qp }
+    }
+
+    /// Destroys the queue pair, the CM id and the credit block, in that order (teardown).
+    pub(super) fn destroy(&mut self) {
+        self.qp = None;
+        self.id = None;
+        self.credit = None;
+    }
+
+    /// Posts the server's internal receive for the client's hello into `credit`'s block.
+    fn post_hello_recv(&self, credit: &CreditMr) -> Result<()> {
+        let mut sge = sys::ibv_sge {
+            addr: credit.hello_addr(),
+            length: HELLO_LEN as u32,
+            lkey: credit.lkey(),
+        };
+        let mut wr = sys::ibv_recv_wr {
+            wr_id: RECV_BIT | HELLO_BIT | self.att.tag,
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+        };
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the id owns a live QP; the work request and SGE are live locals; the block
+        // is registered and outlives the QP (`credit` field order, then the shared state).
+        let r = unsafe { sys::ibv_post_recv(self.qp_raw(), &mut wr, &mut bad) };
+        if r != 0 {
+            return Err(post_error(r, "receive"));
+        }
+        Ok(())
+    }
+
+    /// Sets the local ACK timeout the queue pair gets when it becomes ready to send: without
+    /// it some devices (soft-RoCE among them) wait for a lost peer's acknowledgement forever.
+    fn set_ack_timeout(&self, opts: &ConnOptions) -> Result<()> {
+        let t: u8 = opts.ack_timeout;
+        // SAFETY: live id; the option value is one readable byte.
+        let r = unsafe {
+            sys::rdma_set_option(
+                self.id_raw(),
+                RDMA_OPTION_ID,
+                RDMA_OPTION_ID_ACK_TIMEOUT,
+                (&raw const t).cast_mut().cast(),
+                1,
+            )
+        };
+        if r != 0 {
+            return Err(cm_err("rdma_set_option(ACK_TIMEOUT)")(
+                io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn conn_param(&self, data: &[u8], opts: &ConnOptions) -> sys::rdma_conn_param {
+        // SAFETY: rdma_conn_param is plain data; zero is a valid start.
+        let mut p: sys::rdma_conn_param = unsafe { std::mem::zeroed() };
+        p.private_data = data.as_ptr().cast();
+        p.private_data_len = data.len() as u8;
+        p.responder_resources = 1;
+        p.initiator_depth = 1;
+        p.retry_count = opts.retry_count;
+        // 7 = retry forever while the peer has no receive posted: a send waits, never fails.
+        p.rnr_retry_count = opts.rnr_retry_count;
+        p
+    }
+}
+
+/// A listening verbs endpoint.
+pub(crate) struct Listener {
+    id: CmId,
+    ch: EventChannel,
+    ctx: Arc<ContextInner>,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("verbs::Listener")
+    }
+}
+
+impl Listener {
+    pub(crate) fn bind(
+        ctx: Arc<ContextInner>,
+        host: &str,
+        port: u16,
+        backlog: u32,
+    ) -> Result<Listener> {
+        let ch = EventChannel::new()?;
+        let id = CmId::new(&ch)?;
+        let (mut sa, _) = sockaddr(host, port)?;
+        // SAFETY: live id; `sa` is a valid sockaddr of its family.
+        if unsafe { sys::rdma_bind_addr(id.0, (&raw mut sa).cast()) } != 0 {
+            let e = io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EADDRINUSE) => Error::AddrInUse(format!("rdma://{host}:{port}")),
+                Some(libc::EADDRNOTAVAIL) | Some(libc::ENODEV) => Error::Address {
+                    addr: format!("rdma://{host}:{port}"),
+                    reason: format!("no RDMA device has this address ({e})"),
+                },
+                _ => Error::Listen(e),
+            });
+        }
+        // SAFETY: bound id.
+        if unsafe { sys::rdma_listen(id.0, backlog.clamp(1, 1024) as i32) } != 0 {
+            return Err(Error::Listen(io::Error::last_os_error()));
+        }
+        Ok(Listener { id, ch, ctx })
+    }
+
+    pub(crate) fn fd(&self) -> i32 {
+        self.ch.fd()
+    }
+
+    /// Takes the next connection request, waiting until `deadline` (`None` = forever, a past
+    /// deadline = do not wait); `Ok(None)` when none came by then. A CONNECT_REQUEST event is
+    /// complete when it arrives, so nothing is ever half-taken.
+    pub(crate) fn get_request(&self, deadline: Option<Instant>) -> Result<Option<Request>> {
+        loop {
+            let Some(ev) = self.ch.get_event(deadline)? else {
+                return Ok(None);
+            };
+            match ev.kind {
+                RDMA_CM_EVENT_CONNECT_REQUEST => {
+                    let id = CmId(ev.id);
+                    let ch = EventChannel::new()?;
+                    id.migrate(&ch)?;
+                    let (library_peer, private_data) = parse_preamble(&ev.private_data);
+                    return Ok(Some(Request {
+                        id: Some(id),
+                        ch: Some(ch),
+                        library_peer,
+                        private_data,
+                        ctx: self.ctx.clone(),
+                    }));
+                }
+                RDMA_CM_EVENT_DEVICE_REMOVAL if ev.id == self.id.0 => {
+                    return Err(Error::DeviceRemoved);
+                }
+                // Events of requests not yet moved to their own channel: nothing to do.
+                _ => {}
+            }
+        }
+    }
+}
+
+/// A pending connection request.
+pub(crate) struct Request {
+    id: Option<CmId>,
+    ch: Option<EventChannel>,
+    library_peer: bool,
+    private_data: Vec<u8>,
+    ctx: Arc<ContextInner>,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("verbs::Request")
+    }
+}
+
+impl Request {
+    pub(crate) fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    /// Accepts the request: the queue pair is made and established (the connection is started
+    /// by `progress.rs`).
+    pub(super) fn establish(
+        mut self,
+        cq: Arc<CompletionQueue>,
+        opts: &ConnOptions,
+    ) -> Result<Established> {
+        let (id, ch) = (
+            self.id.take().expect("unanswered"),
+            self.ch.take().expect("unanswered"),
+        );
+        let mut res = Resources::new(&self.ctx, &cq, id, ch, opts)?;
+        let data = if self.library_peer {
+            // Credits: the client's hello must find a receive, so one is posted before the
+            // accept (first in the receive queue); the accept tells the client where this side's
+            // credit word is.
+            let credit = CreditMr::new(&res.pd)?;
+            res.post_hello_recv(&credit)?;
+            let ext = credit.encode_remote();
+            res.credit = Some(credit);
+            with_preamble(&opts.private_data, FLAG_CREDITS, &ext)
+        } else {
+            opts.private_data.clone()
+        };
+        res.set_ack_timeout(opts)?;
+        let mut param = res.conn_param(&data, opts);
+        // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
+        if unsafe { sys::rdma_accept(res.id_raw(), &mut param) } != 0 {
+            return Err(Error::Accept(io::Error::last_os_error()));
+        }
+        let deadline = opts.timeout.map(|t| Instant::now() + t);
+        expect_event(
+            res.ch(),
+            RDMA_CM_EVENT_ESTABLISHED,
+            deadline,
+            "waiting for the peer to confirm",
+            "peer",
+        )?;
+        let pd = std::mem::take(&mut self.private_data);
+        // The server learns the client's word from the hello.
+        let credits = res.credit.take().map(|c| (c, None));
+        Ok(Established {
+            ctx: self.ctx.clone(),
+            cq,
+            res,
+            peer_data: pd,
+            library_peer: self.library_peer,
+            credits,
+        })
+    }
+
+    pub(crate) fn reject(mut self, private_data: &[u8]) -> Result<()> {
+        let id = self.id.take().expect("unanswered");
+        let data = if self.library_peer {
+            with_preamble(private_data, 0, &[])
+        } else {
+            private_data.to_vec()
+        };
+        // SAFETY: live id of an unanswered request; data is readable for its length.
+        if unsafe { sys::rdma_reject(id.0, data.as_ptr().cast(), data.len() as u8) } != 0 {
+            return Err(Error::Accept(io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            // SAFETY: live id of an unanswered request.
+            unsafe { sys::rdma_reject(id.0, std::ptr::null(), 0) };
+        }
+    }
+}
+
+/// A queue pair established with its peer, for `progress.rs` to start as a connection.
+pub(super) struct Established {
+    pub(super) ctx: Arc<ContextInner>,
+    pub(super) cq: Arc<CompletionQueue>,
+    pub(super) res: Resources,
+    /// The peer's private data (without the library's preamble).
+    pub(super) peer_data: Vec<u8>,
+    pub(super) library_peer: bool,
+    /// Toward a library peer: this side's credit block and (a client's) the peer's word.
+    pub(super) credits: Option<(CreditMr, Option<Remote>)>,
+}
+
+/// Connects to `host:port`: the queue pair is made and established (the connection is started
+/// by `progress.rs`).
+pub(super) fn establish(
+    ctx: Arc<ContextInner>,
+    host: &str,
+    port: u16,
+    cq: Arc<CompletionQueue>,
+    opts: &ConnOptions,
+) -> Result<Established> {
+    let target = format!("rdma://{host}:{port}");
+    let deadline = opts.timeout.map(|t| Instant::now() + t);
+    let ch = EventChannel::new()?;
+    let id = CmId::new(&ch)?;
+    let (mut dst, _) = sockaddr(host, port)?;
+    // SAFETY: live id; `dst` is a valid sockaddr.
+    if unsafe {
+        sys::rdma_resolve_addr(
+            id.0,
+            std::ptr::null_mut(),
+            (&raw mut dst).cast(),
+            timeout_ms(deadline),
+        )
+    } != 0
+    {
+        let e = io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ENETUNREACH)
+            | Some(libc::EHOSTUNREACH)
+            | Some(libc::ENODEV)
+            | Some(libc::EADDRNOTAVAIL) => Error::Unreachable(format!("{target}: {e}")),
+            _ => cm_err("rdma_resolve_addr")(e),
+        });
+    }
+    expect_event(
+        &ch,
+        RDMA_CM_EVENT_ADDR_RESOLVED,
+        deadline,
+        "resolving the address",
+        &target,
+    )?;
+    // SAFETY: live id with a resolved address.
+    if unsafe { sys::rdma_resolve_route(id.0, timeout_ms(deadline)) } != 0 {
+        return Err(cm_err("rdma_resolve_route")(io::Error::last_os_error()));
+    }
+    expect_event(
+        &ch,
+        RDMA_CM_EVENT_ROUTE_RESOLVED,
+        deadline,
+        "resolving the route",
+        &target,
+    )?;
+    let mut res = Resources::new(&ctx, &cq, id, ch, opts)?;
+    res.credit = Some(CreditMr::new(&res.pd)?);
+    let data = with_preamble(&opts.private_data, FLAG_CREDITS, &[]);
+    res.set_ack_timeout(opts)?;
+    let mut param = res.conn_param(&data, opts);
+    // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
+    if unsafe { sys::rdma_connect(res.id_raw(), &mut param) } != 0 {
+        return Err(cm_err("rdma_connect")(io::Error::last_os_error()));
+    }
+    let ev = expect_event(
+        res.ch(),
+        RDMA_CM_EVENT_ESTABLISHED,
+        deadline,
+        "connecting",
+        &target,
+    )?;
+    let (library_peer, peer_data) = parse_preamble(&ev.private_data);
+    // Credits only if the server offers its word; otherwise plain RC.
+    let credits = match parse_credit_ext(&ev.private_data) {
+        Some(peer) => res.credit.take().map(|c| (c, Some(peer))),
+        None => None,
+    };
+    Ok(Established {
+        ctx,
+        cq,
+        res,
+        peer_data,
+        library_peer,
+        credits,
+    })
+}

@@ -1,0 +1,520 @@
+//! Posting on a verbs connection: the ledger of outstanding work that posters, the pollers of
+//! the shared device CQ (`devcq.rs`) and the connection's driver turns (`progress.rs`) share
+//! under the connection's lock, the caller's sends and receives, and the library's own work
+//! (hello, keepalive, credit writes; see `credit.rs`).
+//!
+//! Lock order: a device CQ's poll lock, then a connection's state lock. Posters take only the
+//! connection's lock, and never while holding it take a poll lock. (This module knows nothing
+//! of the device CQ, which holds the connections' shared state: no module cycle.)
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::time::Duration;
+
+use rdma_sys as sys;
+
+use crate::conn::{ConnInfo, SendFlags};
+use crate::cq::{Reporter, WcStatus};
+use crate::domain::ContextInner;
+use crate::driver::Registration;
+use crate::error::{Error, Result};
+use crate::mr::MemoryRegion;
+use crate::verbs::credit::{CREDIT_WRITES_MAX, Credits, Held, SIGNAL_EVERY};
+
+/// Work-request ids the library hands the device: bit 63 marks a receive, bit 62 the server's
+/// internal receive for the client's hello; bits 46..62 carry the connection's tag (see
+/// `devcq.rs`: a completion is delivered only to the connection whose queue-pair number and
+/// tag it carries); bits 0..46 the posting sequence (modulo 2^46, see [`at_or_before`]).
+pub(super) const RECV_BIT: u64 = 1 << 63;
+pub(super) const HELLO_BIT: u64 = 1 << 62;
+pub(super) const TAG_SHIFT: u32 = 46;
+pub(super) const TAG_MASK: u64 = 0xffff << TAG_SHIFT;
+pub(super) const SEQ_MASK: u64 = (1 << TAG_SHIFT) - 1;
+
+/// Whether the work request with sequence `e` was posted at or before the one with (masked)
+/// sequence `s`: modular, since far fewer than 2^45 work requests are ever outstanding at once.
+pub(super) fn at_or_before(e: u64, s: u64) -> bool {
+    (s.wrapping_sub(e) & SEQ_MASK) < 1 << (TAG_SHIFT - 1)
+}
+
+pub(super) struct SendEntry {
+    pub(super) seq: u64,
+    pub(super) wr_id: u64,
+    pub(super) signaled: bool,
+    /// The library's own (keepalive, hello, credit write): never reported, but its failure
+    /// fails the connection.
+    pub(super) internal: bool,
+    /// Whether the device reports its completion (an unsignaled one is reaped by a later one).
+    pub(super) hw_signaled: bool,
+    pub(super) _mr: Option<Arc<MemoryRegion>>,
+}
+
+pub(super) struct RecvEntry {
+    pub(super) seq: u64,
+    pub(super) wr_id: u64,
+    pub(super) _mr: Arc<MemoryRegion>,
+}
+
+/// What posters, pollers and the driver share under one lock: the outstanding work in posting
+/// order (sends and receives each complete in order on an RC queue pair), and whether the
+/// queue pair may still be posted to.
+pub(super) struct PostState {
+    pub(super) closed: bool,
+    /// The first error that failed the queue pair, as whoever polled the device found it.
+    pub(super) failed: Option<WcStatus>,
+    pub(super) next_seq: u64,
+    /// Everything handed to the device's send queue, in order.
+    pub(super) sends: VecDeque<SendEntry>,
+    pub(super) recvs: VecDeque<RecvEntry>,
+    /// The caller's sends outstanding: on the device or held for credits.
+    pub(super) user_sends: usize,
+    /// The library's own work requests on the device, not yet reaped.
+    pub(super) internal_out: u32,
+    /// Unsignaled internal work requests posted since the last signaled one.
+    pub(super) unsignaled_run: u32,
+    /// Toward a library peer: receive credits, and the sends held for them.
+    pub(super) credits: Option<Credits>,
+}
+
+impl PostState {
+    /// Whether work the device will still report is outstanding (unsignaled internal work
+    /// that finished is never reported: not counted).
+    pub(super) fn outstanding(&self) -> bool {
+        self.sends.iter().any(|e| !e.internal || e.hw_signaled) || !self.recvs.is_empty()
+    }
+}
+
+pub(super) struct Shared {
+    pub(super) info: ConnInfo,
+    /// Where this connection's completions go.
+    pub(super) report: Reporter,
+    pub(super) ctx: Arc<ContextInner>,
+    pub(super) pd: Arc<crate::verbs::res::Pd>,
+    pub(super) qp: *mut sys::ibv_qp,
+    /// This connection's tag in its work-request ids (already shifted, see [`TAG_SHIFT`]).
+    pub(super) tag: u64,
+    /// How many connections of the device CQ this connection shares (`devcq.rs`) have sends
+    /// held for credits: its pollers then start those whose credits arrived.
+    pub(super) held_conns: Arc<AtomicUsize>,
+    pub(super) state: Mutex<PostState>,
+    /// The user asked for the end.
+    pub(super) stop: AtomicBool,
+    /// The connection's registration with its context's driver: wakes its turn.
+    pub(super) reg: Registration,
+    /// Sends are held for credits (mirrors `credits.held` being non-empty; changed under the
+    /// state lock, read by pollers without it to find whom to pump).
+    pub(super) has_held: AtomicBool,
+    /// How long the connection may be idle before a keepalive goes out: the option, toward a
+    /// library peer (negotiated at connect); none toward a plain peer. A keepalive's
+    /// acknowledgement, or its failure after `retry_count` resends, is how a peer whose host or
+    /// link is gone is noticed on an idle connection.
+    pub(super) keepalive: Option<Duration>,
+}
+
+// SAFETY: the QP pointer is used only under `state`'s lock while `closed` is false (posting);
+// the driver destroys the QP only after setting `closed` under that lock. libibverbs posting
+// calls are thread-safe.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+/// How often a driver turn tries a lock before it gives up and comes back later: its holder
+/// (a poster or poller) holds it only briefly, and the driver must not wait for it.
+const LOCK_TRIES: u32 = 64;
+
+/// `m`'s lock if it comes free at once (see [`LOCK_TRIES`]).
+pub(super) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    for _ in 0..LOCK_TRIES {
+        match m.try_lock() {
+            Ok(g) => return Some(g),
+            Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => std::hint::spin_loop(),
+        }
+    }
+    None
+}
+
+impl Shared {
+    pub(super) fn lock(&self) -> MutexGuard<'_, PostState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hands one of the caller's sends to the device (`st.user_sends` already counts it).
+    fn post_user_send(&self, st: &mut PostState, h: Held) -> std::result::Result<(), (i32, Held)> {
+        let seq = st.next_seq;
+        let mut sge = sys::ibv_sge {
+            addr: h.ptr as u64,
+            length: h.len,
+            lkey: h.lkey,
+        };
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = (seq & SEQ_MASK) | self.tag;
+        wr.sg_list = &mut sge;
+        wr.num_sge = if h.len == 0 { 0 } else { 1 };
+        wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+        let mut f = 0;
+        if h.signaled {
+            f |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        if h.inline {
+            f |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
+        }
+        wr.send_flags = f;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is live while `closed` is false (callers check it under the lock); the
+        // work request and SGE are live locals; the buffer is valid until the send completes
+        // (held by `mr`) or, inline, copied during the call (from the caller's slice or region,
+        // which the posting call holds, or from the staging slot that no later send reuses
+        // before this one left).
+        let r = unsafe { sys::ibv_post_send(self.qp, &mut wr, &mut bad) };
+        if r != 0 {
+            return Err((r, h));
+        }
+        st.next_seq += 1;
+        st.sends.push_back(SendEntry {
+            seq,
+            wr_id: h.wr_id,
+            signaled: h.signaled,
+            internal: false,
+            hw_signaled: h.signaled,
+            _mr: h.mr,
+        });
+        Ok(())
+    }
+
+    /// Posts one of the library's own send work requests; signals every [`SIGNAL_EVERY`]th
+    /// (or when `signal`), so their slots are reaped. Returns the post's error number.
+    pub(super) fn post_internal(
+        &self,
+        st: &mut PostState,
+        wr: &mut sys::ibv_send_wr,
+        signal: bool,
+    ) -> std::result::Result<(), i32> {
+        let seq = st.next_seq;
+        let signal = signal || st.unsignaled_run + 1 >= SIGNAL_EVERY;
+        wr.wr_id = (seq & SEQ_MASK) | self.tag;
+        if signal {
+            wr.send_flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is live while `closed` is false (callers check it under the lock); the
+        // work request and its SGE (if any) are live for the call and point into the
+        // connection's registered credit block, which outlives the QP.
+        let r = unsafe { sys::ibv_post_send(self.qp, wr, &mut bad) };
+        if r != 0 {
+            return Err(r);
+        }
+        st.next_seq += 1;
+        st.internal_out += 1;
+        st.unsignaled_run = if signal { 0 } else { st.unsignaled_run + 1 };
+        st.sends.push_back(SendEntry {
+            seq,
+            wr_id: 0,
+            signaled: false,
+            internal: true,
+            hw_signaled: signal,
+            _mr: None,
+        });
+        Ok(())
+    }
+
+    /// A failure of the library's own posting (error number `r`) fails the connection, as a
+    /// failed keepalive does. The device refuses work on a queue pair it can no longer send on
+    /// (seen when the link goes down): a transport failure. ENOMEM (a full send queue) would be
+    /// the library's own accounting error.
+    fn fail(&self, st: &mut PostState, r: i32) {
+        if st.failed.is_none() {
+            st.failed = Some(if r == libc::ENOMEM {
+                WcStatus::General
+            } else {
+                WcStatus::Transport
+            });
+        }
+        self.reg.wake();
+    }
+
+    /// Starts held sends, in order, for as many as the peer has receives posted.
+    pub(super) fn pump(&self, st: &mut PostState) {
+        if st.closed || st.failed.is_some() {
+            return;
+        }
+        loop {
+            let Some(c) = st.credits.as_mut() else { return };
+            if c.held.is_empty() || !c.available() {
+                break;
+            }
+            let h = c.held.pop_front().expect("not empty");
+            match self.post_user_send(st, h) {
+                Ok(()) => st.credits.as_mut().expect("credits").sent += 1,
+                Err((r, h)) => {
+                    st.credits.as_mut().expect("credits").held.push_front(h);
+                    self.fail(st, r);
+                    break;
+                }
+            }
+        }
+        self.note_held(st);
+    }
+
+    /// Brings [`has_held`](Self::has_held) and the device CQ's count of connections with held
+    /// sends in line with `st` (called under the state lock after the held sends change).
+    pub(super) fn note_held(&self, st: &PostState) {
+        let held = st.credits.as_ref().is_some_and(|c| !c.held.is_empty());
+        // Relaxed: only changed under the state lock; pollers read it as a hint (a stale
+        // value costs one pump late, which the connection's own turn makes up for).
+        if held != self.has_held.load(Ordering::Relaxed) {
+            self.has_held.store(held, Ordering::Relaxed);
+            if held {
+                self.held_conns.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.held_conns.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Writes this side's count of receives posted into the peer's credit word, if due (see
+    /// [`Credits::push_due`]) and possible; otherwise notes it as owed.
+    pub(super) fn push_credits(&self, st: &mut PostState) {
+        if st.closed || st.failed.is_some() {
+            return;
+        }
+        let internal_out = st.internal_out;
+        let Some(c) = st.credits.as_mut() else { return };
+        if !c.push_due() {
+            return;
+        }
+        let Some(peer) = c.peer else {
+            c.owed = true;
+            return;
+        };
+        if internal_out >= CREDIT_WRITES_MAX {
+            c.owed = true;
+            return;
+        }
+        let count = c.posted;
+        // Relaxed: the device reads the word during the post below, whose system call orders
+        // it; the value only grows, so a later read still finds a true count.
+        c.mr.block().src.store(count, Ordering::Relaxed);
+        let mut sge = sys::ibv_sge {
+            addr: c.mr.src_addr(),
+            length: 8,
+            lkey: c.mr.lkey(),
+        };
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.wr.rdma.remote_addr = peer.addr;
+        wr.wr.rdma.rkey = peer.rkey;
+        match self.post_internal(st, &mut wr, false) {
+            Ok(()) => {
+                let c = st.credits.as_mut().expect("credits");
+                c.pushed = count;
+                c.owed = false;
+            }
+            Err(r) => self.fail(st, r),
+        }
+    }
+
+    /// Whether the connection's turn must look again soon: sends wait for credits, or a
+    /// credit write is owed.
+    pub(super) fn credit_busy(st: &PostState) -> bool {
+        st.credits
+            .as_ref()
+            .is_some_and(|c| !c.held.is_empty() || c.owed)
+    }
+}
+
+/// The user's handle of a verbs connection. Dropping it tears the connection down.
+pub(crate) struct Conn {
+    pub(super) sh: Arc<Shared>,
+    pub(super) private_data: Vec<u8>,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("verbs::Conn")
+            .field("info", &self.sh.info)
+            .finish()
+    }
+}
+
+impl Conn {
+    pub(crate) fn info(&self) -> ConnInfo {
+        self.sh.info
+    }
+
+    pub(crate) fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    pub(crate) fn post_send(
+        &self,
+        mr: &Arc<MemoryRegion>,
+        offset: usize,
+        len: usize,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<()> {
+        crate::conn::check_send_flags(flags)?;
+        let ptr = crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
+        let lkey = mr.verbs_lkey(&self.sh.pd)?;
+        if len > 0 && len <= self.sh.info.max_inline as usize {
+            // Small enough to travel inside the work request: copied now, so the device reads
+            // no memory for it and the region need not be held until it completes.
+            return self.post_send_raw(ptr, len, lkey, wr_id, flags, true, None);
+        }
+        self.post_send_raw(ptr, len, lkey, wr_id, flags, false, Some(mr.clone()))
+    }
+
+    pub(crate) fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
+        crate::conn::check_send_flags(flags)?;
+        crate::conn::check_inline(data.len(), self.sh.info.max_inline)?;
+        self.post_send_raw(
+            data.as_ptr().cast_mut(),
+            data.len(),
+            0,
+            wr_id,
+            flags,
+            true,
+            None,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_send_raw(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        lkey: u32,
+        wr_id: u64,
+        flags: SendFlags,
+        inline: bool,
+        mr: Option<Arc<MemoryRegion>>,
+    ) -> Result<()> {
+        let mut st = self.sh.lock();
+        if st.closed {
+            return Err(Error::Disconnected);
+        }
+        if st.user_sends >= self.sh.info.send_queue_depth as usize {
+            return Err(Error::QueueFull("send"));
+        }
+        let mut h = Held {
+            ptr,
+            len: len as u32,
+            lkey,
+            wr_id,
+            signaled: flags.signaled(),
+            inline,
+            mr,
+        };
+        if let Some(c) = st.credits.as_mut()
+            && (!c.held.is_empty() || !c.available())
+        {
+            // The peer has no receive for it yet: held, and started in order when credits
+            // arrive. An inline send's bytes are copied now, as the caller may reuse them.
+            if inline {
+                // SAFETY: `ptr`/`len` are the caller's slice (post_send_inline) or a range of
+                // the caller's region that check_region found inside it (post_send), readable
+                // for the whole call.
+                let data = unsafe { std::slice::from_raw_parts(ptr, len) };
+                h.ptr = c.stage(data, self.sh.info.send_queue_depth, self.sh.info.max_inline);
+            }
+            let first = c.held.is_empty();
+            c.held.push_back(h);
+            st.user_sends += 1;
+            if first {
+                // The credits may come while nobody polls: the connection's turn looks for
+                // them, once it knows sends are held; pollers pump on their polls.
+                self.sh.note_held(&st);
+                drop(st);
+                self.sh.reg.wake();
+            }
+            return Ok(());
+        }
+        if let Err((r, _)) = self.sh.post_user_send(&mut st, h) {
+            return Err(post_error(r, "send"));
+        }
+        st.user_sends += 1;
+        if let Some(c) = st.credits.as_mut() {
+            c.sent += 1;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn post_recv(
+        &self,
+        mr: &Arc<MemoryRegion>,
+        offset: usize,
+        len: usize,
+        wr_id: u64,
+    ) -> Result<()> {
+        let ptr = crate::conn::check_recv_region(mr, &self.sh.ctx, offset, len)?;
+        let lkey = mr.verbs_lkey(&self.sh.pd)?;
+        let mut st = self.sh.lock();
+        if st.closed {
+            return Err(Error::Disconnected);
+        }
+        if st.recvs.len() >= self.sh.info.recv_queue_depth as usize {
+            return Err(Error::QueueFull("receive"));
+        }
+        let seq = st.next_seq;
+        let mut sge = sys::ibv_sge {
+            addr: ptr as u64,
+            length: len as u32,
+            lkey,
+        };
+        let mut wr = sys::ibv_recv_wr {
+            wr_id: (seq & SEQ_MASK) | self.sh.tag | RECV_BIT,
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: if len == 0 { 0 } else { 1 },
+        };
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: as for sends; the buffer stays valid until the receive completes (held by
+        // the entry's Arc of the region).
+        let r = unsafe { sys::ibv_post_recv(self.sh.qp, &mut wr, &mut bad) };
+        if r != 0 {
+            return Err(post_error(r, "receive"));
+        }
+        st.next_seq += 1;
+        st.recvs.push_back(RecvEntry {
+            seq,
+            wr_id,
+            _mr: mr.clone(),
+        });
+        if let Some(c) = st.credits.as_mut() {
+            c.posted += 1;
+            self.sh.push_credits(&mut st);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn disconnect(&self) {
+        self.sh.stop.store(true, Ordering::SeqCst);
+        self.sh.reg.wake();
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.disconnect();
+        // The teardown runs as driver turns that never wait for the peer: bounded by the
+        // flush deadline (`progress::FLUSH_WAIT`). When this returns the disconnect has been
+        // reported and every resource of the connection is gone.
+        self.sh.reg.wait_finished();
+    }
+}
+
+/// ibv_post_* return the errno itself (they do not set errno).
+pub(super) fn post_error(r: i32, which: &'static str) -> Error {
+    if r == libc::ENOMEM {
+        Error::QueueFull(which)
+    } else {
+        Error::Connect(io::Error::from_raw_os_error(r))
+    }
+}

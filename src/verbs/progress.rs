@@ -1,0 +1,430 @@
+//! The background work of one verbs connection, run by its context's progress driver
+//! (`crate::driver`) rather than a thread of its own: connection events (its RDMA CM event
+//! channel is its one descriptor), keepalives, the credit look-ups while sends are held, the
+//! port-down grace, and teardown - each a deadline or a readiness, never a wait. Completions
+//! are moved by the shared device CQ (`devcq.rs`): by the queue's pollers, by its own driver
+//! turns, and by these turns on the way.
+//!
+//! A turn never blocks: it only tries the connection's lock (and the device CQ's poll lock),
+//! and comes back when a poster or poller holds it.
+//!
+//! Teardown, as turns: the queue pair is disconnected (which flushes its work); each turn then
+//! takes what the device reported and looks at what is outstanding, until nothing is or
+//! [`FLUSH_WAIT`] has passed; the connection then leaves the device CQ, reports the rest as
+//! flushed, destroys its queue pair, CM id and credit block, gives its share of the device CQ
+//! back, and reports the disconnect - its last record.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rdma_sys as sys;
+use sys::rdma_cm_event_type::*;
+
+use crate::conn::{ConnInfo, ConnOptions, Transport, next_conn_id};
+use crate::cq::{CompletionQueue, Opcode, Reporter, WcStatus};
+use crate::domain::ContextInner;
+use crate::driver::{Handler, Next, Ready};
+use crate::error::{Error, Result};
+use crate::verbs::cm::EventChannel;
+use crate::verbs::credit::{Credits, HELLO_LEN, INTERNAL_SLOTS};
+use crate::verbs::devcq::DevCq;
+use crate::verbs::establish::{Established, Request, Resources, establish};
+use crate::verbs::post::{Conn, PostState, Shared, post_error, try_lock};
+
+/// How long a connection's turns first wait while sends wait for credits (or a credit write
+/// is owed), doubling up to [`CREDIT_POLL_MAX`].
+const CREDIT_POLL_MIN: Duration = Duration::from_micros(50);
+const CREDIT_POLL_MAX: Duration = Duration::from_millis(4);
+/// How long teardown waits for the device to flush outstanding work before reporting the
+/// rest as flushed itself.
+pub(super) const FLUSH_WAIT: Duration = Duration::from_secs(2);
+/// While teardown waits for flushes: the longest between two looks at the device CQ.
+const FLUSH_STEP: Duration = Duration::from_millis(20);
+/// How often a connection's turn comes when nothing else brings it (it looks at the device
+/// CQ for failures, at the port, and at the ledger), at the least.
+const TICK: Duration = Duration::from_secs(1);
+
+/// Why the connection ended, and the status of its disconnect record.
+#[derive(Clone, Copy)]
+enum End {
+    Local,
+    Peer,
+    Failed(WcStatus),
+}
+
+/// Where the connection is in its life.
+#[derive(Clone, Copy)]
+enum Stage {
+    Up,
+    /// Ending: the connection is to be closed to posters and disconnected.
+    Close(End),
+    /// Waiting (until the deadline) for the device to flush the outstanding work.
+    Flush(End, Instant),
+    /// Leaving the device CQ; the rest is reported as flushed.
+    Leave(End),
+    /// Resources destroyed; giving the device CQ share back.
+    Release(End),
+    /// This was the device CQ's last connection: waiting for the CQ to be destroyed (by its
+    /// own turn), so that nothing of the connection is left when the disconnect is reported.
+    CqGone(End),
+    /// Reporting the disconnect.
+    Report(End),
+}
+
+/// How long a queue pair resends an unacknowledged packet before it fails:
+/// (retry_count + 1) x 4.096 us x 2^ack_timeout.
+fn retry_bound(opts: &ConnOptions) -> Duration {
+    let t = u32::from(opts.ack_timeout.min(31));
+    Duration::from_nanos(4096 * (1u64 << t) * (u64::from(opts.retry_count) + 1))
+}
+
+pub(super) struct Engine {
+    sh: Arc<Shared>,
+    /// The device CQ the connection shares with the others of its queue on its device.
+    devcq: Arc<DevCq>,
+    /// Dropped in teardown, except the share of the device CQ until it is given back.
+    res: Option<Resources>,
+    /// The CM event channel, the registration's descriptor 0: closed only when the driver
+    /// drops this handler, after it took the descriptor out of its set.
+    ch: Option<EventChannel>,
+    /// How long the connection's port may stay down before the connection fails: as long as
+    /// the device's resends would take to give up on a peer that stopped answering.
+    port_grace: Duration,
+    /// How long the next wait is while sends wait for credits.
+    credit_poll: Duration,
+    /// The ledger's sequence when the last turn looked, and when it last changed (the
+    /// connection was active): a keepalive goes out after a whole keepalive period without.
+    seen_seq: u64,
+    active: Instant,
+    /// The peer disconnected (the end is decided once the device CQ has been looked at).
+    peer_gone: bool,
+    stage: Stage,
+}
+
+impl Engine {
+    fn res(&self) -> &Resources {
+        self.res.as_ref().expect("resources live until teardown")
+    }
+
+    /// One turn while the connection is up: `Err` when it must end.
+    fn turn(&mut self, ready: &Ready) -> std::result::Result<Next, End> {
+        if ready.fd(0) {
+            self.read_cm_events()?;
+        }
+        if self.sh.stop.load(Ordering::SeqCst) {
+            return Err(End::Local);
+        }
+        // A failed work request the device reported (before a disconnect, too: the peer often
+        // disconnects because of it) says why the connection ends.
+        self.devcq.drain_now();
+        let now = Instant::now();
+        let Some(mut st) = try_lock(&self.sh.state) else {
+            return Ok(Next::Yield);
+        };
+        self.sh.pump(&mut st);
+        self.sh.push_credits(&mut st);
+        if let Some(fail) = st.failed {
+            return Err(End::Failed(fail));
+        }
+        if self.peer_gone {
+            return Err(End::Peer);
+        }
+        let mut next = now + TICK;
+        let r = self.res();
+        if let Some(since) = r.dev.down_since(r.port) {
+            // The local port went down and stayed down: the peer can't be reached, and some
+            // devices never fail the queue pair's outstanding work on their own.
+            let at = since + self.port_grace;
+            if now >= at {
+                return Err(End::Failed(WcStatus::Transport));
+            }
+            next = next.min(at);
+        }
+        if let Some(k) = self.sh.keepalive {
+            if st.next_seq != self.seen_seq {
+                self.seen_seq = st.next_seq;
+                self.active = now;
+            } else if now >= self.active + k {
+                self.send_keepalive(&mut st);
+                self.seen_seq = st.next_seq;
+                self.active = now;
+            }
+            next = next.min(self.active + k);
+        }
+        if Shared::credit_busy(&st) {
+            // Sends wait for credits, which arrive as an RDMA write (no completion): look at
+            // the word again soon, backing off while nothing comes.
+            next = next.min(now + self.credit_poll);
+            self.credit_poll = (self.credit_poll * 2).min(CREDIT_POLL_MAX);
+        } else {
+            self.credit_poll = CREDIT_POLL_MIN;
+        }
+        Ok(Next::Wait(Some(next)))
+    }
+
+    fn read_cm_events(&mut self) -> std::result::Result<(), End> {
+        let ch = self
+            .ch
+            .as_ref()
+            .expect("the channel lives as long as the engine");
+        loop {
+            match ch.get_event(Some(Instant::now())) {
+                Ok(Some(ev)) => match ev.kind {
+                    RDMA_CM_EVENT_DISCONNECTED => self.peer_gone = true,
+                    RDMA_CM_EVENT_DEVICE_REMOVAL => return Err(End::Failed(WcStatus::Transport)),
+                    _ => {}
+                },
+                Ok(None) => return Ok(()),
+                Err(_) => return Err(End::Failed(WcStatus::General)),
+            }
+        }
+    }
+
+    /// Posts a keepalive when nothing is outstanding on the send queue (so the queue pair has
+    /// been idle for a whole keepalive period); a busy connection needs none.
+    /// (Unsignaled credit writes that finished long ago do not count: the device reports
+    /// nothing more of them.)
+    fn send_keepalive(&self, st: &mut PostState) {
+        if st.closed || st.sends.iter().any(|e| !e.internal || e.hw_signaled) {
+            return;
+        }
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start (no SGE, remote address 0,
+        // rkey 0: a zero-length RDMA write checks neither).
+        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        // A failed post is left for the next period.
+        let _ = self.sh.post_internal(st, &mut wr, true);
+    }
+
+    /// One teardown turn (see the module's doc).
+    fn teardown(&mut self) -> Next {
+        loop {
+            match self.stage {
+                Stage::Up => unreachable!("teardown of a live connection"),
+                Stage::Close(end) => {
+                    let Some(mut st) = try_lock(&self.sh.state) else {
+                        return Next::Yield;
+                    };
+                    st.closed = true;
+                    drop(st);
+                    // SAFETY: live id; moves the QP to the error state so outstanding work is
+                    // flushed. An error (already disconnected) changes nothing.
+                    unsafe { sys::rdma_disconnect(self.res().id_raw()) };
+                    self.stage = Stage::Flush(end, Instant::now() + FLUSH_WAIT);
+                }
+                Stage::Flush(end, deadline) => {
+                    self.devcq.drain_now();
+                    let Some(st) = try_lock(&self.sh.state) else {
+                        return Next::Yield;
+                    };
+                    let outstanding = st.outstanding();
+                    drop(st);
+                    let now = Instant::now();
+                    if outstanding && now < deadline {
+                        // Flushes come as completions; their delivery wakes this connection.
+                        self.devcq.arm_now();
+                        return Next::Wait(Some((now + FLUSH_STEP).min(deadline)));
+                    }
+                    self.stage = Stage::Leave(end);
+                }
+                Stage::Leave(end) => {
+                    let sh = &self.sh;
+                    let qp_num = self.res().att.qp_num().unwrap_or(u32::MAX);
+                    if !self.devcq.leave(sh, qp_num, |st| flush_rest(sh, st)) {
+                        return Next::Yield;
+                    }
+                    // Resources go before the record, so a caller that sees it can count on
+                    // them being gone (the device CQ is shared; the CM channel is closed with
+                    // this handler).
+                    self.res.as_mut().expect("resources").destroy();
+                    self.stage = Stage::Release(end);
+                }
+                Stage::Release(end) => {
+                    let Some(retired) = self.res.as_mut().expect("resources").att.try_release()
+                    else {
+                        return Next::Yield;
+                    };
+                    self.res = None;
+                    self.stage = if retired {
+                        Stage::CqGone(end)
+                    } else {
+                        Stage::Report(end)
+                    };
+                }
+                Stage::CqGone(end) => {
+                    if !self.devcq.gone() {
+                        return Next::Again;
+                    }
+                    self.stage = Stage::Report(end);
+                }
+                Stage::Report(end) => {
+                    let status = match end {
+                        End::Local | End::Peer => WcStatus::Success,
+                        End::Failed(s) => s,
+                    };
+                    self.sh
+                        .report
+                        .complete(0, Opcode::Disconnected, status, 0, None);
+                    return Next::Done;
+                }
+            }
+        }
+    }
+}
+
+/// Completes everything the device did not report as flushed: the sends that reached it, then
+/// the sends held for credits (which never did), then the receives.
+fn flush_rest(sh: &Shared, st: &mut PostState) {
+    while let Some(e) = st.sends.pop_front() {
+        if !e.internal {
+            sh.report
+                .complete(e.wr_id, Opcode::Send, WcStatus::Flushed, 0, None);
+        }
+    }
+    let held = st.credits.as_mut().map(|c| std::mem::take(&mut c.held));
+    for h in held.into_iter().flatten() {
+        sh.report
+            .complete(h.wr_id, Opcode::Send, WcStatus::Flushed, 0, None);
+    }
+    sh.note_held(st);
+    while let Some(e) = st.recvs.pop_front() {
+        sh.report
+            .complete(e.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None);
+    }
+}
+
+impl Handler for Engine {
+    fn run(&mut self, ready: &Ready) -> Next {
+        if let Stage::Up = self.stage {
+            let end = match crate::panic::catch(|| self.turn(ready)) {
+                Ok(Ok(next)) => return next,
+                Ok(Err(end)) => end,
+                Err(_) => End::Failed(WcStatus::General),
+            };
+            self.stage = Stage::Close(end);
+        }
+        self.teardown()
+    }
+}
+
+/// Connects to `host:port`.
+pub(crate) fn connect(
+    ctx: Arc<ContextInner>,
+    host: &str,
+    port: u16,
+    cq: Arc<CompletionQueue>,
+    opts: &ConnOptions,
+) -> Result<Conn> {
+    Conn::start(establish(ctx, host, port, cq, opts)?, opts)
+}
+
+impl Request {
+    /// Accepts the request.
+    pub(crate) fn accept(self, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Conn> {
+        Conn::start(self.establish(cq, opts)?, opts)
+    }
+}
+
+impl Conn {
+    /// Starts a connection whose queue pair is established: its shared state joins the device
+    /// CQ and its turns start on the context's driver.
+    fn start(e: Established, opts: &ConnOptions) -> Result<Conn> {
+        let Established {
+            ctx,
+            cq,
+            mut res,
+            peer_data,
+            library_peer,
+            credits,
+        } = e;
+        let info = ConnInfo {
+            id: next_conn_id(),
+            send_queue_depth: (res.caps.max_send_wr - INTERNAL_SLOTS).min(opts.send_queue_depth),
+            recv_queue_depth: (res.caps.max_recv_wr - 1).min(opts.recv_queue_depth),
+            max_inline: res.caps.max_inline_data.min(opts.max_inline),
+            transport: Transport::Verbs,
+        };
+        let driver = ctx.driver.get().map_err(Error::Thread)?;
+        // A client that speaks credits sends its hello first (see `crate::verbs::credit`).
+        let client_hello = credits.as_ref().is_some_and(|(_, peer)| peer.is_some());
+        let credits = credits.map(|(mut mr, peer)| {
+            if peer.is_some() {
+                mr.fill_hello();
+            }
+            Credits::new(mr, peer, info.send_queue_depth, info.recv_queue_depth)
+        });
+        let sh = Arc::new(Shared {
+            info,
+            report: Reporter {
+                cq,
+                conn_id: info.id,
+                context: opts.context,
+            },
+            ctx: ctx.clone(),
+            pd: res.pd.clone(),
+            qp: res.qp_raw(),
+            tag: res.att.tag,
+            held_conns: res.att.devcq.held_conns(),
+            state: std::sync::Mutex::new(PostState {
+                closed: false,
+                failed: None,
+                next_seq: 0,
+                sends: std::collections::VecDeque::with_capacity(
+                    (info.send_queue_depth + INTERNAL_SLOTS) as usize,
+                ),
+                recvs: std::collections::VecDeque::with_capacity(info.recv_queue_depth as usize),
+                user_sends: 0,
+                internal_out: 0,
+                unsignaled_run: 0,
+                credits,
+            }),
+            stop: AtomicBool::new(false),
+            reg: driver.registration(),
+            has_held: AtomicBool::new(false),
+            keepalive: opts.keepalive.filter(|_| library_peer),
+        });
+        if client_hello {
+            let mut st = sh.lock();
+            let c = st.credits.as_ref().expect("credits");
+            let mut sge = sys::ibv_sge {
+                addr: c.mr.hello_addr(),
+                length: HELLO_LEN as u32,
+                lkey: c.mr.lkey(),
+            };
+            // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+            let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+            if let Err(r) = sh.post_internal(&mut st, &mut wr, true) {
+                return Err(post_error(r, "send"));
+            }
+        }
+        // From here the device CQ's completions of this queue pair go to `sh`.
+        res.att.join(&sh);
+        let ch = res.ch.take().expect("the connection's event channel");
+        let fd = ch.fd();
+        let engine = Engine {
+            devcq: res.att.devcq.clone(),
+            sh: sh.clone(),
+            res: Some(res),
+            ch: Some(ch),
+            port_grace: retry_bound(opts),
+            credit_poll: CREDIT_POLL_MIN,
+            seen_seq: 0,
+            active: Instant::now(),
+            peer_gone: false,
+            stage: Stage::Up,
+        };
+        // On failure the engine is dropped here: its resources go, and the device CQ forgets
+        // the queue pair.
+        driver
+            .register(&sh.reg, &[fd], Box::new(engine))
+            .map_err(Error::Thread)?;
+        Ok(Conn {
+            sh,
+            private_data: peer_data,
+        })
+    }
+}
