@@ -9,11 +9,15 @@
 #   4. a non-root client under `ulimit -l 64`: its first post of a 1 MiB region fails, naming
 #      RLIMIT_MEMLOCK, its value and the size
 #   5. the verbs benchmark at tiny counts (benchmarks/verbs-progress-guest.sh --quick)
-#   6. the local link taken down under idle connections
-# Usage (in the guest): scripts/vm-suite.sh VERBS_TEST_BINARY C_BUILD_DIR
+#   6. many connections (1,024) between two contexts on one completion queue per side: the
+#      contexts' driver threads only, one device CQ, a verified message each way on every one,
+#      every record flushed and the disconnect last (tests/scale.rs), in both progress modes;
+#      and the empty-poll cost with 1 and with 1,024 idle connections (benchmarks/scaling.c)
+#   7. the local link taken down under idle connections
+# Usage (in the guest): scripts/vm-suite.sh VERBS_TEST_BINARY C_BUILD_DIR SCALE_TEST_BINARY
 # Prints one line per step and a closing "N passed, N failed"; exits non-zero if any failed.
 set -u
-verbs_bin=$1 build=$2
+verbs_bin=$1 build=$2 scale_bin=$3
 ip=${RBR_TEST_ADDR:?RBR_TEST_ADDR is unset: run me through scripts/vm-test.sh}
 cd "$(dirname "$0")/.."
 passed=0 failed=0
@@ -100,6 +104,10 @@ step "non-root C client over RLIMIT_MEMLOCK: the error names the limit" memlock_
 # proves it works; its figures are not checked.
 step "verbs benchmark pipeline at tiny counts (figures not checked)" \
   benchmarks/verbs-progress-guest.sh "$build" 1 --quick
+step "1,024 verbs connections: driver threads only, one device CQ, every record" \
+  "$scale_bin" --ignored --exact verbs_connections_share_the_driver_and_one_device_cq --nocapture
+step "empty poll with 1 and 1,024 idle verbs connections (figures printed)" \
+  timeout 900 "$build/rbr_scaling" -a "rdma://$ip:7495" -N 1,1024 -n 200 -b 5 -T 120
 # Last, since it takes the interface down for a while.
 step "local link down under idle connections" "$verbs_bin" --ignored --exact \
   local_link_down_fails_idle_connections_within_bound --nocapture

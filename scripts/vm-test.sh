@@ -16,6 +16,9 @@ cargo build --release --quiet
 bin=$(cargo test --release --test verbs --no-run --message-format=json 2>/dev/null |
   sed -n 's/.*"executable":"\([^"]*\/deps\/verbs-[^"]*\)".*/\1/p' | tail -n 1)
 [ -x "$bin" ] || { echo "vm-test: could not build the verbs test binary" >&2; exit 1; }
+scale_bin=$(cargo test --release --test scale --no-run --message-format=json 2>/dev/null |
+  sed -n 's/.*"executable":"\([^"]*\/deps\/scale-[^"]*\)".*/\1/p' | tail -n 1)
+[ -x "$scale_bin" ] || { echo "vm-test: could not build the scale test binary" >&2; exit 1; }
 [ -x "$build/rbr_server" ] || { echo "vm-test: no C examples in $build (cmake --build first)" >&2; exit 1; }
 echo "== two VMs: a verified transfer between two hosts over soft-RoCE"
 scripts/vm-run2.sh --timeout 900 -- \
@@ -34,4 +37,4 @@ scripts/vm-run2.sh --timeout 600 -- \
     (sleep 12; ip link set "$nic" down; echo "link $nic down") &
     scripts/vm-expect-loss.sh 15000 -- timeout 120 target/release/rbr-echo client rdma://198.18.2.1:7471 1000000 65536'
 echo "== one VM: verbs suite, C examples, stock peers"
-scripts/vm-run.sh --timeout 1800 -- scripts/vm-suite.sh "$bin" "$build"
+scripts/vm-run.sh --timeout 1800 -- scripts/vm-suite.sh "$bin" "$build" "$scale_bin"
