@@ -19,6 +19,19 @@ fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").unwrap().count()
 }
 
+/// Threads of this process once those that were joined are gone (a joined thread may still be
+/// listed for a moment, more so on a loaded machine): waits up to 5 s for at most `expect`.
+fn threads_settled(expect: usize) -> usize {
+    let t = std::time::Instant::now();
+    loop {
+        let n = threads();
+        if n <= expect || t.elapsed() > Duration::from_secs(5) {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Raises this process's descriptor limit (soft, up to the hard one) to at least `want`.
 fn raise_fd_limit(want: u64) {
     // SAFETY: reads and sets this process's own limit through a live local rlimit.
@@ -210,9 +223,9 @@ fn verbs_connections_share_the_driver_and_one_device_cq() {
         let l = sctx.listen(&addr, 1024).unwrap();
         let mut pairs = Vec::new();
         open_with(&mut pairs, FEW, (&cctx, &ccq), (&l, &scq), &addr, &opts);
-        let (few_threads, few_fds) = (threads(), fd_count());
+        let (few_threads, few_fds) = (threads_settled(before + 2), fd_count());
         open_with(&mut pairs, many, (&cctx, &ccq), (&l, &scq), &addr, &opts);
-        let (many_threads, many_fds) = (threads(), fd_count());
+        let (many_threads, many_fds) = (threads_settled(few_threads), fd_count());
         eprintln!(
             "verbs {progress:?}: {FEW} connections: {few_threads} threads, {few_fds} fds; \
              {many}: {many_threads} threads, {many_fds} fds (before: {before} threads); \

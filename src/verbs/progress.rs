@@ -72,6 +72,19 @@ enum Stage {
     Report(End),
 }
 
+/// The grid routine deadlines are rounded up to (see `Engine::turn`).
+const GRID: Duration = Duration::from_millis(8);
+
+/// `t`, rounded up to the next point of a grid of [`GRID`] common to the process.
+fn on_grid(t: Instant) -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    let since = t.saturating_duration_since(epoch).as_nanos();
+    let grid = GRID.as_nanos();
+    let up = (grid - since % grid) % grid;
+    t + Duration::from_nanos(up as u64)
+}
+
 /// How long a queue pair resends an unacknowledged packet before it fails:
 /// (retry_count + 1) x 4.096 us x 2^ack_timeout.
 fn retry_bound(opts: &ConnOptions) -> Duration {
@@ -99,6 +112,11 @@ pub(super) struct Engine {
     active: Instant,
     /// The peer disconnected (the end is decided once the device CQ has been looked at).
     peer_gone: bool,
+    /// [`Progress::Caller`](crate::Progress::Caller): the queue's pollers take completions
+    /// from the device.
+    caller_polls: bool,
+    /// The queue's count of polls when the last turn looked.
+    seen_polls: u64,
     stage: Stage,
 }
 
@@ -116,8 +134,16 @@ impl Engine {
             return Err(End::Local);
         }
         // A failed work request the device reported (before a disconnect, too: the peer often
-        // disconnects because of it) says why the connection ends.
-        self.devcq.drain_now();
+        // disconnects because of it) says why the connection ends. With caller progress the
+        // queue's pollers take it from the device (and wake this connection when it failed
+        // it): the turn looks itself only when they have not polled since its last turn, or
+        // when the peer disconnected. So busy pollers never meet the driver on the CQ's lock.
+        // Relaxed: the poll count is a sign of life, sampled.
+        let polls = self.sh.report.cq.polls();
+        if !self.caller_polls || polls == self.seen_polls || self.peer_gone {
+            self.devcq.drain_now();
+        }
+        self.seen_polls = polls;
         let now = Instant::now();
         let Some(mut st) = try_lock(&self.sh.state) else {
             return Ok(Next::Yield);
@@ -130,17 +156,9 @@ impl Engine {
         if self.peer_gone {
             return Err(End::Peer);
         }
-        let mut next = now + TICK;
-        let r = self.res();
-        if let Some(since) = r.dev.down_since(r.port) {
-            // The local port went down and stayed down: the peer can't be reached, and some
-            // devices never fail the queue pair's outstanding work on their own.
-            let at = since + self.port_grace;
-            if now >= at {
-                return Err(End::Failed(WcStatus::Transport));
-            }
-            next = next.min(at);
-        }
+        // The routine looks (tick, keepalive) of all the connections fall on a common grid, so
+        // that many idle connections cost their driver few wake-ups.
+        let mut routine = now + TICK;
         if let Some(k) = self.sh.keepalive {
             if st.next_seq != self.seen_seq {
                 self.seen_seq = st.next_seq;
@@ -150,7 +168,18 @@ impl Engine {
                 self.seen_seq = st.next_seq;
                 self.active = now;
             }
-            next = next.min(self.active + k);
+            routine = routine.min(self.active + k);
+        }
+        let mut next = on_grid(routine);
+        let r = self.res();
+        if let Some(since) = r.dev.down_since(r.port) {
+            // The local port went down and stayed down: the peer can't be reached, and some
+            // devices never fail the queue pair's outstanding work on their own.
+            let at = since + self.port_grace;
+            if now >= at {
+                return Err(End::Failed(WcStatus::Transport));
+            }
+            next = next.min(at);
         }
         if Shared::credit_busy(&st) {
             // Sends wait for credits, which arrive as an RDMA write (no completion): look at
@@ -415,6 +444,8 @@ impl Conn {
             seen_seq: 0,
             active: Instant::now(),
             peer_gone: false,
+            caller_polls: sh.report.cq.options().progress == crate::cq::Progress::Caller,
+            seen_polls: u64::MAX,
             stage: Stage::Up,
         };
         // On failure the engine is dropped here: its resources go, and the device CQ forgets
@@ -426,5 +457,26 @@ impl Conn {
             sh,
             private_data: peer_data,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routine_deadlines_fall_on_a_common_grid_never_early() {
+        on_grid(Instant::now()); // fixes the grid's origin
+        let t0 = Instant::now();
+        let g0 = on_grid(t0);
+        assert!(g0 >= t0 && g0 < t0 + GRID);
+        for us in [1, 999, 3_001, 7_999, 8_000, 123_456] {
+            let t = t0 + Duration::from_micros(us);
+            let g = on_grid(t);
+            assert!(g >= t && g < t + GRID, "{us} us");
+            assert_eq!(on_grid(g), g, "a grid point stays put");
+            // Every instant between the previous point and this one maps to it.
+            assert_eq!(on_grid(g - GRID + Duration::from_nanos(1)), g);
+        }
     }
 }
