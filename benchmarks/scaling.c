@@ -1,6 +1,9 @@
 /*
- * rbr_scaling: what idle connections cost the busy one, over shm, written
- * only against the public header.
+ * rbr_scaling: what idle connections cost the busy one, over shm or verbs
+ * (-a rdma://HOST:PORT), written only against the public header.  Over
+ * verbs the idle connections' queue depth (IDLE_DEPTH) keeps 1,024 of them
+ * within one device CQ of soft-RoCE (32,767 entries: each connection takes
+ * its two depths plus 19 for the library's own work).
  *
  * The program forks: the child is the server, the parent the client.  Each
  * side puts all of its connections on one completion queue.  The client
@@ -21,7 +24,8 @@
  * polling.
  *
  * With 1,024 connections each side holds several descriptors per connection
- * (the library's sockets, event descriptors and shared-memory segments): the
+ * (over shm the library's sockets, event descriptors and shared-memory
+ * segments; over verbs the RDMA CM event channels): the
  * program raises its soft limit of open files (RLIMIT_NOFILE) up to the hard
  * limit before it forks, and says so when even that is too low.
  *
