@@ -40,7 +40,7 @@ impl Context {
     /// Listens for connections on `addr` (see the crate docs for address forms).
     pub fn listen(&self, addr: &str, backlog: u32) -> Result<Listener> {
         match addr::resolve(addr)? {
-            Endpoint::Shm { name } => Ok(Listener::from_shm(shm::Listener::bind(
+            Endpoint::Shm { name } => Ok(Listener::new(shm::Listener::bind(
                 self.inner.clone(),
                 &name,
                 backlog,
@@ -58,7 +58,7 @@ impl Context {
     ) -> Result<Connection> {
         opts.validate()?;
         match addr::resolve(addr)? {
-            Endpoint::Shm { name } => Ok(Connection::from_shm(shm::connect(
+            Endpoint::Shm { name } => Ok(Connection::new(shm::connect(
                 self.inner.clone(),
                 &name,
                 cq.clone(),
@@ -95,7 +95,7 @@ fn verbs_listen(ctx: &Context, host: &str, port: u16, backlog: u32) -> Result<Li
     if !crate::verbs::device_present() {
         return Err(Error::NoDevice);
     }
-    Ok(Listener::from_verbs(crate::verbs::Listener::bind(
+    Ok(Listener::new(crate::verbs::Listener::bind(
         ctx.inner.clone(),
         host,
         port,
@@ -114,7 +114,7 @@ fn verbs_connect(
     if !crate::verbs::device_present() {
         return Err(Error::NoDevice);
     }
-    Ok(Connection::from_verbs(crate::verbs::connect(
+    Ok(Connection::new(crate::verbs::connect(
         ctx.inner.clone(),
         host,
         port,

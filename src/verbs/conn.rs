@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 use rdma_sys as sys;
 use sys::rdma_cm_event_type::*;
 
-use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
+use crate::conn::{
+    ConnInfo, ConnOptions, Payload, RecvRequest, SendFlags, SendRequest, Transport, next_conn_id,
+};
 use crate::cq::{Completion, CompletionQueue, Opcode, Progress, Reporter, Source, WcStatus};
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
@@ -1029,41 +1031,32 @@ impl Conn {
         self.sh.info
     }
 
+    pub(crate) fn context(&self) -> &Arc<ContextInner> {
+        &self.sh.ctx
+    }
+
     pub(crate) fn private_data(&self) -> &[u8] {
         &self.private_data
     }
 
-    pub(crate) fn post_send(
-        &self,
-        mr: &Arc<MemoryRegion>,
-        offset: usize,
-        len: usize,
-        wr_id: u64,
-        flags: SendFlags,
-    ) -> Result<()> {
-        crate::conn::check_send_flags(flags)?;
-        let ptr = crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
-        let lkey = mr.verbs_lkey(&self.sh.pd)?;
-        if len > 0 && len <= self.sh.info.max_inline as usize {
-            // Small enough to travel inside the work request: copied now, so the device reads
-            // no memory for it and the region need not be held until it completes.
-            return self.post_send_raw(ptr, len, lkey, wr_id, flags, true, None);
+    /// Posts a checked send.
+    pub(crate) fn send(&self, wr: SendRequest<'_>) -> Result<()> {
+        let len = wr.len();
+        let flags = SendFlags(u32::from(wr.signaled));
+        let ptr = wr.ptr().cast_mut();
+        match wr.payload {
+            Payload::Region { mr, .. } => {
+                let lkey = mr.verbs_lkey(&self.sh.pd)?;
+                if len > 0 && len <= self.sh.info.max_inline as usize {
+                    // Small enough to travel inside the work request: copied now, so the
+                    // device reads no memory for it and the region need not be held until it
+                    // completes.
+                    return self.post_send_raw(ptr, len, lkey, wr.wr_id, flags, true, None);
+                }
+                self.post_send_raw(ptr, len, lkey, wr.wr_id, flags, false, Some(mr.clone()))
+            }
+            Payload::Inline(_) => self.post_send_raw(ptr, len, 0, wr.wr_id, flags, true, None),
         }
-        self.post_send_raw(ptr, len, lkey, wr_id, flags, false, Some(mr.clone()))
-    }
-
-    pub(crate) fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
-        crate::conn::check_send_flags(flags)?;
-        crate::conn::check_inline(data.len(), self.sh.info.max_inline)?;
-        self.post_send_raw(
-            data.as_ptr().cast_mut(),
-            data.len(),
-            0,
-            wr_id,
-            flags,
-            true,
-            None,
-        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1125,14 +1118,15 @@ impl Conn {
         Ok(())
     }
 
-    pub(crate) fn post_recv(
-        &self,
-        mr: &Arc<MemoryRegion>,
-        offset: usize,
-        len: usize,
-        wr_id: u64,
-    ) -> Result<()> {
-        let ptr = crate::conn::check_recv_region(mr, &self.sh.ctx, offset, len)?;
+    /// Posts a checked receive.
+    pub(crate) fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
+        let RecvRequest {
+            wr_id,
+            mr,
+            len,
+            ptr,
+            ..
+        } = wr;
         let lkey = mr.verbs_lkey(&self.sh.pd)?;
         let mut st = self.sh.lock();
         if st.closed {
