@@ -57,6 +57,7 @@ mod addr;
 mod conn;
 mod cq;
 mod ctx;
+pub mod diag;
 mod domain;
 mod driver;
 mod error;

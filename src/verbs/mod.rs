@@ -15,7 +15,7 @@ mod res;
 #[cfg(feature = "verbs")]
 pub(crate) use conn::{Conn, Listener, Request, connect};
 #[cfg(feature = "verbs")]
-pub(crate) use res::{Domain, Pd, Registrations};
+pub(crate) use res::{Domain, Pd, Registrations, registration_error};
 
 /// Whether this machine has at least one RDMA device.
 #[cfg(feature = "verbs")]
