@@ -17,6 +17,8 @@ git diff --exit-code -- include/rdmabridge.h || {
 }
 echo "== cargo test (release)"
 cargo test --release
+echo "== cargo test without the verbs feature (shm only: what a machine without rdma-core builds)"
+cargo test --release --no-default-features --quiet
 echo "== the shm suite again with progress threads (RBR_PROGRESS=thread)"
 RBR_PROGRESS=thread cargo test --release --test shm
 echo "== C examples (Debug: ASan + UBSan) under ctest"

@@ -630,6 +630,8 @@ mod tests {
                 .any(|s| s.contains("memlock limit (ulimit -l) is 64 KiB")),
             "{h:?}"
         );
-        assert!(h.iter().any(|s| s.contains("no port is ACTIVE")), "{h:?}");
+        if cfg!(feature = "verbs") {
+            assert!(h.iter().any(|s| s.contains("no port is ACTIVE")), "{h:?}");
+        }
     }
 }
