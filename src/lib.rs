@@ -62,6 +62,7 @@ mod domain;
 mod driver;
 mod error;
 pub mod ffi;
+mod log;
 mod mr;
 mod panic;
 mod shm;

@@ -15,6 +15,7 @@ pub(crate) use wr::{Payload, RecvRequest, SendRequest};
 use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
+use crate::log::log;
 use crate::mr::MemoryRegion;
 use seam::{ConnSeam, ListenerSeam, RequestSeam};
 
@@ -226,7 +227,17 @@ impl ConnRequest {
     /// Accepts the request; the connection's completions go to `cq`.
     pub fn accept(self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
         opts.validate()?;
-        self.imp.accept(cq.clone(), opts)
+        let r = self.imp.accept(cq.clone(), opts);
+        match &r {
+            Ok(c) => log!(
+                Info,
+                "connection {} accepted ({:?})",
+                c.id(),
+                c.info().transport
+            ),
+            Err(e) => log!(Warn, "accepting a connection failed: {e}"),
+        }
+        r
     }
 
     /// Rejects the request, sending `private_data` (at most [`PRIVATE_DATA_MAX`] bytes).
