@@ -17,12 +17,16 @@ git diff --exit-code -- include/rdmabridge.h || {
 }
 echo "== cargo test (release)"
 cargo test --release
+echo "== cargo test without the verbs feature (shm only: what a machine without rdma-core builds)"
+cargo test --release --no-default-features --quiet
 echo "== the shm suite again with progress threads (RBR_PROGRESS=thread)"
 RBR_PROGRESS=thread cargo test --release --test shm
 echo "== C examples (Debug: ASan + UBSan) under ctest"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build -j2
 ctest --test-dir build --output-on-failure
+echo "== CMake alone builds, installs and is found (find_package, pkg-config, add_subdirectory, FetchContent)"
+bash scripts/consumer-test.sh build-consumer
 echo "== benchmarks at tiny sizes (proves the side-by-side pipeline works; figures are not checked)"
 bash benchmarks/shm.sh --quick --out build/bench-quick
 echo "== shm busy path: at most 0.01 system calls per message (100,000-message ping-pong under strace)"

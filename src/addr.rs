@@ -33,12 +33,28 @@ pub(crate) fn resolve(addr: &str) -> Result<Endpoint> {
 }
 
 pub(crate) fn resolve_with(addr: &str, forced: Option<&str>) -> Result<Endpoint> {
+    explain_with(addr, forced).map(|(e, _)| e)
+}
+
+/// As [`resolve`], with the reason for the choice in plain words (for diagnostics).
+pub(crate) fn explain(addr: &str) -> Result<(Endpoint, String)> {
+    explain_with(addr, std::env::var("RBR_TRANSPORT").ok().as_deref())
+}
+
+fn explain_with(addr: &str, forced: Option<&str>) -> Result<(Endpoint, String)> {
     if let Some(name) = addr.strip_prefix("shm://") {
-        return shm_name(addr, name).map(|name| Endpoint::Shm { name });
+        let name = shm_name(addr, name)?;
+        return Ok((
+            Endpoint::Shm { name },
+            "the shm:// form names shared memory".into(),
+        ));
     }
     if let Some(rest) = addr.strip_prefix("rdma://") {
         let (host, port) = host_port(addr, rest)?;
-        return Ok(Endpoint::Verbs { host, port });
+        return Ok((
+            Endpoint::Verbs { host, port },
+            "the rdma:// form names verbs".into(),
+        ));
     }
     if addr.contains("://") {
         return Err(bad(
@@ -50,19 +66,31 @@ pub(crate) fn resolve_with(addr: &str, forced: Option<&str>) -> Result<Endpoint>
     let shm = Endpoint::Shm {
         name: format!("port-{port}"),
     };
-    match forced.unwrap_or("auto") {
-        "shm" => Ok(shm),
-        "verbs" => Ok(Endpoint::Verbs { host, port }),
-        "auto" | "" => match locality(&host) {
-            Locality::Loopback => Ok(shm),
-            Locality::ThisMachine if !crate::verbs::device_present() => Ok(shm),
-            _ => Ok(Endpoint::Verbs { host, port }),
+    let mode = forced.unwrap_or("auto");
+    let auto = matches!(mode, "auto" | "").then(|| locality(&host));
+    let verbs = Endpoint::Verbs { host, port };
+    let (endpoint, why) = match (mode, auto) {
+        ("shm", _) => (shm, "RBR_TRANSPORT=shm"),
+        ("verbs", _) => (verbs, "RBR_TRANSPORT=verbs"),
+        (_, Some(locality)) => match locality {
+            Locality::Loopback => (shm, "a loopback address, which no RDMA device reaches"),
+            Locality::ThisMachine if !crate::verbs::device_present() => {
+                (shm, "an address of this machine, which has no RDMA device")
+            }
+            Locality::ThisMachine => (
+                verbs,
+                "an address of this machine, which has an RDMA device",
+            ),
+            Locality::Elsewhere => (verbs, "not an address of this machine"),
         },
-        other => Err(bad(
-            addr,
-            format!("RBR_TRANSPORT={other:?} is not shm, verbs or auto"),
-        )),
-    }
+        (other, None) => {
+            return Err(bad(
+                addr,
+                format!("RBR_TRANSPORT={other:?} is not shm, verbs or auto"),
+            ));
+        }
+    };
+    Ok((endpoint, why.into()))
 }
 
 fn shm_name(addr: &str, name: &str) -> Result<String> {

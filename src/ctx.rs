@@ -8,6 +8,7 @@ use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 pub use crate::domain::ContextOptions;
 use crate::error::{Error, Result};
+use crate::log::log;
 use crate::mr::{Access, MemoryRegion};
 use crate::shm;
 
@@ -39,14 +40,17 @@ impl Context {
 
     /// Listens for connections on `addr` (see the crate docs for address forms).
     pub fn listen(&self, addr: &str, backlog: u32) -> Result<Listener> {
-        match addr::resolve(addr)? {
-            Endpoint::Shm { name } => Ok(Listener::from_shm(shm::Listener::bind(
-                self.inner.clone(),
-                &name,
-                backlog,
-            )?)),
+        let r = match addr::resolve(addr)? {
+            Endpoint::Shm { name } => {
+                shm::Listener::bind(self.inner.clone(), &name, backlog).map(Listener::new)
+            }
             Endpoint::Verbs { host, port } => verbs_listen(self, &host, port, backlog),
+        };
+        match &r {
+            Ok(_) => log!(Info, "listening on {addr}"),
+            Err(e) => log!(Warn, "listening on {addr} failed: {e}"),
         }
+        r
     }
 
     /// Connects to a listener at `addr`; the connection's completions go to `cq`.
@@ -57,15 +61,22 @@ impl Context {
         opts: &ConnOptions,
     ) -> Result<Connection> {
         opts.validate()?;
-        match addr::resolve(addr)? {
-            Endpoint::Shm { name } => Ok(Connection::from_shm(shm::connect(
-                self.inner.clone(),
-                &name,
-                cq.clone(),
-                opts,
-            )?)),
+        let r = match addr::resolve(addr)? {
+            Endpoint::Shm { name } => {
+                shm::connect(self.inner.clone(), &name, cq.clone(), opts).map(Connection::new)
+            }
             Endpoint::Verbs { host, port } => verbs_connect(self, &host, port, cq, opts),
+        };
+        match &r {
+            Ok(c) => log!(
+                Info,
+                "connection {} to {addr} established ({:?})",
+                c.id(),
+                c.info().transport
+            ),
+            Err(e) => log!(Warn, "connecting to {addr} failed: {e}"),
         }
+        r
     }
 
     /// Allocates a zeroed memory region of `len` bytes that the library owns.
@@ -95,7 +106,7 @@ fn verbs_listen(ctx: &Context, host: &str, port: u16, backlog: u32) -> Result<Li
     if !crate::verbs::device_present() {
         return Err(Error::NoDevice);
     }
-    Ok(Listener::from_verbs(crate::verbs::Listener::bind(
+    Ok(Listener::new(crate::verbs::Listener::bind(
         ctx.inner.clone(),
         host,
         port,
@@ -114,7 +125,7 @@ fn verbs_connect(
     if !crate::verbs::device_present() {
         return Err(Error::NoDevice);
     }
-    Ok(Connection::from_verbs(crate::verbs::connect(
+    Ok(Connection::new(crate::verbs::connect(
         ctx.inner.clone(),
         host,
         port,

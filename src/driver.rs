@@ -221,6 +221,7 @@ impl Registration {
     }
 
     /// Whether the handler has said [`Next::Done`] (or failed) and has been dropped.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn finished(&self) -> bool {
         *self.slot.finished.lock().unwrap_or_else(|p| p.into_inner())
     }

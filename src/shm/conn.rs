@@ -8,12 +8,13 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::conn::{ConnInfo, ConnOptions, SendFlags, Transport, next_conn_id};
+use crate::conn::{
+    ConnInfo, ConnOptions, Payload, RecvRequest, SendRequest, Transport, next_conn_id,
+};
 use crate::cq::{Completion, CompletionQueue, Progress, Reporter, SlotReservation, Source};
 use crate::domain::ContextInner;
 use crate::driver::Registration;
 use crate::error::{Error, Result};
-use crate::mr::MemoryRegion;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, RecvWr, SendSrc};
 use crate::shm::notice::Board;
@@ -272,49 +273,24 @@ impl Conn {
         &self.private_data
     }
 
-    pub(crate) fn post_send(
-        &self,
-        mr: &Arc<MemoryRegion>,
-        offset: usize,
-        len: usize,
-        wr_id: u64,
-        flags: SendFlags,
-    ) -> Result<()> {
-        crate::conn::check_send_flags(flags)?;
-        let ptr = crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
-        let keep = || SendSrc::Region {
-            mr: mr.clone(),
-            offset,
+    pub(crate) fn context(&self) -> &Arc<ContextInner> {
+        &self.sh.ctx
+    }
+
+    /// Posts a checked send.
+    pub(crate) fn send(&self, wr: SendRequest<'_>) -> Result<()> {
+        let keep = || match wr.payload {
+            Payload::Region { mr, offset, .. } => SendSrc::Region {
+                mr: mr.clone(),
+                offset,
+            },
+            Payload::Inline(data) => SendSrc::Inline(data.into()),
         };
-        // SAFETY: `ptr` is `len` bytes inside the region (checked above), which `mr` keeps alive
-        // during the call.
-        unsafe { self.send(ptr, len, wr_id, flags, keep) }
-    }
-
-    pub(crate) fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
-        crate::conn::check_send_flags(flags)?;
-        crate::conn::check_inline(data.len(), self.sh.info.max_inline)?;
-        let keep = || SendSrc::Inline(data.into());
-        // SAFETY: `data` is readable for its length during the call.
-        unsafe { self.send(data.as_ptr(), data.len(), wr_id, flags, keep) }
-    }
-
-    /// Posts a send of `len` bytes at `ptr` (see [`Flow::post_send`]).
-    ///
-    /// # Safety
-    /// `ptr` is readable for `len` bytes during the call.
-    unsafe fn send(
-        &self,
-        ptr: *const u8,
-        len: usize,
-        wr_id: u64,
-        flags: SendFlags,
-        keep: impl FnOnce() -> SendSrc,
-    ) -> Result<()> {
         let mut flow = self.sh.lock();
         let was_busy = flow.busy();
-        // SAFETY: the caller's contract.
-        unsafe { flow.post_send(ptr, len, wr_id, flags.signaled(), keep) }?;
+        // SAFETY: a checked request's bytes are readable for its length during the call: a
+        // range inside a region the caller holds, or the caller's slice.
+        unsafe { flow.post_send(wr.ptr(), wr.len(), wr.wr_id, wr.signaled, keep) }?;
         drop(flow);
         if !was_busy {
             self.sh.watch_sends();
@@ -323,19 +299,13 @@ impl Conn {
         Ok(())
     }
 
-    pub(crate) fn post_recv(
-        &self,
-        mr: &Arc<MemoryRegion>,
-        offset: usize,
-        len: usize,
-        wr_id: u64,
-    ) -> Result<()> {
-        crate::conn::check_recv_region(mr, &self.sh.ctx, offset, len)?;
+    /// Posts a checked receive.
+    pub(crate) fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
         let wr = RecvWr {
-            wr_id,
-            mr: mr.clone(),
-            offset,
-            len,
+            wr_id: wr.wr_id,
+            mr: wr.mr.clone(),
+            offset: wr.offset,
+            len: wr.len,
         };
         self.sh.lock().post_recv(wr)?;
         self.sh.posted();

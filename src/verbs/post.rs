@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use rdma_sys as sys;
 
-use crate::conn::{ConnInfo, SendFlags};
+use crate::conn::{ConnInfo, Payload, RecvRequest, SendFlags, SendRequest};
 use crate::cq::{Reporter, WcStatus};
 use crate::domain::ContextInner;
 use crate::driver::Registration;
@@ -352,37 +352,28 @@ impl Conn {
         &self.private_data
     }
 
-    pub(crate) fn post_send(
-        &self,
-        mr: &Arc<MemoryRegion>,
-        offset: usize,
-        len: usize,
-        wr_id: u64,
-        flags: SendFlags,
-    ) -> Result<()> {
-        crate::conn::check_send_flags(flags)?;
-        let ptr = crate::conn::check_region(mr, &self.sh.ctx, offset, len)?;
-        let lkey = mr.verbs_lkey(&self.sh.pd)?;
-        if len > 0 && len <= self.sh.info.max_inline as usize {
-            // Small enough to travel inside the work request: copied now, so the device reads
-            // no memory for it and the region need not be held until it completes.
-            return self.post_send_raw(ptr, len, lkey, wr_id, flags, true, None);
-        }
-        self.post_send_raw(ptr, len, lkey, wr_id, flags, false, Some(mr.clone()))
+    pub(crate) fn context(&self) -> &Arc<ContextInner> {
+        &self.sh.ctx
     }
 
-    pub(crate) fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
-        crate::conn::check_send_flags(flags)?;
-        crate::conn::check_inline(data.len(), self.sh.info.max_inline)?;
-        self.post_send_raw(
-            data.as_ptr().cast_mut(),
-            data.len(),
-            0,
-            wr_id,
-            flags,
-            true,
-            None,
-        )
+    /// Posts a checked send.
+    pub(crate) fn send(&self, wr: SendRequest<'_>) -> Result<()> {
+        let len = wr.len();
+        let flags = SendFlags(u32::from(wr.signaled));
+        let ptr = wr.ptr().cast_mut();
+        match wr.payload {
+            Payload::Region { mr, .. } => {
+                let lkey = mr.verbs_lkey(&self.sh.pd)?;
+                if len > 0 && len <= self.sh.info.max_inline as usize {
+                    // Small enough to travel inside the work request: copied now, so the
+                    // device reads no memory for it and the region need not be held until it
+                    // completes.
+                    return self.post_send_raw(ptr, len, lkey, wr.wr_id, flags, true, None);
+                }
+                self.post_send_raw(ptr, len, lkey, wr.wr_id, flags, false, Some(mr.clone()))
+            }
+            Payload::Inline(_) => self.post_send_raw(ptr, len, 0, wr.wr_id, flags, true, None),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -446,14 +437,15 @@ impl Conn {
         Ok(())
     }
 
-    pub(crate) fn post_recv(
-        &self,
-        mr: &Arc<MemoryRegion>,
-        offset: usize,
-        len: usize,
-        wr_id: u64,
-    ) -> Result<()> {
-        let ptr = crate::conn::check_recv_region(mr, &self.sh.ctx, offset, len)?;
+    /// Posts a checked receive.
+    pub(crate) fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
+        let RecvRequest {
+            wr_id,
+            mr,
+            len,
+            ptr,
+            ..
+        } = wr;
         let lkey = mr.verbs_lkey(&self.sh.pd)?;
         let mut st = self.sh.lock();
         if st.closed {

@@ -103,7 +103,7 @@ impl Registrations {
 
 /// The error of a failed registration of `len` bytes. ENOMEM and EPERM from ibv_reg_mr mostly
 /// mean the pinned memory would pass the locked-memory limit: say which limit, and its value.
-fn registration_error(e: io::Error, len: usize) -> Error {
+pub(crate) fn registration_error(e: io::Error, len: usize) -> Error {
     if !matches!(e.raw_os_error(), Some(libc::ENOMEM) | Some(libc::EPERM)) {
         return Error::MemoryRegion(e);
     }

@@ -1,15 +1,23 @@
-//! The public connection types, the same for every transport: [`Listener`], [`ConnRequest`],
-//! [`Connection`] and their options.
+//! The connection core, the same for every transport: the public types [`Listener`],
+//! [`ConnRequest`], [`Connection`] and their options; the work requests and their checks
+//! (`wr.rs`); and the seam a transport implements behind them ([`seam`]).
 
 use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+mod wr;
+
+pub use wr::SendFlags;
+pub(crate) use wr::{Payload, RecvRequest, SendRequest};
+
 use crate::cq::CompletionQueue;
+use crate::domain::ContextInner;
 use crate::error::{Error, Result};
+use crate::log::log;
 use crate::mr::MemoryRegion;
-use crate::shm;
+use seam::{ConnSeam, ListenerSeam, RequestSeam};
 
 /// Most bytes of private data a connect, accept or reject may carry. The same on every
 /// transport, so a program never depends on which one it runs over.
@@ -121,57 +129,6 @@ impl ConnOptions {
     }
 }
 
-/// The checks every transport makes before posting a send: only known flags.
-pub(crate) fn check_send_flags(flags: SendFlags) -> Result<()> {
-    if flags.0 & !SendFlags::ALL.0 != 0 {
-        return Err(Error::invalid(format!("unknown send flags {:#x}", flags.0)));
-    }
-    Ok(())
-}
-
-/// The checks every transport makes on a region a work request names: it belongs to the
-/// connection's context, the range lies inside it, and its length fits a completion. Returns
-/// the start of the range.
-pub(crate) fn check_region(
-    mr: &MemoryRegion,
-    ctx: &Arc<crate::domain::ContextInner>,
-    offset: usize,
-    len: usize,
-) -> Result<*mut u8> {
-    if !mr.same_context(ctx) {
-        return Err(Error::invalid("memory region belongs to another context"));
-    }
-    if len > u32::MAX as usize {
-        return Err(Error::invalid("message longer than 4 GiB - 1"));
-    }
-    mr.slice_ptr(offset, len)
-}
-
-/// The region checks of [`check_region`] for a receive, which also needs the library to be
-/// allowed to write into the region.
-pub(crate) fn check_recv_region(
-    mr: &MemoryRegion,
-    ctx: &Arc<crate::domain::ContextInner>,
-    offset: usize,
-    len: usize,
-) -> Result<*mut u8> {
-    let ptr = check_region(mr, ctx, offset, len)?;
-    if !mr.access().contains(crate::mr::Access::LOCAL_WRITE) {
-        return Err(Error::Access("receiving needs LOCAL_WRITE"));
-    }
-    Ok(ptr)
-}
-
-/// An inline send must fit the granted inline size.
-pub(crate) fn check_inline(len: usize, max_inline: u32) -> Result<()> {
-    if len > max_inline as usize {
-        return Err(Error::invalid(format!(
-            "inline send of {len} bytes over max_inline {max_inline}"
-        )));
-    }
-    Ok(())
-}
-
 pub(crate) fn check_private_data(data: &[u8]) -> Result<()> {
     check_private_data_len(data.len())
 }
@@ -184,22 +141,6 @@ pub(crate) fn check_private_data_len(len: usize) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// Flags of a send.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct SendFlags(pub u32);
-
-impl SendFlags {
-    /// Report a completion when the send finishes. Unsignaled sends report only failures.
-    pub const SIGNALED: SendFlags = SendFlags(1);
-    /// Every defined bit.
-    pub const ALL: SendFlags = SendFlags(1);
-
-    /// Whether the send is signaled.
-    pub fn signaled(self) -> bool {
-        self.0 & Self::SIGNALED.0 != 0
-    }
 }
 
 /// What was granted to a connection.
@@ -227,65 +168,23 @@ pub enum Transport {
     Verbs,
 }
 
-/// Dispatches a call to the transport behind an object.
-macro_rules! dispatch {
-    ($self:expr, $imp:ident => $e:expr) => {
-        match $self {
-            Imp::Shm($imp) => $e,
-            #[cfg(feature = "verbs")]
-            Imp::Verbs($imp) => $e,
-            #[cfg(not(feature = "verbs"))]
-            Imp::Never(n, _) => match *n {},
-        }
-    };
-}
-
-#[derive(Debug)]
-enum Imp<S, V> {
-    Shm(S),
-    #[cfg(feature = "verbs")]
-    Verbs(V),
-    #[cfg(not(feature = "verbs"))]
-    #[allow(dead_code)]
-    Never(std::convert::Infallible, std::marker::PhantomData<V>),
-}
-
-#[cfg(feature = "verbs")]
-type VerbsListener = crate::verbs::Listener;
-#[cfg(feature = "verbs")]
-type VerbsRequest = crate::verbs::Request;
-#[cfg(feature = "verbs")]
-type VerbsConn = crate::verbs::Conn;
-#[cfg(not(feature = "verbs"))]
-type VerbsListener = ();
-#[cfg(not(feature = "verbs"))]
-type VerbsRequest = ();
-#[cfg(not(feature = "verbs"))]
-type VerbsConn = ();
-
 /// A listening endpoint. Thread-safe.
 #[derive(Debug)]
 pub struct Listener {
-    imp: Imp<shm::Listener, VerbsListener>,
+    imp: Box<dyn ListenerSeam>,
 }
 
 impl Listener {
-    pub(crate) fn from_shm(imp: shm::Listener) -> Self {
-        Listener { imp: Imp::Shm(imp) }
-    }
-
-    #[cfg(feature = "verbs")]
-    pub(crate) fn from_verbs(imp: crate::verbs::Listener) -> Self {
-        Listener {
-            imp: Imp::Verbs(imp),
-        }
+    pub(crate) fn new(imp: impl ListenerSeam + 'static) -> Self {
+        Listener { imp: Box::new(imp) }
     }
 
     /// Takes the next connection request, waiting up to `timeout` (`None` = forever).
     /// [`Error::Timeout`] when none came in time.
     pub fn get_request(&self, timeout: Option<Duration>) -> Result<ConnRequest> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        self.take(deadline)?
+        self.imp
+            .take(deadline)?
             .ok_or(Error::Timeout("waiting for a connection request"))
     }
 
@@ -294,21 +193,7 @@ impl Listener {
     /// it gives `None`. A request whose handshake has only partly arrived stays with the
     /// listener for a later call; it is never dropped for being early.
     pub fn try_get_request(&self) -> Result<Option<ConnRequest>> {
-        self.take(Some(Instant::now()))
-    }
-
-    fn take(&self, deadline: Option<Instant>) -> Result<Option<ConnRequest>> {
-        Ok(match &self.imp {
-            Imp::Shm(l) => l
-                .get_request(deadline)?
-                .map(|r| ConnRequest { imp: Imp::Shm(r) }),
-            #[cfg(feature = "verbs")]
-            Imp::Verbs(l) => l
-                .get_request(deadline)?
-                .map(|r| ConnRequest { imp: Imp::Verbs(r) }),
-            #[cfg(not(feature = "verbs"))]
-            Imp::Never(n, _) => match *n {},
-        })
+        self.imp.take(Some(Instant::now()))
     }
 
     /// A descriptor that is readable while a call to [`try_get_request`](Self::try_get_request)
@@ -317,13 +202,7 @@ impl Listener {
     /// that connects and says nothing never makes it readable. Owned by the listener; do not
     /// read it or close it.
     pub fn fd(&self) -> RawFd {
-        match &self.imp {
-            Imp::Shm(l) => l.fd(),
-            #[cfg(feature = "verbs")]
-            Imp::Verbs(l) => l.fd(),
-            #[cfg(not(feature = "verbs"))]
-            Imp::Never(n, _) => match *n {},
-        }
+        self.imp.fd()
     }
 }
 
@@ -331,48 +210,40 @@ impl Listener {
 /// [`reject`](Self::reject); dropping it unanswered rejects it without private data.
 #[derive(Debug)]
 pub struct ConnRequest {
-    imp: Imp<shm::Request, VerbsRequest>,
+    imp: Box<dyn RequestSeam>,
 }
 
 impl ConnRequest {
+    pub(crate) fn new(imp: impl RequestSeam + 'static) -> Self {
+        ConnRequest { imp: Box::new(imp) }
+    }
+
     /// The private data the peer sent with its request. (A plain librdmacm peer's private data
     /// arrives as the transport delivers it, which may be padded with zeros.)
     pub fn private_data(&self) -> &[u8] {
-        match &self.imp {
-            Imp::Shm(r) => r.private_data(),
-            #[cfg(feature = "verbs")]
-            Imp::Verbs(r) => r.private_data(),
-            #[cfg(not(feature = "verbs"))]
-            Imp::Never(n, _) => match *n {},
-        }
+        self.imp.private_data()
     }
 
     /// Accepts the request; the connection's completions go to `cq`.
     pub fn accept(self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
         opts.validate()?;
-        match self.imp {
-            Imp::Shm(r) => Ok(Connection {
-                imp: Imp::Shm(r.accept(cq.clone(), opts)?),
-            }),
-            #[cfg(feature = "verbs")]
-            Imp::Verbs(r) => Ok(Connection {
-                imp: Imp::Verbs(r.accept(cq.clone(), opts)?),
-            }),
-            #[cfg(not(feature = "verbs"))]
-            Imp::Never(n, _) => match n {},
+        let r = self.imp.accept(cq.clone(), opts);
+        match &r {
+            Ok(c) => log!(
+                Info,
+                "connection {} accepted ({:?})",
+                c.id(),
+                c.info().transport
+            ),
+            Err(e) => log!(Warn, "accepting a connection failed: {e}"),
         }
+        r
     }
 
     /// Rejects the request, sending `private_data` (at most [`PRIVATE_DATA_MAX`] bytes).
     pub fn reject(self, private_data: &[u8]) -> Result<()> {
         check_private_data(private_data)?;
-        match self.imp {
-            Imp::Shm(r) => r.reject(private_data),
-            #[cfg(feature = "verbs")]
-            Imp::Verbs(r) => r.reject(private_data),
-            #[cfg(not(feature = "verbs"))]
-            Imp::Never(n, _) => match n {},
-        }
+        self.imp.reject(private_data)
     }
 }
 
@@ -383,19 +254,12 @@ impl ConnRequest {
 /// [`crate::Opcode::Disconnected`] record, and releases everything, in bounded time.
 #[derive(Debug)]
 pub struct Connection {
-    imp: Imp<shm::Conn, VerbsConn>,
+    imp: Box<dyn ConnSeam>,
 }
 
 impl Connection {
-    pub(crate) fn from_shm(imp: shm::Conn) -> Self {
-        Connection { imp: Imp::Shm(imp) }
-    }
-
-    #[cfg(feature = "verbs")]
-    pub(crate) fn from_verbs(imp: crate::verbs::Conn) -> Self {
-        Connection {
-            imp: Imp::Verbs(imp),
-        }
+    pub(crate) fn new(imp: impl ConnSeam + 'static) -> Self {
+        Connection { imp: Box::new(imp) }
     }
 
     /// The connection's id, echoed in its completions.
@@ -405,12 +269,12 @@ impl Connection {
 
     /// What was granted.
     pub fn info(&self) -> ConnInfo {
-        dispatch!(&self.imp, c => c.info())
+        self.imp.info()
     }
 
     /// The private data the peer sent when it accepted (client) or requested (server).
     pub fn private_data(&self) -> &[u8] {
-        dispatch!(&self.imp, c => c.private_data())
+        self.imp.private_data()
     }
 
     /// Sends `len` bytes at `offset` of `mr`. The bytes must not change until the send
@@ -423,12 +287,14 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
-        dispatch!(&self.imp, c => c.post_send(mr, offset, len, wr_id, flags))
+        let wr = SendRequest::region(self.imp.context(), mr, offset, len, wr_id, flags)?;
+        self.imp.send(wr)
     }
 
     /// Sends `data`, copied before this returns (at most the granted `max_inline` bytes).
     pub fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
-        dispatch!(&self.imp, c => c.post_send_inline(data, wr_id, flags))
+        let wr = SendRequest::inline(data, self.imp.info().max_inline, wr_id, flags)?;
+        self.imp.send(wr)
     }
 
     /// Posts a receive of up to `len` bytes into `mr` at `offset` (needs
@@ -440,12 +306,54 @@ impl Connection {
         len: usize,
         wr_id: u64,
     ) -> Result<()> {
-        dispatch!(&self.imp, c => c.post_recv(mr, offset, len, wr_id))
+        let wr = RecvRequest::new(self.imp.context(), mr, offset, len, wr_id)?;
+        self.imp.recv(wr)
     }
 
     /// Starts an orderly disconnect. Outstanding work completes (flushed), then a
     /// [`crate::Opcode::Disconnected`] record arrives on the completion queue. Idempotent.
     pub fn disconnect(&self) {
-        dispatch!(&self.imp, c => c.disconnect())
+        self.imp.disconnect()
+    }
+}
+
+/// What a transport provides behind the public types: the narrow seam the library's
+/// connection core calls through, so that no method repeats a branch per transport.
+pub(crate) mod seam {
+    use super::*;
+
+    /// A transport's listener.
+    pub(crate) trait ListenerSeam: Send + Sync + std::fmt::Debug {
+        /// The next complete request, waiting until `deadline` (`None`: forever); `Ok(None)`
+        /// when none came by then.
+        fn take(&self, deadline: Option<Instant>) -> Result<Option<ConnRequest>>;
+        /// The listener's pollable descriptor.
+        fn fd(&self) -> RawFd;
+    }
+
+    /// A transport's unanswered connection request. Dropping it rejects it.
+    pub(crate) trait RequestSeam: Send + Sync + std::fmt::Debug {
+        fn private_data(&self) -> &[u8];
+        /// `opts` were validated.
+        fn accept(
+            self: Box<Self>,
+            cq: Arc<CompletionQueue>,
+            opts: &ConnOptions,
+        ) -> Result<Connection>;
+        /// `private_data` was checked against [`PRIVATE_DATA_MAX`].
+        fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()>;
+    }
+
+    /// A transport's connection. Dropping it tears the connection down.
+    pub(crate) trait ConnSeam: Send + Sync + std::fmt::Debug {
+        fn info(&self) -> ConnInfo;
+        fn private_data(&self) -> &[u8];
+        /// The context the connection belongs to: work requests name regions of it only.
+        fn context(&self) -> &Arc<ContextInner>;
+        /// Posts a send that passed the core's checks ([`wr`]).
+        fn send(&self, wr: SendRequest<'_>) -> Result<()>;
+        /// Posts a receive that passed the core's checks ([`wr`]).
+        fn recv(&self, wr: RecvRequest<'_>) -> Result<()>;
+        fn disconnect(&self);
     }
 }

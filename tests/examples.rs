@@ -1,0 +1,115 @@
+//! The crate's examples run as a user runs them: the echo server, and two clients one after
+//! the other against it, every echo verified by the client.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Where cargo put the example binaries: `examples/` next to this test's `deps/` (a plain
+/// `cargo test` builds them; with `--test examples` alone, build them first: `--examples`).
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps")
+        .join("examples")
+        .join(name)
+}
+
+#[test]
+fn server_echoes_to_clients_one_after_another() {
+    let addr = format!("shm://rbr-examples-{}", std::process::id());
+    let mut server = Command::new(example("server"))
+        .arg(&addr)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("examples/server runs (cargo builds examples for tests)");
+    // The server is up once a client gets through; retry its first connect for a while.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut runs = Vec::new();
+    for count in ["300", "50"] {
+        loop {
+            let out = Command::new(example("client"))
+                .args([&addr, count])
+                .output()
+                .expect("examples/client runs");
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            if out.status.success() {
+                runs.push(stdout);
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "client failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(runs[0].starts_with("300 echoes verified"), "{}", runs[0]);
+    assert!(runs[1].starts_with("50 echoes verified"), "{}", runs[1]);
+}
+
+#[test]
+fn rbr_log_tells_connection_events_and_is_silent_by_default() {
+    let addr = format!("shm://rbr-examples-log-{}", std::process::id());
+    // Nobody listens: the connect fails, and with RBR_LOG=info the library says so, naming the
+    // address; without RBR_LOG it prints nothing (the client's own message aside).
+    let quiet = Command::new(example("client"))
+        .args([&addr, "1"])
+        .env_remove("RBR_LOG")
+        .output()
+        .expect("client runs");
+    assert!(!quiet.status.success());
+    let stderr = String::from_utf8_lossy(&quiet.stderr);
+    assert!(!stderr.contains("rdmabridge["), "{stderr}");
+    let loud = Command::new(example("client"))
+        .args([&addr, "1"])
+        .env("RBR_LOG", "info")
+        .output()
+        .expect("client runs");
+    let stderr = String::from_utf8_lossy(&loud.stderr);
+    assert!(
+        stderr.contains(&format!("] warn: connecting to {addr} failed: ")),
+        "{stderr}"
+    );
+
+    let mut server = Command::new(example("server"))
+        .arg(&addr)
+        .env("RBR_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("server runs");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let client = loop {
+        let out = Command::new(example("client"))
+            .args([&addr, "3"])
+            .env("RBR_LOG", "info")
+            .output()
+            .expect("client runs");
+        if out.status.success() || Instant::now() > deadline {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = server.kill();
+    let server_out = server.wait_with_output().expect("server output");
+    assert!(client.status.success());
+    let stderr = String::from_utf8_lossy(&client.stderr);
+    assert!(
+        stderr.contains(&format!("] info: connection 1 to {addr} established (Shm)")),
+        "{stderr}"
+    );
+    let stderr = String::from_utf8_lossy(&server_out.stderr);
+    assert!(
+        stderr.contains(&format!("] info: listening on {addr}")),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("] info: connection 1 accepted (Shm)"),
+        "{stderr}"
+    );
+}
