@@ -13,7 +13,9 @@
 #      contexts' driver threads only, one device CQ, a verified message each way on every one,
 #      every record flushed and the disconnect last (tests/scale.rs), in both progress modes;
 #      and the empty-poll cost with 1 and with 1,024 idle connections (benchmarks/scaling.c)
-#   7. the local link taken down under idle connections
+#      300 connections at the default depths on one queue: more than one device CQ holds
+#   7. rdmabridge-info's view of the VM (scripts/vm-info-check.sh)
+#   8. the local link taken down under idle connections
 # Usage (in the guest): scripts/vm-suite.sh VERBS_TEST_BINARY C_BUILD_DIR SCALE_TEST_BINARY
 # Prints one line per step and a closing "N passed, N failed"; exits non-zero if any failed.
 set -u
@@ -106,6 +108,10 @@ step "verbs benchmark pipeline at tiny counts (figures not checked)" \
   benchmarks/verbs-progress-guest.sh "$build" 1 --quick
 step "1,024 verbs connections: driver threads only, one device CQ, every record" \
   "$scale_bin" --ignored --exact verbs_connections_share_the_driver_and_one_device_cq --nocapture
+step "300 verbs connections at the default depths on one queue: more than one device CQ holds" \
+  "$scale_bin" --ignored --exact verbs_queue_takes_more_connections_than_one_device_cq_holds
+step "rdmabridge-info: the device, its port and GIDs, the device for an address, memlock named" \
+  scripts/vm-info-check.sh target/release/rdmabridge-info "$ip"
 step "empty poll with 1 and 1,024 idle verbs connections (figures printed)" \
   timeout 900 "$build/rbr_scaling" -a "rdma://$ip:7495" -N 1,1024 -n 200 -b 5 -T 120
 # Last, since it takes the interface down for a while.

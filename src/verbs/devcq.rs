@@ -74,9 +74,8 @@ unsafe impl Sync for DevCq {}
 
 fn too_big(need: u32, max: u32) -> Error {
     Error::CompletionQueue(io::Error::other(format!(
-        "the connections of this completion queue on this device would need a device CQ of \
-         {need} entries (each takes its send and receive depths plus {} library slots), but \
-         the device allows {max}: use smaller queue depths, or another completion queue",
+        "a device CQ of {need} entries is needed (a connection takes its send and receive \
+         depths plus {} library slots), but the device allows {max}: use smaller queue depths",
         crate::verbs::credit::INTERNAL_SLOTS + 1
     )))
 }
@@ -101,7 +100,9 @@ pub(super) fn attach(
             continue;
         }
         let mut ps = d.lock();
-        if ps.retired {
+        // A full device CQ (at the device's largest size) leaves the connection to the next
+        // one of the queue, or to a new one: the queue takes any number of connections.
+        if ps.retired || ps.need.saturating_add(need) > d.max_cqe {
             continue;
         }
         let tag = d.reserve(&mut ps, need)?;
