@@ -40,8 +40,8 @@
  *   -P         plain peer: ping-pong only, content and private data not
  *              checked, the server may disconnect first
  *   -p MODE    completion progress: caller (the library's default: this
- *              thread takes completions from the device) or thread (each
- *              connection's own thread does)
+ *              thread takes completions from the device) or thread (the
+ *              library's one thread per context does)
  *   -S US      rbr_cq_wait polls US microseconds before it sleeps
  *
  * Messages are numbered 0..2*COUNT-1 across both phases, in each direction.
