@@ -256,7 +256,7 @@ mod verbs {
 
     use std::ffi::CStr;
     use std::io;
-    use std::net::{IpAddr, Ipv6Addr, SocketAddr, ToSocketAddrs};
+    use std::net::{Ipv6Addr, SocketAddr};
     use std::time::Duration;
 
     use rdma_sys as sys;
@@ -413,16 +413,8 @@ mod verbs {
     /// The device and port the RDMA CM picks for `host:port`: bound to it when it is an
     /// address of this machine, resolved when not. Err says why none.
     pub(super) fn device_for(host: &str, port: u16) -> std::result::Result<(String, u8), String> {
-        let sa = match host.parse::<IpAddr>() {
-            Ok(ip) => SocketAddr::new(ip, port),
-            Err(_) => (host, port)
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| format!("cannot resolve host {host:?}"))?,
-        };
+        let (mut st, sa) = crate::verbs::sockaddr(host, port).map_err(|e| e.to_string())?;
         let local = std::net::UdpSocket::bind(SocketAddr::new(sa.ip(), 0)).is_ok();
-        let mut st = sockaddr(&sa);
         // SAFETY: plain constructor; NULL on failure.
         let ch = unsafe { sys::rdma_create_event_channel() };
         if ch.is_null() {
@@ -514,29 +506,6 @@ mod verbs {
                 io::Error::from_raw_os_error(-status)
             ))
         }
-    }
-
-    fn sockaddr(sa: &SocketAddr) -> libc::sockaddr_storage {
-        // SAFETY: sockaddr_storage is plain data; zero is valid.
-        let mut st: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-        match sa {
-            SocketAddr::V4(v4) => {
-                // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in.
-                let sin = unsafe { &mut *(&raw mut st).cast::<libc::sockaddr_in>() };
-                sin.sin_family = libc::AF_INET as libc::sa_family_t;
-                sin.sin_port = v4.port().to_be();
-                sin.sin_addr.s_addr = u32::from(*v4.ip()).to_be();
-            }
-            SocketAddr::V6(v6) => {
-                // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in6.
-                let sin6 = unsafe { &mut *(&raw mut st).cast::<libc::sockaddr_in6>() };
-                sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
-                sin6.sin6_port = v6.port().to_be();
-                sin6.sin6_addr.s6_addr = v6.ip().octets();
-                sin6.sin6_scope_id = v6.scope_id();
-            }
-        }
-        st
     }
 
     pub(super) fn probe_registration(device: &str, len: usize) -> Result<()> {

@@ -357,3 +357,78 @@ pub(crate) mod seam {
         fn disconnect(&self);
     }
 }
+
+/// Puts a transport behind the seam: its listener, request and connection types, whose
+/// inherent methods have the seam's names and meanings, become the seam's implementations.
+macro_rules! transport_seam {
+    ($listener:ty, $request:ty, $conn:ty) => {
+        const _: () = {
+            use std::os::fd::RawFd;
+            use std::sync::Arc;
+            use std::time::Instant;
+
+            use crate::conn::seam::{ConnSeam, ListenerSeam, RequestSeam};
+            use crate::conn::{
+                ConnInfo, ConnOptions, ConnRequest, Connection, RecvRequest, SendRequest,
+            };
+            use crate::cq::CompletionQueue;
+            use crate::domain::ContextInner;
+            use crate::error::Result;
+
+            impl ListenerSeam for $listener {
+                fn take(&self, deadline: Option<Instant>) -> Result<Option<ConnRequest>> {
+                    Ok(self.get_request(deadline)?.map(ConnRequest::new))
+                }
+
+                fn fd(&self) -> RawFd {
+                    <$listener>::fd(self)
+                }
+            }
+
+            impl RequestSeam for $request {
+                fn private_data(&self) -> &[u8] {
+                    <$request>::private_data(self)
+                }
+
+                fn accept(
+                    self: Box<Self>,
+                    cq: Arc<CompletionQueue>,
+                    opts: &ConnOptions,
+                ) -> Result<Connection> {
+                    Ok(Connection::new(<$request>::accept(*self, cq, opts)?))
+                }
+
+                fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()> {
+                    <$request>::reject(*self, private_data)
+                }
+            }
+
+            impl ConnSeam for $conn {
+                fn info(&self) -> ConnInfo {
+                    <$conn>::info(self)
+                }
+
+                fn private_data(&self) -> &[u8] {
+                    <$conn>::private_data(self)
+                }
+
+                fn context(&self) -> &Arc<ContextInner> {
+                    <$conn>::context(self)
+                }
+
+                fn send(&self, wr: SendRequest<'_>) -> Result<()> {
+                    <$conn>::send(self, wr)
+                }
+
+                fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
+                    <$conn>::recv(self, wr)
+                }
+
+                fn disconnect(&self) {
+                    <$conn>::disconnect(self)
+                }
+            }
+        };
+    };
+}
+pub(crate) use transport_seam;

@@ -23,6 +23,8 @@ mod progress;
 mod res;
 
 #[cfg(feature = "verbs")]
+pub(crate) use cm::sockaddr;
+#[cfg(feature = "verbs")]
 pub(crate) use domain::Domain;
 #[cfg(feature = "verbs")]
 pub(crate) use establish::{Listener, Request};
@@ -69,70 +71,4 @@ mod absent {
 pub(crate) use absent::{Domain, Registrations};
 
 #[cfg(feature = "verbs")]
-mod seam {
-    //! The verbs transport behind the connection core's seam.
-
-    use std::os::fd::RawFd;
-    use std::sync::Arc;
-    use std::time::Instant;
-
-    use crate::conn::seam::{ConnSeam, ListenerSeam, RequestSeam};
-    use crate::conn::{ConnInfo, ConnOptions, ConnRequest, Connection, RecvRequest, SendRequest};
-    use crate::cq::CompletionQueue;
-    use crate::domain::ContextInner;
-    use crate::error::Result;
-
-    impl ListenerSeam for super::Listener {
-        fn take(&self, deadline: Option<Instant>) -> Result<Option<ConnRequest>> {
-            Ok(self.get_request(deadline)?.map(ConnRequest::new))
-        }
-
-        fn fd(&self) -> RawFd {
-            super::Listener::fd(self)
-        }
-    }
-
-    impl RequestSeam for super::Request {
-        fn private_data(&self) -> &[u8] {
-            super::Request::private_data(self)
-        }
-
-        fn accept(
-            self: Box<Self>,
-            cq: Arc<CompletionQueue>,
-            opts: &ConnOptions,
-        ) -> Result<Connection> {
-            Ok(Connection::new(super::Request::accept(*self, cq, opts)?))
-        }
-
-        fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()> {
-            super::Request::reject(*self, private_data)
-        }
-    }
-
-    impl ConnSeam for super::Conn {
-        fn info(&self) -> ConnInfo {
-            super::Conn::info(self)
-        }
-
-        fn private_data(&self) -> &[u8] {
-            super::Conn::private_data(self)
-        }
-
-        fn context(&self) -> &Arc<ContextInner> {
-            super::Conn::context(self)
-        }
-
-        fn send(&self, wr: SendRequest<'_>) -> Result<()> {
-            super::Conn::send(self, wr)
-        }
-
-        fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
-            super::Conn::recv(self, wr)
-        }
-
-        fn disconnect(&self) {
-            super::Conn::disconnect(self)
-        }
-    }
-}
+crate::conn::transport_seam!(Listener, Request, Conn);
