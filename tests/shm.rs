@@ -40,6 +40,7 @@ suite_over_shm!(
     orderly_close_with_receives_posted_is_always_success,
     event_loop_accepts_a_burst_without_losing_a_peer,
     late_receive_send_waits_and_completes,
+    unsignaled_sends_never_fill_the_send_queue,
 );
 
 /// A peer running as another user is turned away (peer credentials), and the listener keeps

@@ -38,6 +38,7 @@ suite_over_verbs!(
     orderly_close_with_receives_posted_is_always_success,
     event_loop_accepts_a_burst_without_losing_a_peer,
     late_receive_send_waits_and_completes,
+    unsignaled_sends_never_fill_the_send_queue,
 );
 
 /// A connect to an address no route reaches fails with its own status, within the timeout.

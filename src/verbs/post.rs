@@ -72,7 +72,8 @@ pub(super) struct PostState {
     pub(super) user_sends: usize,
     /// The library's own work requests on the device, not yet reaped.
     pub(super) internal_out: u32,
-    /// Unsignaled internal work requests posted since the last signaled one.
+    /// Work requests (the library's or the caller's) posted unsignaled to the device since
+    /// the last signaled one.
     pub(super) unsignaled_run: u32,
     /// Toward a library peer: receive credits, and the sends held for them.
     pub(super) credits: Option<Credits>,
@@ -155,8 +156,16 @@ impl Shared {
         wr.sg_list = &mut sge;
         wr.num_sge = if h.len == 0 { 0 } else { 1 };
         wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+        // The device reports an unsignaled send to nobody, so its slot is freed only by a
+        // later reported send: of the sends in a row the caller left unsignaled, every
+        // SIGNAL_EVERY-th (or every other one, on a queue less than twice that deep) asks the
+        // device for a completion all the same, which the library takes and reports to nobody.
+        let period = SIGNAL_EVERY
+            .min(self.info.send_queue_depth.div_ceil(2))
+            .max(1);
+        let hw_signaled = h.signaled || st.unsignaled_run + 1 >= period;
         let mut f = 0;
-        if h.signaled {
+        if hw_signaled {
             f |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
         if h.inline {
@@ -174,12 +183,17 @@ impl Shared {
             return Err((r, h));
         }
         st.next_seq += 1;
+        st.unsignaled_run = if hw_signaled {
+            0
+        } else {
+            st.unsignaled_run + 1
+        };
         st.sends.push_back(SendEntry {
             seq,
             wr_id: h.wr_id,
             signaled: h.signaled,
             internal: false,
-            hw_signaled: h.signaled,
+            hw_signaled,
             _mr: h.mr,
         });
         Ok(())

@@ -984,3 +984,75 @@ pub fn late_receive_send_waits_and_completes(net: &Net) {
         drop((c, s));
     }
 }
+
+/// Sends that ask for no completion never fill the send queue (of depth 16, 4 and 1): 64 of
+/// them go out one after another (polling reaps what finished, reporting none of it), every
+/// message arrives in order with its bytes, and a signaled send after them is the sender's
+/// only completion.
+pub fn unsignaled_sends_never_fill_the_send_queue(net: &Net) {
+    let ctx = Context::new().unwrap();
+    for depth in [16, 4, 1] {
+        unsignaled_sends_at_depth(net, &ctx, depth);
+    }
+}
+
+fn unsignaled_sends_at_depth(net: &Net, ctx: &Context, depth: u32) {
+    const N: usize = 64;
+    const SIZE: usize = 64;
+    let copts = ConnOptions {
+        send_queue_depth: depth,
+        ..Default::default()
+    };
+    let sopts = ConnOptions {
+        recv_queue_depth: 128,
+        ..Default::default()
+    };
+    let (c, ccq, s, scq) = pair(net, ctx, &copts, &sopts);
+    let cmr = ctx.alloc_mr((N + 1) * SIZE, Access::LOCAL_WRITE).unwrap();
+    let smr = ctx.alloc_mr((N + 1) * SIZE, Access::LOCAL_WRITE).unwrap();
+    for k in 0..=N {
+        s.post_recv(&smr, k * SIZE, SIZE, k as u64).unwrap();
+    }
+    for k in 0..=N {
+        cmr.write(k * SIZE, &pattern(k as u64, SIZE)).unwrap();
+        let flags = if k == N {
+            SendFlags::SIGNALED
+        } else {
+            SendFlags(0)
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match c.post_send(&cmr, k * SIZE, SIZE, k as u64, flags) {
+                Ok(()) => break,
+                Err(Error::QueueFull(_)) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "depth {depth}, send {k}: the send queue stayed full of finished unsignaled sends"
+                    );
+                    // Reaps finished sends; an unsignaled success is never reported.
+                    assert!(ccq.poll().is_none(), "a record for an unsignaled send");
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                Err(e) => panic!("send {k}: {e}"),
+            }
+        }
+    }
+    let done = next(&ccq);
+    assert_eq!(
+        (done.opcode, done.status, done.wr_id),
+        (Opcode::Send, WcStatus::Success, N as u64)
+    );
+    for k in 0..=N {
+        let r = next(&scq);
+        assert_eq!(
+            (r.opcode, r.status, r.wr_id, r.byte_len as usize),
+            (Opcode::Recv, WcStatus::Success, k as u64, SIZE),
+            "message {k}"
+        );
+        let mut got = vec![0u8; SIZE];
+        smr.read(k * SIZE, &mut got).unwrap();
+        assert_eq!(got, pattern(k as u64, SIZE), "message {k}");
+    }
+    assert!(ccq.poll().is_none());
+    drop((c, s));
+}
