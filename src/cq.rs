@@ -75,16 +75,15 @@ pub enum Progress {
     /// device, and moves shm messages between the shared rings and the posted receives (a post
     /// writes its message into the ring itself when it can): no thread hand-off and no system
     /// call on the busy path. A library thread still handles connection events, keepalives and
-    /// teardown (over verbs each connection's own; over shm one per context for all its
-    /// connections), and moves work only while a caller sleeps in [`CompletionQueue::wait`] or
+    /// teardown (one per context, for all its connections), and moves work only while a caller sleeps in [`CompletionQueue::wait`] or
     /// watches [`CompletionQueue::fd`] (and, over shm, for sends that wait for the peer's
     /// receive or ring space, and when nobody has polled for 10 ms). The default (it measured
     /// faster; see the README).
     Caller,
     /// A library thread moves each connection's work and every completion into the queue
-    /// (verbs: the connection's own thread, on the device's completion events; shm: the
-    /// context's one thread for all its connections, between the rings and the posted buffers,
-    /// taking turns among the busy ones); callers only take completions from there.
+    /// (the context's one thread for all its connections: verbs on the device's completion
+    /// events; shm between the rings and the posted buffers, taking turns among the busy
+    /// ones); callers only take completions from there.
     Thread,
 }
 
@@ -106,14 +105,14 @@ pub struct CqOptions {
     /// How long [`CompletionQueue::wait`] keeps polling before it sleeps, at the least.
     /// With [`Progress::Caller`], while completions keep coming soon after waits start, a wait
     /// polls longer: up to four times the longest recent wait (a figure that shrinks by an
-    /// eighth with every wait that is shorter), never past [`SPIN_ADAPT_MAX`], so that a steady
+    /// eighth with every wait that is shorter), never past 1 ms, so that a steady
     /// exchange whose round trip is near `spin` does not fall into the sleeping path. After a
-    /// wait longer than [`SPIN_ADAPT_MAX`] (the queue went idle, or waking up took that long),
+    /// wait longer than 1 ms (the queue went idle, or waking up took that long),
     /// waits poll for `spin` again, except the first and every 16th of a run of such waits,
-    /// which poll for [`SPIN_ADAPT_MAX`] to find out whether completions come soon again.
+    /// which poll for 1 ms to find out whether completions come soon again.
     /// (With [`Progress::Thread`] the wait polls for `spin` exactly: longer polling would take
     /// the CPU from the threads that fill the queue.) Zero never polls: every wait sleeps at
-    /// once. Default [`DEFAULT_SPIN`]; at most [`SPIN_MAX`].
+    /// once. Default 50 µs; at most 1 s.
     pub spin: Duration,
 }
 

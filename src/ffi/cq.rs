@@ -115,18 +115,17 @@ pub const RBR_PROGRESS_DEFAULT: u32 = 0;
 /// polls. It is the default because it measured faster than RBR_PROGRESS_THREAD, side by side
 /// with perftest on soft-RoCE: 2 B one-way latency 1.6x ib_send_lat (progress threads: 15.6x),
 /// 64 KiB streaming 0.8x ib_send_bw (0.6x); README, "Progress". Connection events, keepalives
-/// and teardown still run on a library thread: over verbs each connection's own, over shm one
-/// per context for all its connections. Over shm a post writes its message
+/// and teardown still run on a library thread, one per context for all its connections. Over shm a post writes its message
 /// straight into the shared ring when the peer has a receive posted and the ring has room, and
 /// the poller takes incoming messages straight into the posted receives: messages move when
 /// either side posts, polls or waits (a thread that sleeps in `rbr_cq_wait` or on `rbr_cq_fd`
 /// hands the moving to the library's thread meanwhile), so a receiver that neither polls nor
 /// waits holds its peer's sends back, as a full socket buffer would.
 pub const RBR_PROGRESS_CALLER: u32 = 1;
-/// Progress: a library thread moves each connection's work and queues every completion (verbs:
-/// the connection's own thread, waiting for the device's completion events; shm: the context's
-/// one thread for all its connections, moving messages between the rings and the posted
-/// buffers); callers only take completions from the queue.
+/// Progress: a library thread moves each connection's work and queues every completion (the
+/// context's one thread for all its connections: verbs on the device's completion events, shm
+/// moving messages between the rings and the posted buffers); callers only take completions
+/// from the queue.
 pub const RBR_PROGRESS_THREAD: u32 = 2;
 
 /// Options of `rbr_cq_create_ex`. Fill with `rbr_cq_options_init`, then change fields. Fields
