@@ -142,7 +142,7 @@ pub(crate) trait Source: Send + Sync {
     /// `direct` when given and nothing is queued yet (so no record overtakes an older one of
     /// the same connection), else queues them. Returns how many records it produced.
     fn poll(&self, max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize;
-    /// Asks the device for an event on the next completion, which the connection's thread
+    /// Asks the device for an event on the next completion, which the library's thread
     /// then moves into the queue.
     fn arm(&self);
     /// After a poll of a connection with a notice-board slot that is polled every time:
