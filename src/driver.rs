@@ -144,6 +144,7 @@ impl Driver {
                 // Relaxed: ids only need to be unique.
                 id: self.core.next_id.fetch_add(1, Ordering::Relaxed),
                 woken: AtomicBool::new(false),
+                stop: AtomicBool::new(false),
                 finished: Mutex::new(false),
                 done: Condvar::new(),
             }),
@@ -188,7 +189,8 @@ impl Driver {
     }
 }
 
-/// One registration's handle, for waking its handler and waiting for its end.
+/// One registration's handle, for waking its handler, asking it to stop, and waiting for its
+/// end.
 pub(crate) struct Registration {
     core: Arc<Core>,
     slot: Arc<Slot>,
@@ -198,6 +200,8 @@ struct Slot {
     id: u64,
     /// A wake-up is on its way to the driver.
     woken: AtomicBool,
+    /// The owner asked the handler to end (see [`Registration::stop`]).
+    stop: AtomicBool,
     finished: Mutex<bool>,
     done: Condvar,
 }
@@ -218,6 +222,17 @@ impl Registration {
             let id = self.slot.id;
             self.core.post(|inbox| inbox.woken.push(id));
         }
+    }
+
+    /// Asks the handler to end (a connection's disconnect) and has it run soon. Idempotent.
+    pub(crate) fn stop(&self) {
+        self.slot.stop.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    /// Whether [`stop`](Self::stop) was called.
+    pub(crate) fn stop_asked(&self) -> bool {
+        self.slot.stop.load(Ordering::SeqCst)
     }
 
     /// Whether the handler has said [`Next::Done`] (or failed) and has been dropped.

@@ -31,11 +31,10 @@ pub(crate) struct Shared {
     pub(crate) flow: Mutex<Flow>,
     /// Pollers of the completion queue drive the data path ([`Progress::Caller`]).
     pub(crate) caller_polls: bool,
-    /// The user asked for a disconnect.
-    pub(crate) stop: AtomicBool,
     /// The background work is about to sleep (or sleeps) and wants `wake` called.
     pub(crate) engine_sleeping: AtomicBool,
-    /// The connection's registration with the driver: wakes its background work.
+    /// The connection's registration with the driver: wakes its background work, and carries
+    /// the user's disconnect ([`Registration::stop`]).
     pub(crate) wake: Registration,
     /// The connection's slot on its queue's notice board, when it has one.
     slot: Option<u32>,
@@ -235,7 +234,6 @@ impl Conn {
             ctx,
             flow: Mutex::new(flow),
             caller_polls,
-            stop: AtomicBool::new(false),
             engine_sleeping: AtomicBool::new(false),
             wake: driver.registration(),
             slot: slot.as_ref().map(|r| r.slot()),
@@ -313,8 +311,7 @@ impl Conn {
     }
 
     pub(crate) fn disconnect(&self) {
-        self.sh.stop.store(true, Ordering::SeqCst);
-        self.sh.wake.wake();
+        self.sh.wake.stop();
     }
 }
 

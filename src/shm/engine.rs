@@ -88,7 +88,7 @@ impl Engine {
         if ready.fd(0) {
             self.drain_socket()?;
         }
-        if self.sh.stop.load(Ordering::SeqCst) {
+        if self.sh.wake.stop_asked() {
             return Err(End::Local);
         }
         if !self.drives() {

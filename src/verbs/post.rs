@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use rdma_sys as sys;
 
-use crate::conn::{ConnInfo, Payload, RecvRequest, SendFlags, SendRequest};
+use crate::conn::{ConnInfo, Payload, RecvRequest, SendRequest};
 use crate::cq::{Reporter, WcStatus};
 use crate::domain::ContextInner;
 use crate::driver::Registration;
@@ -100,9 +100,8 @@ pub(super) struct Shared {
     /// held for credits: its pollers then start those whose credits arrived.
     pub(super) held_conns: Arc<AtomicUsize>,
     pub(super) state: Mutex<PostState>,
-    /// The user asked for the end.
-    pub(super) stop: AtomicBool,
-    /// The connection's registration with its context's driver: wakes its turn.
+    /// The connection's registration with its context's driver: wakes its turn, and carries
+    /// the user's disconnect ([`Registration::stop`]).
     pub(super) reg: Registration,
     /// Sends are held for credits (mirrors `credits.held` being non-empty; changed under the
     /// state lock, read by pollers without it to find whom to pump).
@@ -373,7 +372,7 @@ impl Conn {
     /// Posts a checked send.
     pub(crate) fn send(&self, wr: SendRequest<'_>) -> Result<()> {
         let len = wr.len();
-        let flags = SendFlags(u32::from(wr.signaled));
+        let signaled = wr.signaled;
         let ptr = wr.ptr().cast_mut();
         match wr.payload {
             Payload::Region { mr, .. } => {
@@ -382,11 +381,11 @@ impl Conn {
                     // Small enough to travel inside the work request: copied now, so the
                     // device reads no memory for it and the region need not be held until it
                     // completes.
-                    return self.post_send_raw(ptr, len, lkey, wr.wr_id, flags, true, None);
+                    return self.post_send_raw(ptr, len, lkey, wr.wr_id, signaled, true, None);
                 }
-                self.post_send_raw(ptr, len, lkey, wr.wr_id, flags, false, Some(mr.clone()))
+                self.post_send_raw(ptr, len, lkey, wr.wr_id, signaled, false, Some(mr.clone()))
             }
-            Payload::Inline(_) => self.post_send_raw(ptr, len, 0, wr.wr_id, flags, true, None),
+            Payload::Inline(_) => self.post_send_raw(ptr, len, 0, wr.wr_id, signaled, true, None),
         }
     }
 
@@ -397,7 +396,7 @@ impl Conn {
         len: usize,
         lkey: u32,
         wr_id: u64,
-        flags: SendFlags,
+        signaled: bool,
         inline: bool,
         mr: Option<Arc<MemoryRegion>>,
     ) -> Result<()> {
@@ -413,7 +412,7 @@ impl Conn {
             len: len as u32,
             lkey,
             wr_id,
-            signaled: flags.signaled(),
+            signaled,
             inline,
             mr,
         };
@@ -501,8 +500,7 @@ impl Conn {
     }
 
     pub(crate) fn disconnect(&self) {
-        self.sh.stop.store(true, Ordering::SeqCst);
-        self.sh.reg.wake();
+        self.sh.reg.stop();
     }
 }
 

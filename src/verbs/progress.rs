@@ -15,7 +15,7 @@
 //! back, and reports the disconnect - its last record.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use rdma_sys as sys;
@@ -130,7 +130,7 @@ impl Engine {
         if ready.fd(0) {
             self.read_cm_events()?;
         }
-        if self.sh.stop.load(Ordering::SeqCst) {
+        if self.sh.reg.stop_asked() {
             return Err(End::Local);
         }
         // A failed work request the device reported (before a disconnect, too: the peer often
@@ -408,7 +408,6 @@ impl Conn {
                 unsignaled_run: 0,
                 credits,
             }),
-            stop: AtomicBool::new(false),
             reg: driver.registration(),
             has_held: AtomicBool::new(false),
             keepalive: opts.keepalive.filter(|_| library_peer),
