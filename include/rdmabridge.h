@@ -60,6 +60,16 @@
 #include <stdint.h>
 
 /**
+ * Bytes of a packed remote-memory descriptor.
+ */
+#define REMOTE_DESC_LEN 32
+
+/**
+ * Most local segments one one-sided operation may gather from or scatter into.
+ */
+#define SGE_MAX 4
+
+/**
  * Most bytes of private data a connect, accept or reject may carry (every transport).
  */
 #define RBR_PRIVATE_DATA_MAX 48
@@ -97,6 +107,33 @@
  * Opcode: a receive was filled.
  */
 #define RBR_OP_RECV 2
+
+/**
+ * Opcode: a one-sided write (`rbr_conn_post_write` or `rbr_conn_post_write_imm`) finished.
+ */
+#define RBR_OP_WRITE 3
+
+/**
+ * Opcode: a one-sided read finished; the bytes are in the local segments.
+ */
+#define RBR_OP_READ 4
+
+/**
+ * Opcode: a fetch-and-add finished; the remote word as it was is in the local segment.
+ */
+#define RBR_OP_FETCH_ADD 5
+
+/**
+ * Opcode: a compare-and-swap finished; the remote word as it was is in the local segment.
+ */
+#define RBR_OP_CMP_SWAP 6
+
+/**
+ * Opcode: a posted receive was consumed by the peer's write with immediate. `imm_data` (with
+ * RBR_WC_WITH_IMM in `flags`) carries the value, `byte_len` the bytes written; they are in
+ * place. The receive's buffer is not touched.
+ */
+#define RBR_OP_RECV_WRITE_IMM 7
 
 /**
  * Opcode (connection event): the connection is down; every work request it had has
@@ -210,6 +247,19 @@
  * Access: the peer may run atomics on it.
  */
 #define RBR_ACCESS_REMOTE_ATOMIC 8
+
+/**
+ * Bytes of a packed remote-memory descriptor (`rbr_conn_pack_region`). Its layout is fixed:
+ * bytes 0..2 "RB", 2 version (1), 3 transport (RBR_TRANSPORT_*), 4 the remote RBR_ACCESS_*
+ * bits, 5..8 zero, 8..16 the region's address in its owner's process, 16..24 its length,
+ * 24..32 its key (over verbs the rkey, in the low 32 bits); numbers little endian.
+ */
+#define RBR_REMOTE_DESC_LEN 32
+
+/**
+ * Most local segments one one-sided operation may gather from or scatter into.
+ */
+#define RBR_SGE_MAX 4
 
 /**
  * An established connection: reliable, in-order messages, like an RC queue pair. Create with
@@ -444,6 +494,56 @@ typedef struct rbr_ctx_options {
    */
   uint32_t flags;
 } rbr_ctx_options;
+
+/**
+ * A peer's memory region as this side targets it, filled by `rbr_conn_unpack_remote` or
+ * `rbr_conn_remote_from_raw` and valid on that connection only. A plain value: copy it
+ * freely; it needs no freeing.
+ */
+typedef struct rbr_remote {
+  /**
+   * The region's address in the peer's process.
+   */
+  uint64_t addr;
+  /**
+   * Its length in bytes, as described.
+   */
+  uint64_t len;
+  /**
+   * The key the peer's library checks each access against.
+   */
+  uint64_t key;
+  /**
+   * The remote RBR_ACCESS_* bits the peer described.
+   */
+  uint32_t access;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+  /**
+   * The connection it was unpacked on (`rbr_conn_id`).
+   */
+  uint64_t conn_id;
+} rbr_remote;
+
+/**
+ * One local segment of a one-sided operation: `len` bytes at `offset` of `mr`.
+ */
+typedef struct rbr_sge {
+  /**
+   * The region (of the connection's context).
+   */
+  const struct rbr_mr *mr;
+  /**
+   * Where the segment starts in the region.
+   */
+  size_t offset;
+  /**
+   * Its length in bytes.
+   */
+  size_t len;
+} rbr_sge;
 
 
 
@@ -980,6 +1080,144 @@ size_t rbr_mr_len(const struct rbr_mr *mr);
  * `mr` is NULL or a region not yet destroyed, not in use by another call.
  */
 void rbr_mr_destroy(struct rbr_mr *mr);
+
+/**
+ * Lets the peer of `conn` reach `mr` with one-sided operations, as far as the region's
+ * RBR_ACCESS_REMOTE_* bits allow, and writes the descriptor to send it into `desc`
+ * (RBR_REMOTE_DESC_LEN bytes). The region stays reachable until it is destroyed. A region
+ * without RBR_ACCESS_REMOTE_* bits is RBR_ERR_INVALID.
+ *
+ * Over shm a region from `rbr_mr_alloc` is mapped by the peer, which then writes, reads and
+ * runs atomics on it with no system call; caller memory (`rbr_mr_register`) is reached with
+ * process_vm_readv/writev where the kernel lets the peer do so, and otherwise this returns
+ * RBR_ERR_UNSUPPORTED, as it does for caller memory with RBR_ACCESS_REMOTE_ATOMIC (atomics
+ * need the shared mapping).
+ *
+ * # Safety
+ * `conn`, `mr` live; `desc` writable for RBR_REMOTE_DESC_LEN bytes.
+ */
+rbr_status rbr_conn_pack_region(struct rbr_conn *conn, const struct rbr_mr *mr, uint8_t *desc);
+
+/**
+ * Unpacks the peer's descriptor `desc[0..len]` (from its `rbr_conn_pack_region`) into
+ * `*out`, for use on `conn`. Only the descriptor's form is checked here (RBR_ERR_INVALID when
+ * it is not one, or is for another transport); every access is checked against what the peer
+ * registered when it runs.
+ *
+ * # Safety
+ * `conn` live; `desc` readable for `len` bytes; `out` writable.
+ */
+rbr_status rbr_conn_unpack_remote(const struct rbr_conn *conn,
+                                  const void *desc,
+                                  size_t len,
+                                  struct rbr_remote *out);
+
+/**
+ * Fills `*out` from raw fields, for peers that send address, length and key in their own
+ * format (a plain librdmacm peer such as rping sends its buffer's address, rkey and length).
+ *
+ * # Safety
+ * `conn` live; `out` writable.
+ */
+rbr_status rbr_conn_remote_from_raw(const struct rbr_conn *conn,
+                                    uint64_t addr,
+                                    uint64_t len,
+                                    uint64_t key,
+                                    struct rbr_remote *out);
+
+/**
+ * Posts an RDMA write of the local segments `sgl[0..nsge]` (gathered in order; none for a
+ * zero-length write) to `remote_offset` of `remote` (which needs RBR_ACCESS_REMOTE_WRITE at
+ * the peer). The local bytes must not change until the write completes (RBR_OP_WRITE). When
+ * it completes the bytes are in the peer's memory; the peer is sure to see them once it has
+ * received a later message or write-with-immediate of this connection. A key the peer did
+ * not give, a range outside its region, or a region without the access completes the write
+ * with RBR_WC_REMOTE_ACCESS, touches no byte of the peer's memory, and fails the connection,
+ * as over verbs. `flags`: RBR_SEND_SIGNALED. RBR_ERR_QUEUE_FULL when the send queue is full.
+ *
+ * # Safety
+ * `conn`, `remote` live; `sgl` readable for `nsge` entries whose `mr` are live (NULL allowed
+ * when `nsge` is 0).
+ */
+rbr_status rbr_conn_post_write(struct rbr_conn *conn,
+                               const struct rbr_sge *sgl,
+                               size_t nsge,
+                               const struct rbr_remote *remote,
+                               uint64_t remote_offset,
+                               uint64_t wr_id,
+                               uint32_t flags);
+
+/**
+ * As `rbr_conn_post_write`, then consumes a receive posted at the peer, which completes
+ * with RBR_OP_RECV_WRITE_IMM carrying `imm` and the length written, after the bytes are in
+ * place. Like a send it waits for the peer to have a receive posted.
+ *
+ * # Safety
+ * As `rbr_conn_post_write`.
+ */
+rbr_status rbr_conn_post_write_imm(struct rbr_conn *conn,
+                                   const struct rbr_sge *sgl,
+                                   size_t nsge,
+                                   const struct rbr_remote *remote,
+                                   uint64_t remote_offset,
+                                   uint32_t imm,
+                                   uint64_t wr_id,
+                                   uint32_t flags);
+
+/**
+ * Posts an RDMA read of the peer's bytes at `remote_offset` of `remote` (which needs
+ * RBR_ACCESS_REMOTE_READ at the peer) into the local segments `sgl[0..nsge]` (scattered in
+ * order; their regions need RBR_ACCESS_LOCAL_WRITE). Completes with RBR_OP_READ when the bytes
+ * are in place. Errors as for `rbr_conn_post_write`.
+ *
+ * # Safety
+ * As `rbr_conn_post_write`.
+ */
+rbr_status rbr_conn_post_read(struct rbr_conn *conn,
+                              const struct rbr_sge *sgl,
+                              size_t nsge,
+                              const struct rbr_remote *remote,
+                              uint64_t remote_offset,
+                              uint64_t wr_id,
+                              uint32_t flags);
+
+/**
+ * Atomically adds `add` to the peer's 8-byte word at `remote_offset` of `remote` (8-byte
+ * aligned; the peer's region needs RBR_ACCESS_REMOTE_ATOMIC). The word as it was lands in
+ * `mr[offset..offset+8]` (8-byte aligned, RBR_ACCESS_LOCAL_WRITE) in host byte order; the
+ * operation completes with RBR_OP_FETCH_ADD. Atomic against every other atomic on the word,
+ * from any connection, and over shm against the owner's own atomic instructions too.
+ *
+ * # Safety
+ * `conn`, `mr`, `remote` live.
+ */
+rbr_status rbr_conn_post_fetch_add(struct rbr_conn *conn,
+                                   const struct rbr_mr *mr,
+                                   size_t offset,
+                                   const struct rbr_remote *remote,
+                                   uint64_t remote_offset,
+                                   uint64_t add,
+                                   uint64_t wr_id,
+                                   uint32_t flags);
+
+/**
+ * Atomically stores `swap` in the peer's 8-byte word at `remote_offset` of `remote` if the
+ * word equals `compare`. The word as it was lands in `mr[offset..offset+8]` (as for
+ * `rbr_conn_post_fetch_add`): the swap happened when it equals `compare`. Completes with
+ * RBR_OP_CMP_SWAP.
+ *
+ * # Safety
+ * `conn`, `mr`, `remote` live.
+ */
+rbr_status rbr_conn_post_cmp_swap(struct rbr_conn *conn,
+                                  const struct rbr_mr *mr,
+                                  size_t offset,
+                                  const struct rbr_remote *remote,
+                                  uint64_t remote_offset,
+                                  uint64_t compare,
+                                  uint64_t swap,
+                                  uint64_t wr_id,
+                                  uint32_t flags);
 
 #ifdef __cplusplus
 }  // extern "C"

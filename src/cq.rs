@@ -21,6 +21,17 @@ pub enum Opcode {
     Send,
     /// A posted receive was filled (or failed).
     Recv,
+    /// A one-sided write (with or without immediate) finished (or failed).
+    Write,
+    /// A one-sided read finished: the bytes are in the local segments.
+    Read,
+    /// A fetch-and-add finished: the word as it was is in the local segment.
+    FetchAdd,
+    /// A compare-and-swap finished: the word as it was is in the local segment.
+    CmpSwap,
+    /// A posted receive was consumed by the peer's write with immediate: `imm` carries the
+    /// value, `byte_len` the bytes written, which are in place.
+    RecvWriteImm,
     /// Connection event: the connection is down and every work request it had has completed.
     /// It is the last record a connection ever produces.
     Disconnected,

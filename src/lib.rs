@@ -71,7 +71,7 @@ mod verbs;
 
 pub use conn::{
     ConnInfo, ConnOptions, ConnRequest, Connection, INLINE_MAX, Listener, PRIVATE_DATA_MAX,
-    QUEUE_DEPTH_MAX, SendFlags, Transport,
+    QUEUE_DEPTH_MAX, REMOTE_DESC_LEN, RemoteRegion, SGE_MAX, SendFlags, Sge, Transport,
 };
 pub use cq::{Completion, CompletionQueue, CqOptions, Opcode, Progress, WcStatus};
 pub use ctx::{Context, ContextOptions};

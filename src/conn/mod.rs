@@ -7,16 +7,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+mod remote;
 mod wr;
 
-pub use wr::SendFlags;
-pub(crate) use wr::{Payload, RecvRequest, SendRequest};
+pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
+#[allow(unused_imports)] // the transports' one-sided paths name it
+pub(crate) use wr::{LocalSeg, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest};
+pub use wr::{SendFlags, Sge};
 
 use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
 use crate::log::log;
-use crate::mr::MemoryRegion;
+use crate::mr::{Access, MemoryRegion};
 use seam::{ConnSeam, ListenerSeam, RequestSeam};
 
 /// Most bytes of private data a connect, accept or reject may carry. The same on every
@@ -310,6 +313,201 @@ impl Connection {
         self.imp.recv(wr)
     }
 
+    /// Lets the peer reach `mr` with one-sided operations over this connection, as far as the
+    /// region's remote access bits allow, and returns the descriptor to send it (in a message,
+    /// in private data, or in the program's own format: the layout is fixed, see
+    /// [`REMOTE_DESC_LEN`]). The peer unpacks it with [`Connection::unpack_remote`]. The
+    /// region stays reachable until it is dropped (and the connection lives).
+    ///
+    /// Over shm a region allocated by the library ([`crate::Context::alloc_mr`]) is mapped by
+    /// the peer, which then reads, writes and runs atomics on it with no system call; caller
+    /// memory is reached with `process_vm_readv`/`process_vm_writev` where the kernel lets the
+    /// peer do so, and otherwise this fails with [`Error::Unsupported`], as it does for caller
+    /// memory with [`crate::Access::REMOTE_ATOMIC`] (atomics need the shared mapping).
+    pub fn pack_region(&self, mr: &Arc<MemoryRegion>) -> Result<[u8; REMOTE_DESC_LEN]> {
+        if !mr.same_context(self.imp.context()) {
+            return Err(Error::invalid("memory region belongs to another context"));
+        }
+        let remote =
+            Access(Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0);
+        if mr.access().0 & remote.0 == 0 {
+            return Err(Error::Access(
+                "the region allows no remote access (REMOTE_WRITE, REMOTE_READ, REMOTE_ATOMIC)",
+            ));
+        }
+        let key = self.imp.expose(mr)?;
+        Ok(remote::pack(
+            self.info().transport,
+            mr.access(),
+            mr.as_ptr() as u64,
+            mr.len() as u64,
+            key,
+        ))
+    }
+
+    /// Unpacks a descriptor the peer packed with [`Connection::pack_region`], for use on this
+    /// connection. Only its form is checked here; every access is checked against what the
+    /// peer registered when it runs.
+    pub fn unpack_remote(&self, desc: &[u8]) -> Result<RemoteRegion> {
+        let info = self.info();
+        remote::unpack(desc, info.transport, info.id)
+    }
+
+    /// A remote region from its raw fields, for peers that send address, key and length in
+    /// their own format (over verbs the key is the region's rkey, as a plain librdmacm peer
+    /// gives it).
+    pub fn remote_from_raw(&self, addr: u64, len: u64, key: u64) -> Result<RemoteRegion> {
+        remote::from_raw(addr, len, key, self.id())
+    }
+
+    /// Writes the local segments, in order, into the peer's memory at `remote_offset` of
+    /// `remote` (which needs REMOTE_WRITE). The local bytes must not change until the write
+    /// completes. On completion the bytes are in the peer's memory; the peer sees them for
+    /// certain once it has a later message or write-with-immediate of this connection.
+    pub fn post_write(
+        &self,
+        local: &[Sge<'_>],
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<()> {
+        let op = RdmaOp::Write { imm: None };
+        self.transfer(
+            op,
+            local.iter().copied(),
+            remote,
+            remote_offset,
+            wr_id,
+            flags,
+        )
+    }
+
+    /// As [`Connection::post_write`], then consumes a receive posted at the peer, whose
+    /// completion ([`crate::Opcode::RecvWriteImm`]) carries `imm` and the length written, and
+    /// comes after the bytes are in place. Like a send, it waits for the peer's receive.
+    pub fn post_write_imm(
+        &self,
+        local: &[Sge<'_>],
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        imm: u32,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<()> {
+        let op = RdmaOp::Write { imm: Some(imm) };
+        self.transfer(
+            op,
+            local.iter().copied(),
+            remote,
+            remote_offset,
+            wr_id,
+            flags,
+        )
+    }
+
+    /// Reads the peer's bytes at `remote_offset` of `remote` (which needs REMOTE_READ) into the
+    /// local segments (which need LOCAL_WRITE), in order.
+    pub fn post_read(
+        &self,
+        local: &[Sge<'_>],
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<()> {
+        let local = local.iter().copied();
+        self.transfer(RdmaOp::Read, local, remote, remote_offset, wr_id, flags)
+    }
+
+    /// Atomically adds `add` to the peer's 8-byte word at `remote_offset` of `remote` (8-byte
+    /// aligned, REMOTE_ATOMIC); the word as it was lands at `local_offset` of `local` (8-byte
+    /// aligned, LOCAL_WRITE), in host byte order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn post_fetch_add(
+        &self,
+        local: &Arc<MemoryRegion>,
+        local_offset: usize,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        add: u64,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<()> {
+        let op = RdmaOp::FetchAdd { add };
+        self.atomic(op, local, local_offset, remote, remote_offset, wr_id, flags)
+    }
+
+    /// Atomically stores `swap` in the peer's 8-byte word at `remote_offset` of `remote` if the
+    /// word equals `compare`; the word as it was lands at `local_offset` of `local` (as for
+    /// [`Connection::post_fetch_add`]). The swap happened when that value equals `compare`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn post_cmp_swap(
+        &self,
+        local: &Arc<MemoryRegion>,
+        local_offset: usize,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        compare: u64,
+        swap: u64,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<()> {
+        let op = RdmaOp::CmpSwap { compare, swap };
+        self.atomic(op, local, local_offset, remote, remote_offset, wr_id, flags)
+    }
+
+    /// Posts a write or read of the local segments `local`.
+    pub(crate) fn transfer<'a>(
+        &self,
+        op: RdmaOp,
+        local: impl ExactSizeIterator<Item = Sge<'a>>,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<()> {
+        let ctx = self.imp.context();
+        let wr = RdmaRequest::transfer(
+            ctx,
+            self.id(),
+            op,
+            local,
+            remote,
+            remote_offset,
+            wr_id,
+            flags,
+        )?;
+        self.imp.rdma(wr)
+    }
+
+    /// Posts an atomic.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn atomic(
+        &self,
+        op: RdmaOp,
+        local: &Arc<MemoryRegion>,
+        local_offset: usize,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<()> {
+        let ctx = self.imp.context();
+        let wr = RdmaRequest::atomic(
+            ctx,
+            self.id(),
+            op,
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            wr_id,
+            flags,
+        )?;
+        self.imp.rdma(wr)
+    }
+
     /// Starts an orderly disconnect. Outstanding work completes (flushed), then a
     /// [`crate::Opcode::Disconnected`] record arrives on the completion queue. Idempotent.
     pub fn disconnect(&self) {
@@ -354,6 +552,12 @@ pub(crate) mod seam {
         fn send(&self, wr: SendRequest<'_>) -> Result<()>;
         /// Posts a receive that passed the core's checks ([`wr`]).
         fn recv(&self, wr: RecvRequest<'_>) -> Result<()>;
+        /// Lets the peer reach `mr` (which has remote access bits and belongs to the
+        /// connection's context) with one-sided operations; returns the key its accesses
+        /// carry. Calling it again for the same region returns the same key.
+        fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64>;
+        /// Posts a one-sided operation that passed the core's checks ([`wr`]).
+        fn rdma(&self, wr: RdmaRequest<'_>) -> Result<()>;
         fn disconnect(&self);
     }
 }
@@ -369,11 +573,13 @@ macro_rules! transport_seam {
 
             use crate::conn::seam::{ConnSeam, ListenerSeam, RequestSeam};
             use crate::conn::{
-                ConnInfo, ConnOptions, ConnRequest, Connection, RecvRequest, SendRequest,
+                ConnInfo, ConnOptions, ConnRequest, Connection, RdmaRequest, RecvRequest,
+                SendRequest,
             };
             use crate::cq::CompletionQueue;
             use crate::domain::ContextInner;
             use crate::error::Result;
+            use crate::mr::MemoryRegion;
 
             impl ListenerSeam for $listener {
                 fn take(&self, deadline: Option<Instant>) -> Result<Option<ConnRequest>> {
@@ -422,6 +628,14 @@ macro_rules! transport_seam {
 
                 fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
                     <$conn>::recv(self, wr)
+                }
+
+                fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
+                    <$conn>::expose(self, mr)
+                }
+
+                fn rdma(&self, wr: RdmaRequest<'_>) -> Result<()> {
+                    <$conn>::rdma(self, wr)
                 }
 
                 fn disconnect(&self) {

@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use crate::conn::remote::{RemoteRegion, SGE_MAX};
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
 use crate::mr::{Access, MemoryRegion};
@@ -145,6 +146,192 @@ impl<'a> RecvRequest<'a> {
             ptr,
         })
     }
+}
+
+/// One local segment of a one-sided operation: `len` bytes at `offset` of `mr`.
+#[derive(Debug, Clone, Copy)]
+pub struct Sge<'a> {
+    /// The region (of the connection's context).
+    pub mr: &'a Arc<MemoryRegion>,
+    /// Where the segment starts in the region.
+    pub offset: usize,
+    /// Its length in bytes.
+    pub len: usize,
+}
+
+#[allow(dead_code)] // read by the transports' one-sided paths
+/// A checked local segment: inside its region, which belongs to the connection's context.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LocalSeg<'a> {
+    pub(crate) mr: &'a Arc<MemoryRegion>,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+    pub(crate) ptr: *mut u8,
+}
+
+/// What a one-sided operation does at the target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RdmaOp {
+    /// Writes the local segments, in order, at the target; with an immediate value it then
+    /// consumes a receive posted at the target, whose completion carries the value.
+    Write { imm: Option<u32> },
+    /// Reads the target's bytes into the local segments, in order.
+    Read,
+    /// Adds to the target's 8-byte word; the local segment gets the word as it was.
+    FetchAdd { add: u64 },
+    /// Stores `swap` in the target's 8-byte word if it equals `compare`; the local segment
+    /// gets the word as it was.
+    CmpSwap { compare: u64, swap: u64 },
+}
+
+/// A checked one-sided operation: the local segments lie in regions of the connection's
+/// context (with LOCAL_WRITE where the operation writes them), the remote range does not wrap,
+/// an atomic's local and remote words are 8 bytes and 8-byte aligned. Whether the target allows
+/// the access (key, bounds, rights) is checked by the transport, against what the target
+/// registered, and fails the operation with [`crate::WcStatus::RemoteAccess`].
+#[allow(dead_code)] // read by the transports' one-sided paths
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RdmaRequest<'a> {
+    pub(crate) wr_id: u64,
+    pub(crate) signaled: bool,
+    pub(crate) op: RdmaOp,
+    /// `segs[..nsegs]` are the operation's local segments.
+    pub(crate) segs: [Option<LocalSeg<'a>>; SGE_MAX],
+    pub(crate) nsegs: usize,
+    /// Total bytes of the local segments.
+    pub(crate) len: usize,
+    pub(crate) remote: RemoteRegion,
+    /// The target address: the region's address plus the caller's offset.
+    pub(crate) remote_addr: u64,
+}
+
+impl<'a> RdmaRequest<'a> {
+    /// A write or read of `local`, in order, at `remote_offset` of `remote`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn transfer(
+        ctx: &Arc<ContextInner>,
+        conn_id: u64,
+        op: RdmaOp,
+        local: impl ExactSizeIterator<Item = Sge<'a>>,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<Self> {
+        check_send_flags(flags)?;
+        check_remote(remote, conn_id)?;
+        let nsegs = local.len();
+        if nsegs > SGE_MAX {
+            return Err(Error::invalid(format!(
+                "{nsegs} local segments; at most {SGE_MAX}"
+            )));
+        }
+        let mut segs = [None; SGE_MAX];
+        let mut len = 0usize;
+        for (i, s) in local.enumerate() {
+            let ptr = check_region(s.mr, ctx, s.offset, s.len)?;
+            if op == RdmaOp::Read && !s.mr.access().contains(Access::LOCAL_WRITE) {
+                return Err(Error::Access("a read's local segments need LOCAL_WRITE"));
+            }
+            len = len
+                .checked_add(s.len)
+                .filter(|&l| l <= u32::MAX as usize)
+                .ok_or_else(|| Error::invalid("operation longer than 4 GiB - 1"))?;
+            segs[i] = Some(LocalSeg {
+                mr: s.mr,
+                offset: s.offset,
+                len: s.len,
+                ptr,
+            });
+        }
+        let remote_addr = remote_target(remote, remote_offset, len as u64)?;
+        Ok(RdmaRequest {
+            wr_id,
+            signaled: flags.signaled(),
+            op,
+            segs,
+            nsegs,
+            len,
+            remote: *remote,
+            remote_addr,
+        })
+    }
+
+    /// A fetch-and-add or compare-and-swap on the 8-byte word at `remote_offset` of `remote`;
+    /// the word as it was lands at `local_offset` of `local`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn atomic(
+        ctx: &Arc<ContextInner>,
+        conn_id: u64,
+        op: RdmaOp,
+        local: &'a Arc<MemoryRegion>,
+        local_offset: usize,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Result<Self> {
+        check_send_flags(flags)?;
+        check_remote(remote, conn_id)?;
+        let ptr = check_region(local, ctx, local_offset, 8)?;
+        if !local.access().contains(Access::LOCAL_WRITE) {
+            return Err(Error::Access("an atomic's local word needs LOCAL_WRITE"));
+        }
+        if ptr as usize % 8 != 0 {
+            return Err(Error::invalid(
+                "an atomic's local word must be 8-byte aligned",
+            ));
+        }
+        let remote_addr = remote_target(remote, remote_offset, 8)?;
+        if remote_addr % 8 != 0 {
+            return Err(Error::invalid(
+                "an atomic's remote word must be 8-byte aligned",
+            ));
+        }
+        let mut segs = [None; SGE_MAX];
+        segs[0] = Some(LocalSeg {
+            mr: local,
+            offset: local_offset,
+            len: 8,
+            ptr,
+        });
+        Ok(RdmaRequest {
+            wr_id,
+            signaled: flags.signaled(),
+            op,
+            segs,
+            nsegs: 1,
+            len: 8,
+            remote: *remote,
+            remote_addr,
+        })
+    }
+
+    /// The local segments.
+    #[allow(dead_code)]
+    pub(crate) fn segs(&self) -> impl Iterator<Item = &LocalSeg<'a>> {
+        self.segs[..self.nsegs].iter().flatten()
+    }
+}
+
+/// The remote region was unpacked on this connection.
+fn check_remote(remote: &RemoteRegion, conn_id: u64) -> Result<()> {
+    if remote.conn_id != conn_id {
+        return Err(Error::invalid(
+            "the remote region was unpacked on another connection",
+        ));
+    }
+    Ok(())
+}
+
+/// The target address of `len` bytes at `offset` of `remote`, if it does not wrap. (Whether
+/// it lies inside the region the peer registered is the transport's check.)
+fn remote_target(remote: &RemoteRegion, offset: u64, len: u64) -> Result<u64> {
+    remote
+        .addr
+        .checked_add(offset)
+        .filter(|a| a.checked_add(len).is_some())
+        .ok_or_else(|| Error::invalid("remote offset wraps past the end of the address space"))
 }
 
 /// Only known flags.

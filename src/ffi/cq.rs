@@ -19,6 +19,18 @@ pub struct rbr_cq {
 pub const RBR_OP_SEND: u32 = 1;
 /// Opcode: a receive was filled.
 pub const RBR_OP_RECV: u32 = 2;
+/// Opcode: a one-sided write (`rbr_conn_post_write` or `rbr_conn_post_write_imm`) finished.
+pub const RBR_OP_WRITE: u32 = 3;
+/// Opcode: a one-sided read finished; the bytes are in the local segments.
+pub const RBR_OP_READ: u32 = 4;
+/// Opcode: a fetch-and-add finished; the remote word as it was is in the local segment.
+pub const RBR_OP_FETCH_ADD: u32 = 5;
+/// Opcode: a compare-and-swap finished; the remote word as it was is in the local segment.
+pub const RBR_OP_CMP_SWAP: u32 = 6;
+/// Opcode: a posted receive was consumed by the peer's write with immediate. `imm_data` (with
+/// RBR_WC_WITH_IMM in `flags`) carries the value, `byte_len` the bytes written; they are in
+/// place. The receive's buffer is not touched.
+pub const RBR_OP_RECV_WRITE_IMM: u32 = 7;
 /// Opcode (connection event): the connection is down; every work request it had has
 /// completed before this record, and none follows it. `status` is RBR_WC_SUCCESS for an
 /// orderly close by either side (over verbs this includes a peer process that was killed: its
@@ -87,6 +99,11 @@ impl From<Completion> for rbr_completion {
             opcode: match c.opcode {
                 Opcode::Send => RBR_OP_SEND,
                 Opcode::Recv => RBR_OP_RECV,
+                Opcode::Write => RBR_OP_WRITE,
+                Opcode::Read => RBR_OP_READ,
+                Opcode::FetchAdd => RBR_OP_FETCH_ADD,
+                Opcode::CmpSwap => RBR_OP_CMP_SWAP,
+                Opcode::RecvWriteImm => RBR_OP_RECV_WRITE_IMM,
                 Opcode::Disconnected => RBR_OP_DISCONNECTED,
             },
             status: match c.status {

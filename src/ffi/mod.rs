@@ -11,6 +11,7 @@ pub mod ctx;
 pub mod error;
 pub mod listener;
 pub mod mr;
+pub mod rdma;
 
 pub use error::rbr_status;
 

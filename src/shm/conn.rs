@@ -310,6 +310,20 @@ impl Conn {
         Ok(())
     }
 
+    /// Lets the peer reach `mr` with one-sided operations; returns its key.
+    pub(crate) fn expose(&self, _mr: &Arc<crate::mr::MemoryRegion>) -> Result<u64> {
+        Err(Error::Unsupported(
+            "one-sided operations are not built yet".into(),
+        ))
+    }
+
+    /// Posts a checked one-sided operation.
+    pub(crate) fn rdma(&self, _wr: crate::conn::RdmaRequest<'_>) -> Result<()> {
+        Err(Error::Unsupported(
+            "one-sided operations are not built yet".into(),
+        ))
+    }
+
     pub(crate) fn disconnect(&self) {
         self.sh.wake.stop();
     }
