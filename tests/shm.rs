@@ -41,6 +41,10 @@ suite_over_shm!(
     event_loop_accepts_a_burst_without_losing_a_peer,
     late_receive_send_waits_and_completes,
     unsignaled_sends_never_fill_the_send_queue,
+    one_sided_operations_move_verified_data_at_all_sizes,
+    fetch_and_add_from_two_connections_sums_exactly,
+    compare_and_swap_makes_a_working_lock,
+    bad_remote_accesses_fail_with_remote_access_and_touch_nothing,
 );
 
 /// A peer running as another user is turned away (peer credentials), and the listener keeps

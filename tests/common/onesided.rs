@@ -1,0 +1,457 @@
+//! One-sided operations (RDMA write, write with immediate, read, atomics), the same over both
+//! transports: run from tests/shm.rs and tests/verbs.rs through the suite.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use rdmabridge::{
+    Access, Completion, CompletionQueue, ConnOptions, Connection, Context, Error, MemoryRegion,
+    Opcode, RemoteRegion, SendFlags, Sge, WcStatus,
+};
+
+const SIG: SendFlags = SendFlags::SIGNALED;
+
+/// The next completion, which must be a success of `op` with `wr_id`.
+fn expect_ok(cq: &CompletionQueue, op: Opcode, wr_id: u64) -> Completion {
+    let c = next(cq);
+    assert_eq!(
+        (c.opcode, c.status, c.wr_id),
+        (op, WcStatus::Success, wr_id),
+        "{c:?}"
+    );
+    c
+}
+
+/// Sends `desc` from `from` to `to` in a message and returns what `to` received.
+fn hand_over(
+    ctx: &Context,
+    from: &Connection,
+    from_cq: &CompletionQueue,
+    to: &Connection,
+    to_cq: &CompletionQueue,
+    desc: &[u8],
+) -> Vec<u8> {
+    let buf = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    to.post_recv(&buf, 0, 64, 900).unwrap();
+    from.post_send_inline(desc, 901, SIG).unwrap();
+    expect_ok(from_cq, Opcode::Send, 901);
+    let c = expect_ok(to_cq, Opcode::Recv, 900);
+    let mut got = vec![0u8; c.byte_len as usize];
+    buf.read(0, &mut got).unwrap();
+    got
+}
+
+/// The server's region `target`, unpacked on the client after a real exchange of descriptors.
+fn remote_of(
+    ctx: &Context,
+    client: &Connection,
+    ccq: &CompletionQueue,
+    server: &Connection,
+    scq: &CompletionQueue,
+    target: &Arc<MemoryRegion>,
+) -> RemoteRegion {
+    let desc = server.pack_region(target).unwrap();
+    let got = hand_over(ctx, server, scq, client, ccq, &desc);
+    let r = client.unpack_remote(&got).unwrap();
+    assert_eq!(
+        (r.addr(), r.len()),
+        (target.as_ptr() as u64, target.len() as u64)
+    );
+    r
+}
+
+/// Splits `0..len` of `mr` (from `base`) into three segments (fewer when shorter).
+fn thirds(mr: &Arc<MemoryRegion>, base: usize, len: usize) -> Vec<Sge<'_>> {
+    let cuts = [0, len / 3, 2 * len / 3, len];
+    cuts.windows(2)
+        .filter(|w| w[1] > w[0] || len == 0)
+        .take(if len == 0 { 1 } else { 3 })
+        .map(|w| Sge {
+            mr,
+            offset: base + w[0],
+            len: w[1] - w[0],
+        })
+        .collect()
+}
+
+fn bytes(mr: &MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    mr.read(offset, &mut v).unwrap();
+    v
+}
+
+fn checksum(mr: &MemoryRegion) -> u64 {
+    bytes(mr, 0, mr.len())
+        .iter()
+        .enumerate()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, (i, &b)| {
+            (h ^ (b as u64 + i as u64)).wrapping_mul(0x100_0000_01b3)
+        })
+}
+
+/// Write, read and write-with-immediate move verified data at 1 B..64 MiB, gathered from and
+/// scattered into three local segments, into a library-allocated target region and into
+/// caller memory; the immediate value and the length written arrive with the target's
+/// receive, whose buffer stays untouched. Bad posts fail at once and post nothing.
+pub fn one_sided_operations_move_verified_data_at_all_sizes(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let (client, ccq, server, scq) =
+        pair(net, &ctx, &ConnOptions::default(), &ConnOptions::default());
+    let max = 64usize << 20;
+    let rw = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let target = ctx.alloc_mr(max + 64, rw).unwrap();
+    let local = ctx.alloc_mr(max + 64, Access::LOCAL_WRITE).unwrap();
+    let remote = remote_of(&ctx, &client, &ccq, &server, &scq, &target);
+    let recv_buf = ctx.alloc_mr(16, Access::LOCAL_WRITE).unwrap();
+    recv_buf.write(0, &[0xee; 16]).unwrap();
+    let mut wr = 0;
+    for size in [1usize, 7, 4096, 65536 + 5, 1 << 20, max] {
+        // Unaligned on both ends, except at the largest size.
+        let (loff, roff) = if size == max { (0, 0) } else { (3, 61) };
+        let data = pattern(size as u64, size);
+        local.write(loff, &data).unwrap();
+        wr += 1;
+        client
+            .post_write(&thirds(&local, loff, size), &remote, roff as u64, wr, SIG)
+            .unwrap();
+        expect_ok(&ccq, Opcode::Write, wr);
+        assert!(bytes(&target, roff, size) == data, "write of {size} B");
+
+        local.write(loff, &vec![0u8; size]).unwrap();
+        wr += 1;
+        client
+            .post_read(&thirds(&local, loff, size), &remote, roff as u64, wr, SIG)
+            .unwrap();
+        expect_ok(&ccq, Opcode::Read, wr);
+        assert!(bytes(&local, loff, size) == data, "read of {size} B");
+
+        let data2 = pattern(size as u64 + 1000, size);
+        local.write(loff, &data2).unwrap();
+        server.post_recv(&recv_buf, 0, 16, 5000 + wr).unwrap();
+        wr += 1;
+        let imm = 0xabc0_0000 | size as u32 & 0xffff;
+        client
+            .post_write_imm(
+                &thirds(&local, loff, size),
+                &remote,
+                roff as u64,
+                imm,
+                wr,
+                SIG,
+            )
+            .unwrap();
+        expect_ok(&ccq, Opcode::Write, wr);
+        let c = expect_ok(&scq, Opcode::RecvWriteImm, 5000 + wr - 1);
+        assert_eq!((c.imm, c.byte_len), (Some(imm), size as u32));
+        assert!(bytes(&target, roff, size) == data2, "write-imm of {size} B");
+        assert_eq!(bytes(&recv_buf, 0, 16), vec![0xee; 16]);
+    }
+    // A zero-length write with immediate: a pure signal.
+    server.post_recv(&recv_buf, 0, 16, 7000).unwrap();
+    client
+        .post_write_imm(&[], &remote, 0, 42, 7001, SIG)
+        .unwrap();
+    expect_ok(&ccq, Opcode::Write, 7001);
+    let c = expect_ok(&scq, Opcode::RecvWriteImm, 7000);
+    assert_eq!((c.imm, c.byte_len), (Some(42), 0));
+
+    // Caller memory as the target, and a single segment.
+    let mut caller = vec![0u8; 1 << 20];
+    // SAFETY: `caller` outlives the region (dropped at the end of the function, after it) and
+    // the operations on it have completed before it is read.
+    let creg = unsafe { ctx.register_mr(caller.as_mut_ptr(), caller.len(), rw) }.unwrap();
+    let cremote = remote_of(&ctx, &client, &ccq, &server, &scq, &creg);
+    for size in [1usize, 4096, 1 << 20] {
+        let data = pattern(size as u64 + 7, size);
+        local.write(0, &data).unwrap();
+        let seg = [Sge {
+            mr: &local,
+            offset: 0,
+            len: size,
+        }];
+        wr += 1;
+        client.post_write(&seg, &cremote, 0, wr, SIG).unwrap();
+        expect_ok(&ccq, Opcode::Write, wr);
+        assert!(
+            bytes(&creg, 0, size) == data,
+            "write of {size} B into caller memory"
+        );
+        local.write(0, &vec![0u8; size]).unwrap();
+        wr += 1;
+        client.post_read(&seg, &cremote, 0, wr, SIG).unwrap();
+        expect_ok(&ccq, Opcode::Read, wr);
+        assert!(
+            bytes(&local, 0, size) == data,
+            "read of {size} B from caller memory"
+        );
+    }
+
+    // Bad posts: a clear error at once, nothing posted (the next operation still works).
+    let ro = ctx.alloc_mr(64, Access(0)).unwrap();
+    let one = |mr| {
+        [Sge {
+            mr,
+            offset: 0,
+            len: 8,
+        }]
+    };
+    assert!(matches!(
+        client.post_read(&one(&ro), &remote, 0, 1, SIG),
+        Err(Error::Access(_))
+    ));
+    let five: Vec<Sge> = (0..5)
+        .map(|_| Sge {
+            mr: &local,
+            offset: 0,
+            len: 1,
+        })
+        .collect();
+    assert!(matches!(
+        client.post_write(&five, &remote, 0, 1, SIG),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        client.post_write(
+            &[Sge {
+                mr: &local,
+                offset: max,
+                len: 128
+            }],
+            &remote,
+            0,
+            1,
+            SIG
+        ),
+        Err(Error::Range { .. })
+    ));
+    assert!(matches!(
+        client.post_fetch_add(&local, 4, &remote, 0, 1, 1, SIG),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        client.post_fetch_add(&local, 0, &remote, 4, 1, 1, SIG),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        client.post_write(&one(&local), &remote, u64::MAX - 4, 1, SIG),
+        Err(Error::InvalidArgument(_))
+    ));
+    // A region unpacked on one connection (here the server's own) is refused on another.
+    let theirs = server
+        .unpack_remote(&server.pack_region(&target).unwrap())
+        .unwrap();
+    assert!(matches!(
+        client.post_write(&one(&local), &theirs, 0, 1, SIG),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        client.unpack_remote(&[0u8; 32]),
+        Err(Error::InvalidArgument(_))
+    ));
+    wr += 1;
+    local.write(0, b"still up").unwrap();
+    client
+        .post_write(&one(&local), &remote, 0, wr, SIG)
+        .unwrap();
+    expect_ok(&ccq, Opcode::Write, wr);
+    assert_eq!(bytes(&target, 0, 8), b"still up");
+    assert!(ccq.poll().is_none() && scq.poll().is_none());
+    drop((client, server, creg));
+    drop(caller);
+}
+
+/// Two connections each run `per` fetch-and-adds of 1 on one word of the server's, `window`
+/// at a time: the word ends at exactly 2 x `per`, and the values fetched are each value from
+/// 0 to 2 x `per` - 1 exactly once.
+pub fn fetch_and_add_from_two_connections_sums_exactly(net: &Net) {
+    let per: u64 = 100_000;
+    let window = 16usize;
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions::default();
+    let word = ctx
+        .alloc_mr(64, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC)
+        .unwrap();
+    let pairs: Vec<_> = (0..2).map(|_| pair(net, &ctx, &opts, &opts)).collect();
+    let remotes: Vec<_> = pairs
+        .iter()
+        .map(|(c, ccq, s, scq)| remote_of(&ctx, c, ccq, s, scq, &word))
+        .collect();
+    let t = Instant::now();
+    let fetched: Vec<Vec<u64>> = std::thread::scope(|s| {
+        let hs: Vec<_> = pairs
+            .iter()
+            .zip(&remotes)
+            .map(|((c, ccq, _, _), remote)| {
+                let ctx = &ctx;
+                s.spawn(move || {
+                    let res = ctx.alloc_mr(8 * window, Access::LOCAL_WRITE).unwrap();
+                    let mut got = Vec::with_capacity(per as usize);
+                    let (mut posted, mut done) = (0u64, 0u64);
+                    while done < per {
+                        while posted < per && posted - done < window as u64 {
+                            let slot = (posted % window as u64) as usize;
+                            c.post_fetch_add(&res, slot * 8, remote, 0, 1, posted, SIG)
+                                .unwrap();
+                            posted += 1;
+                        }
+                        let k = expect_ok(ccq, Opcode::FetchAdd, done).wr_id;
+                        let slot = (k % window as u64) as usize;
+                        let mut b = [0u8; 8];
+                        res.read(slot * 8, &mut b).unwrap();
+                        got.push(u64::from_ne_bytes(b));
+                        done += 1;
+                    }
+                    got
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut all: Vec<u64> = fetched.concat();
+    all.sort_unstable();
+    assert_eq!(
+        u64::from_ne_bytes(bytes(&word, 0, 8).try_into().unwrap()),
+        2 * per
+    );
+    assert!(
+        all.iter().copied().eq(0..2 * per),
+        "fetched values are not each of 0..{} once",
+        2 * per
+    );
+    eprintln!("{} fetch-and-adds in {:?}", 2 * per, t.elapsed());
+}
+
+/// A spin lock built on compare-and-swap guards a read-modify-write of a counter made of
+/// plain one-sided read and write: two connections each take the lock `rounds` times, and
+/// the counter ends at exactly 2 x `rounds` (without the lock, increments get lost).
+pub fn compare_and_swap_makes_a_working_lock(net: &Net) {
+    let rounds: u64 = match net {
+        Net::Shm => 20_000,
+        Net::Verbs(_) => 500,
+    };
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions::default();
+    let words = ctx
+        .alloc_mr(
+            64,
+            Access::LOCAL_WRITE
+                | Access::REMOTE_ATOMIC
+                | Access::REMOTE_READ
+                | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    let pairs: Vec<_> = (0..2).map(|_| pair(net, &ctx, &opts, &opts)).collect();
+    let remotes: Vec<_> = pairs
+        .iter()
+        .map(|(c, ccq, s, scq)| remote_of(&ctx, c, ccq, s, scq, &words))
+        .collect();
+    std::thread::scope(|s| {
+        for (i, ((c, ccq, _, _), remote)) in pairs.iter().zip(&remotes).enumerate() {
+            let ctx = &ctx;
+            s.spawn(move || {
+                let me = i as u64 + 1;
+                let local = ctx.alloc_mr(16, Access::LOCAL_WRITE).unwrap();
+                let old = |wr| {
+                    expect_ok(ccq, Opcode::CmpSwap, wr);
+                    u64::from_ne_bytes(bytes(&local, 0, 8).try_into().unwrap())
+                };
+                let mut wr = 0;
+                for _ in 0..rounds {
+                    loop {
+                        wr += 1;
+                        c.post_cmp_swap(&local, 0, remote, 0, 0, me, wr, SIG)
+                            .unwrap();
+                        if old(wr) == 0 {
+                            break;
+                        }
+                    }
+                    let seg = [Sge {
+                        mr: &local,
+                        offset: 8,
+                        len: 8,
+                    }];
+                    wr += 1;
+                    c.post_read(&seg, remote, 8, wr, SIG).unwrap();
+                    expect_ok(ccq, Opcode::Read, wr);
+                    let n = u64::from_ne_bytes(bytes(&local, 8, 8).try_into().unwrap());
+                    local.write(8, &(n + 1).to_ne_bytes()).unwrap();
+                    wr += 1;
+                    c.post_write(&seg, remote, 8, wr, SIG).unwrap();
+                    expect_ok(ccq, Opcode::Write, wr);
+                    wr += 1;
+                    c.post_cmp_swap(&local, 0, remote, 0, me, 0, wr, SIG)
+                        .unwrap();
+                    assert_eq!(old(wr), me, "the lock was not held by its owner");
+                }
+            });
+        }
+    });
+    let count = u64::from_ne_bytes(bytes(&words, 8, 8).try_into().unwrap());
+    assert_eq!(count, 2 * rounds);
+    assert_eq!(bytes(&words, 0, 8), [0u8; 8], "the lock is free at the end");
+}
+
+/// A key the peer never gave, a range past the end of its region, and a write into a region
+/// it allows only reading each complete with RemoteAccess, fail the connection (which ends
+/// with its Disconnected record), and leave every byte of the target as it was.
+pub fn bad_remote_accesses_fail_with_remote_access_and_touch_nothing(net: &Net) {
+    for case in ["wrong key", "past the end", "read-only"] {
+        let ctx = Context::new().unwrap();
+        let opts = ConnOptions::default();
+        let (client, ccq, server, scq) = pair(net, &ctx, &opts, &opts);
+        let access = if case == "read-only" {
+            Access::LOCAL_WRITE | Access::REMOTE_READ
+        } else {
+            Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE
+        };
+        let target = ctx.alloc_mr(4096, access).unwrap();
+        target.write(0, &pattern(77, 4096)).unwrap();
+        let before = checksum(&target);
+        let mut remote = remote_of(&ctx, &client, &ccq, &server, &scq, &target);
+        let mut offset = 0;
+        match case {
+            "wrong key" => {
+                let key = remote.key() ^ 0x5a5a_0000;
+                remote = client
+                    .remote_from_raw(remote.addr(), remote.len(), key)
+                    .unwrap();
+            }
+            "past the end" => offset = 4096 - 32,
+            _ => {}
+        }
+        let local = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        local.write(0, &[0x11; 64]).unwrap();
+        let seg = [Sge {
+            mr: &local,
+            offset: 0,
+            len: 64,
+        }];
+        client.post_write(&seg, &remote, offset, 1, SIG).unwrap();
+        let c = next(&ccq);
+        assert_eq!(
+            (c.opcode, c.status, c.wr_id),
+            (Opcode::Write, WcStatus::RemoteAccess, 1),
+            "{case}: {c:?}"
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let d = next(&ccq);
+            if d.opcode == Opcode::Disconnected {
+                assert_ne!(d.status, WcStatus::Success, "{case}");
+                break;
+            }
+            assert_eq!(d.status, WcStatus::Flushed, "{case}: {d:?}");
+            assert!(Instant::now() < deadline, "{case}: no Disconnected");
+        }
+        assert!(
+            matches!(
+                client.post_write(&seg, &remote, 0, 2, SIG),
+                Err(Error::Disconnected)
+            ),
+            "{case}: the connection is down"
+        );
+        assert_eq!(checksum(&target), before, "{case}: the target changed");
+        drop((client, server));
+    }
+}
