@@ -209,6 +209,16 @@ const char *ex_opcode_str(uint32_t opcode)
         return "SEND";
     case RBR_OP_RECV:
         return "RECV";
+    case RBR_OP_WRITE:
+        return "WRITE";
+    case RBR_OP_READ:
+        return "READ";
+    case RBR_OP_FETCH_ADD:
+        return "FETCH_ADD";
+    case RBR_OP_CMP_SWAP:
+        return "CMP_SWAP";
+    case RBR_OP_RECV_WRITE_IMM:
+        return "RECV_WRITE_IMM";
     case RBR_OP_DISCONNECTED:
         return "DISCONNECTED";
     default:

@@ -51,6 +51,22 @@
  *   peer sees RBR_OP_DISCONNECTED with RBR_WC_SUCCESS), poll the queue until each
  *   RBR_OP_DISCONNECTED has come (or simply destroy it), then destroy the regions, the queue
  *   and the context. Every destroy returns in bounded time whatever the peers do.
+ *
+ * One-sided operations (rbr_conn_pack_region, rbr_conn_post_write and the others):
+ * - The owner of a region packs its descriptor for one connection and sends it to the peer
+ *   (in a message, private data, or its own format); the peer unpacks it on that connection
+ *   and targets offsets inside it. Every access is checked against what the owner registered
+ *   (key, bounds, access bits); a failed check completes the operation with
+ *   RBR_WC_REMOTE_ACCESS, touches no byte of the owner's memory, and fails the connection.
+ * - Visibility: when a write completes, its bytes are in the peer's memory. The peer may rely
+ *   on seeing them once it has a later message or write-with-immediate of the connection (a
+ *   write's bytes are in place before any message or write-with-immediate posted after it is
+ *   delivered), or by polling a byte it knows the write changes.
+ * - Order: one-sided operations of a connection start and complete in the order they were
+ *   posted. Sends and writes with immediate (which consume the peer's receives) keep their
+ *   order among themselves, but one-sided operations posted after them do not wait behind
+ *   them while they wait for the peer's receive: wait for a send's completion before a write
+ *   that must follow it.
  */
 
 #ifndef RDMABRIDGE_H
