@@ -54,19 +54,19 @@ build=$root/build-shm-bench
 echo "shm.sh: building (cargo release, cmake Release in $build)"
 timeout 1800 cargo build --release --quiet
 timeout 300 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-timeout 900 cmake --build "$build" -j2 --target rbr_bench rbr_limits rbr_scaling >/dev/null
-bench=$build/rbr_bench limits=$build/rbr_limits scaling=$build/rbr_scaling
+timeout 900 cmake --build "$build" -j2 --target rbr_bench rbr_rma_bench rbr_limits rbr_scaling >/dev/null
+bench=$build/rbr_bench rma=$build/rbr_rma_bench limits=$build/rbr_limits scaling=$build/rbr_scaling
 
 # ------------------------------------------------------------------ plan
 if [ "$quick" = 1 ]; then
-  lat_sizes=(2 4096) bw_sizes=(4096 65536) rate_sizes=(2) put_sizes=(65536)
+  lat_sizes=(2 4096) bw_sizes=(4096 65536) rate_sizes=(2) put_sizes=(65536) rma_sizes=(8 65536)
   lat_n=300 ucx_lat_warm=30 bw_bytes=$((8 << 20)) max_msgs=20000 fi_n=300
   limits_args=(-n 20000 -r 1) tmo=30
   scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60
 else
   lat_sizes=(2 64 1024 4096 65536 1048576)
   bw_sizes=(64 1024 4096 16384 65536 262144 1048576)
-  rate_sizes=(2 64) put_sizes=(65536 1048576)
+  rate_sizes=(2 64) put_sizes=(65536 1048576) rma_sizes=(8 4096 65536 1048576)
   lat_n=10000 ucx_lat_warm=1000 bw_bytes=$((1 << 30)) max_msgs=1000000 fi_n=10000
   limits_args=(-n 1000000 -r 5) tmo=180
   # With progress threads a round trip takes ~0.1-5 ms at 1,024 connections: minutes.
@@ -164,6 +164,26 @@ run_ours() {
 # ucx TEST SIZE N WARMUP: one server and client; records p50/mean latency or bandwidth and rate.
 # ucx_perftest prints MB/s with MB = 2^20 bytes: converted here to 10^6 bytes.
 # run_ucx TEST SIZE N WARMUP [NAME]: NAME (default TEST) is what raw.txt calls the result.
+# run_rma TESTS SIZE: rbr_rma_bench (one-sided writes), our side of ucp_put_lat / ucp_put_bw.
+run_rma() {
+  local tests=$1 size=$2 log=$out/logs/r$round-rma-${1//,/-}-$2.log c
+  c=$(stream_count "$size")
+  start_server "$log.server" "$rma" -r server -a "shm://$shm_name-rma" -T 30
+  for i in $(seq 100); do
+    grep -q '^listening' "$log.server" 2>/dev/null && break
+    kill -0 "$spid" 2>/dev/null || break
+    sleep 0.05
+  done
+  if client "$rma" -r client -a "shm://$shm_name-rma" -t "$tests" -s "$size" -n "$lat_n" \
+      -b "$((c * size))" -T 30 >"$log" 2>&1 && end_server; then
+    awk -v r="$round" '$1 == "RESULT" { $1 = r " ours"; print }' "$log" >>"$raw"
+  else
+    kill "$spid" 2>/dev/null || true
+    end_server || true
+    fail "rbr_rma_bench $tests $size failed (see $log)"
+  fi
+}
+
 run_ucx() {
   local test=$1 size=$2 n=$3 warm=$4 name=${5:-$1} log=$out/logs/r$round-ucx-${5:-$1}-$2.log try line
   for try in 1 2; do
@@ -177,7 +197,7 @@ run_ucx() {
             $h["overall_lat"], $h["overall_bw"] * 1.048576, $h["overall_mr"]; exit }' "$log")
       if [ -n "$line" ]; then
         case $test in
-          tag_lat) line=${line% mb_s=*} ;;
+          tag_lat|ucp_put_lat) line=${line% mb_s=*} ;;
           *) line=${line#* avg_us=* } ;;
         esac
         echo "$round ucx $name $size $line" >>"$raw"
@@ -260,6 +280,9 @@ pair_all() {
           if [[ " ${put_sizes[*]} " == *" $s "* ]]; then
             cmds+=("run_ucx ucp_put_bw $s $c $((c / 10 + 1))")
           fi ;;
+      # one-sided: write ping-pong against ucp_put_lat, streaming writes against ucp_put_bw
+      rma) cmds=("run_rma wlat,wbw $s" "run_ucx ucp_put_lat $s $lat_n $ucx_lat_warm"
+                 "run_ucx ucp_put_bw $s $c $((c / 10 + 1))") ;;
       # ucx tag_bw again, its message rate recorded as tag_mr
       rate) cmds=("run_ours rate $s" "run_ucx tag_bw $s $c $((c / 10 + 1)) tag_mr") ;;
     esac
@@ -281,6 +304,8 @@ for round in $(seq "$rounds"); do
   pair_all bw "${bw_sizes[@]}"
   echo "shm.sh: round $round/$rounds: message rate"
   pair_all rate "${rate_sizes[@]}"
+  echo "shm.sh: round $round/$rounds: one-sided writes"
+  pair_all rma "${rma_sizes[@]}"
   echo "shm.sh: round $round/$rounds: limits"
   run_limits
   echo "shm.sh: round $round/$rounds: scaling (1 to ${scaling_args[1]##*,} connections)"

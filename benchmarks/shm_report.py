@@ -99,6 +99,17 @@ def main():
     for s in sizes("ours", "rate"):
         add("rate", s, "msgs_s", "ours", "rate", "msgs_s", "ucx", "tag_mr", "ucx tag_bw",
             "msg/s", False)
+    # One-sided writes: the write ping-pong against ucp_put_lat, streaming writes against
+    # ucp_put_bw and, at 1 MiB, against one memcpy (the target: 0.8x).
+    for s in sizes("ours", "wlat"):
+        add("wlat", s, "p50_us", "ours", "wlat", "p50_us", "ucx", "ucp_put_lat",
+            "ucx ucp_put_lat p50", "us", True, olabel="ours write p50")
+    for s in sizes("ours", "wbw"):
+        add("wbw", s, "mb_s", "ours", "wbw", "mb_s", "ucx", "ucp_put_bw", "ucx ucp_put_bw",
+            "MB/s", False, olabel="ours write bw")
+        if s == 1 << 20:
+            add("limit", s, "mb_s", "ours", "wbw", "gb_s", "limits", "memcpy",
+                "memcpy 1 MiB", "MB/s", False, tscale=1000.0, olabel="ours write bw")
     # Against the machine's limits: one-way latency floor = half a cache-line round trip;
     # copying bandwidth = one memcpy (shm moves every byte at least once).
     lat_small = sizes("ours", "lat")
