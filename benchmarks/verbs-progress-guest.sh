@@ -3,6 +3,9 @@
 # one boot, the stock tools against the C examples over verbs in both progress modes:
 #   latency:    ib_send_lat -R at 2 B and 4 KiB  vs  rbr_client ping-pong (one-way: p50, p99)
 #   throughput: ib_send_bw -R from 64 KiB up     vs  rbr_client streaming, window 32
+#   one-sided:  ib_write_lat / ib_read_lat -R at 2 B and 4 KiB, ib_write_bw / ib_read_bw -R from
+#               64 KiB up  vs  rbr_rma_bench (write ping-pong polling memory, read round
+#               trips, streaming writes and reads, window 32; busy polling, as perftest)
 #   setup:      cmtime (N connections)           vs  rbr_close_loop (N connect + accept + close,
 #               one after another, both ends in one process); connections per second
 # rdmabridge runs as rbr-caller (progress on the caller's thread, the default), rbr-thread
@@ -121,6 +124,27 @@ rbr_conn_rate() { # N
   awk -v n="$n" -v ns=$((t1 - t0)) 'BEGIN { printf "%.1f\n", n / (ns / 1e9) }'
 }
 
+# rbr_rma_bench: TEST (wlat, rlat, wbw, rbw) at SIZE, COUNT operations; prints its RESULT line.
+rma() { # TEST SIZE COUNT
+  local test=$1 size=$2 count=$3
+  next_port
+  local addr="rdma://$ip:$port"
+  timeout 300 "$build/rbr_rma_bench" -r server -a "$addr" >/tmp/rma-server.log 2>&1 &
+  local s=$!
+  local i
+  for i in $(seq 100); do grep -q '^listening on' /tmp/rma-server.log && break; sleep 0.1; done
+  timeout 300 "$build/rbr_rma_bench" -r client -a "$addr" -t "$test" -s "$size" -n "$count" \
+    -b "$((count * size))" -w 32 >/tmp/rma-client.log 2>&1
+  local c=$?
+  wait "$s"; local r=$?
+  if [ "$c" -ne 0 ] || [ "$r" -ne 0 ]; then
+    echo "rbr_rma_bench $test failed: client $c, server $r" >&2
+    cat /tmp/rma-client.log /tmp/rma-server.log >&2
+    return 1
+  fi
+  grep "^RESULT $test " /tmp/rma-client.log
+}
+
 record() { echo "RESULT $*" | tee -a "$results"; }
 
 name() { case $1 in */-) echo "rbr-${1%/*}" ;; */1000000) echo "rbr-${1%/*}-busy" ;; *) echo "rbr-${1%/*}-spin${1#*/}" ;; esac; }
@@ -154,6 +178,32 @@ for round in $(seq "$rounds"); do
       fi
     done
   done
+  for size in $lat_sizes; do
+    n=$(lat_n "$size")
+    for op in write read; do
+      m=${op:0:1}lat$size
+      if row=$(perftest "ib_${op}_lat" -s "$size" -n "$n"); then
+        record "$m" "ib_${op}_lat" p50 "$(echo "$row" | awk '{ print $5 }')"
+        record "$m" "ib_${op}_lat" p99 "$(echo "$row" | awk '{ print $8 }')"
+      fi
+      if out=$(rma "${op:0:1}lat" "$size" "$n"); then
+        record "$m" rbr-rma p50 "$(echo "$out" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
+        record "$m" rbr-rma p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
+      fi
+    done
+  done
+  for size in $bw_sizes; do
+    n=$(bw_n "$size")
+    for op in write read; do
+      m=${op:0:1}bw$size
+      if row=$(perftest "ib_${op}_bw" -s "$size" -n "$n"); then
+        record "$m" "ib_${op}_bw" mbs "$(echo "$row" | awk '{ printf "%.1f", $4 * 1.048576 }')"
+      fi
+      if out=$(rma "${op:0:1}bw" "$size" "$n"); then
+        record "$m" rbr-rma mbs "$(echo "$out" | sed -n 's/.* mb_s=\([0-9.]*\).*/\1/p')"
+      fi
+    done
+  done
   if v=$(cmtime_rate "$conns"); then record conn cmtime cps "$v"; fi
   if v=$(rbr_conn_rate "$conns"); then record conn rbr-close-loop cps "$v"; fi
 done
@@ -177,6 +227,8 @@ awk '
     return c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2
   }
   function label(m) {
+    if (m ~ /^[wr]lat/) { s = substr(m, 5) + 0; return (m ~ /^w/ ? "write" : "read") " latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
+    if (m ~ /^[wr]bw/) { s = substr(m, 4) + 0; return (m ~ /^w/ ? "write" : "read") " bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
     if (m ~ /^lat/) { s = substr(m, 4) + 0; return "latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^bw/) { s = substr(m, 3) + 0; return "bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
     return "connection setup"
@@ -187,8 +239,8 @@ awk '
     printf "| --- | --- | --- | --- | --- | --- |\n"
     for (i = 1; i <= nm; i++) {
       m = order[i]; split(substr(tools[m], 2), ts, " ")
-      field = m ~ /^lat/ ? "p50" : (m ~ /^bw/ ? "mbs" : "cps")
-      unit = m ~ /^lat/ ? " us" : (m ~ /^bw/ ? " MB/s" : " conn/s")
+      field = m ~ /^[wr]?lat/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
+      unit = m ~ /^[wr]?lat/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : " conn/s")
       ref = ts[1]; r50 = med(m SUBSEP ref SUBSEP field); r99 = med(m SUBSEP ref SUBSEP "p99")
       for (j = 1; (j in ts); j++) {
         t = ts[j]; k = m SUBSEP t SUBSEP field
@@ -201,6 +253,8 @@ awk '
   }' "$results"
 # Every tool must have produced every round's figure.
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
-want=$((rounds * (nl * 2 * (1 + nv) + nb * (1 + nv) + 2)))
+# (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
+# size, 2 x 2 bandwidth figures per size)
+want=$((rounds * (nl * 2 * (1 + nv) + nb * (1 + nv) + 2 + nl * 8 + nb * 4)))
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }
