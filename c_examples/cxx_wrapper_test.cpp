@@ -10,6 +10,8 @@
  *   reject      - the request's private data arrives; the rejection's data reaches the client
  *   exchange    - accept with private data both ways, granted info, 200 verified messages
  *                 (region and inline sends), then an orderly close seen on both sides
+ *   one_sided   - a descriptor sent in a message; a two-segment write, a read back, a
+ *                 fetch-and-add and a write with immediate, checked at both ends
  *   ownership   - moved-from owners are empty and destroy nothing; the context and queue
  *                 owners may go before the connection that uses them
  *
@@ -236,6 +238,89 @@ void exchange(const std::string &prefix)
     CHECK(server_errors == 0);
 }
 
+void one_sided(const std::string &prefix)
+{
+    const std::uint32_t remote_access =
+        RBR_ACCESS_LOCAL_WRITE | RBR_ACCESS_REMOTE_WRITE | RBR_ACCESS_REMOTE_READ |
+        RBR_ACCESS_REMOTE_ATOMIC;
+    auto sctx = rbr::context::create();
+    auto l = sctx.listen(prefix + "-one-sided");
+    int server_errors = 0;
+    std::thread server([&] {
+        try {
+            auto cq = rbr::completion_queue::create();
+            auto req = l.get_request(5000ms);
+            if (!req)
+                throw std::runtime_error("request");
+            auto conn = req->accept(cq, rbr::conn_options());
+            auto board = sctx.alloc_mr(4096, remote_access);
+            auto sig = sctx.alloc_mr(64, RBR_ACCESS_LOCAL_WRITE);
+            conn.post_recv(sig, 0, 64, 1);
+            conn.post_send_inline(conn.pack_region(board), 2);
+            auto s = next(cq);
+            if (!s || s->opcode != RBR_OP_SEND || s->status != RBR_WC_SUCCESS)
+                throw std::runtime_error("descriptor send");
+            auto c = next(cq);
+            if (!c || c->opcode != RBR_OP_RECV_WRITE_IMM || c->imm_data != 77 ||
+                !(c->flags & RBR_WC_WITH_IMM))
+                throw std::runtime_error("signal");
+            const auto *b = static_cast<const unsigned char *>(board.data());
+            std::uint64_t word;
+            std::memcpy(&word, b + 256, 8);
+            if (std::memcmp(b, "hello, one-sided", 16) != 0 || word != 5)
+                throw std::runtime_error("board contents");
+            auto bye = next(cq);
+            if (!bye || bye->opcode != RBR_OP_DISCONNECTED)
+                throw std::runtime_error("disconnect");
+        } catch (const std::exception &e) {
+            std::fprintf(stderr, "one-sided server: %s\n", e.what());
+            server_errors++;
+        }
+    });
+
+    auto ctx = rbr::context::create();
+    auto cq = rbr::completion_queue::create();
+    auto conn = ctx.connect(prefix + "-one-sided", cq);
+    auto mr = ctx.alloc_mr(4096, RBR_ACCESS_LOCAL_WRITE);
+    conn.post_recv(mr, 0, 64, 1);
+    auto d = next(cq);
+    CHECK(d && d->opcode == RBR_OP_RECV && d->byte_len == RBR_REMOTE_DESC_LEN);
+    std::vector<unsigned char> desc(static_cast<unsigned char *>(mr.data()),
+                                    static_cast<unsigned char *>(mr.data()) + RBR_REMOTE_DESC_LEN);
+    rbr_remote board = conn.unpack_remote(desc);
+    auto *p = static_cast<unsigned char *>(mr.data());
+    std::memcpy(p + 100, "hello, ", 7);
+    std::memcpy(p + 200, "one-sided", 9);
+    conn.post_write({{mr.get(), 100, 7}, {mr.get(), 200, 9}}, board, 0, 10);
+    auto w = next(cq);
+    CHECK(w && w->opcode == RBR_OP_WRITE && w->status == RBR_WC_SUCCESS && w->wr_id == 10);
+    conn.post_read({{mr.get(), 1000, 16}}, board, 0, 11);
+    auto r = next(cq);
+    CHECK(r && r->opcode == RBR_OP_READ && r->status == RBR_WC_SUCCESS);
+    CHECK(std::memcmp(p + 1000, "hello, one-sided", 16) == 0);
+    conn.post_fetch_add(mr, 2048, board, 256, 5, 12);
+    auto f = next(cq);
+    CHECK(f && f->opcode == RBR_OP_FETCH_ADD && f->status == RBR_WC_SUCCESS);
+    std::uint64_t old = 1;
+    std::memcpy(&old, p + 2048, 8);
+    CHECK(old == 0);
+    conn.post_write_imm({}, board, 0, 77, 13);
+    auto i = next(cq);
+    CHECK(i && i->opcode == RBR_OP_WRITE && i->status == RBR_WC_SUCCESS && i->wr_id == 13);
+    /* A malformed descriptor is refused. */
+    try {
+        conn.unpack_remote(std::vector<unsigned char>(RBR_REMOTE_DESC_LEN, 0));
+        CHECK(false);
+    } catch (const rbr::error &e) {
+        CHECK(e.code().value() == RBR_ERR_INVALID);
+    }
+    conn.disconnect();
+    auto bye = next(cq);
+    CHECK(bye && bye->opcode == RBR_OP_DISCONNECTED);
+    server.join();
+    CHECK(server_errors == 0);
+}
+
 void ownership(const std::string &prefix)
 {
     auto sctx = rbr::context::create();
@@ -287,6 +372,7 @@ int main(int argc, char **argv)
         listener_without_requests(prefix);
         reject(prefix);
         exchange(prefix);
+        one_sided(prefix);
         ownership(prefix);
     } catch (const std::exception &e) {
         std::fprintf(stderr, "unexpected exception: %s\n", e.what());

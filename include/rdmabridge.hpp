@@ -26,6 +26,7 @@
 
 #include "rdmabridge.h"
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -389,6 +390,74 @@ public:
                    std::uint64_t wr_id, std::error_code &ec) noexcept
     {
         return detail::check(rbr_conn_post_recv(get(), mr.get(), offset, len, wr_id), ec);
+    }
+
+    /** A descriptor that lets the peer reach `mr` with one-sided operations (send it). */
+    std::array<std::uint8_t, RBR_REMOTE_DESC_LEN> pack_region(const memory_region &mr)
+    {
+        std::array<std::uint8_t, RBR_REMOTE_DESC_LEN> d{};
+        detail::check(rbr_conn_pack_region(get(), mr.get(), d.data()), "rbr_conn_pack_region");
+        return d;
+    }
+
+    /** The peer's region, from the descriptor it packed. */
+    rbr_remote unpack_remote(bytes desc) const
+    {
+        rbr_remote r{};
+        detail::check(rbr_conn_unpack_remote(get(), desc.data(), desc.size(), &r),
+                      "rbr_conn_unpack_remote");
+        return r;
+    }
+
+    /** RDMA-writes the local segments to `offset` of `remote`. */
+    void post_write(const std::vector<rbr_sge> &sgl, const rbr_remote &remote,
+                    std::uint64_t offset, std::uint64_t wr_id,
+                    std::uint32_t flags = RBR_SEND_SIGNALED)
+    {
+        detail::check(rbr_conn_post_write(get(), sgl.data(), sgl.size(), &remote, offset, wr_id,
+                                          flags),
+                      "rbr_conn_post_write");
+    }
+
+    /** As post_write, then completes a receive of the peer's with `imm`. */
+    void post_write_imm(const std::vector<rbr_sge> &sgl, const rbr_remote &remote,
+                        std::uint64_t offset, std::uint32_t imm, std::uint64_t wr_id,
+                        std::uint32_t flags = RBR_SEND_SIGNALED)
+    {
+        detail::check(rbr_conn_post_write_imm(get(), sgl.data(), sgl.size(), &remote, offset,
+                                              imm, wr_id, flags),
+                      "rbr_conn_post_write_imm");
+    }
+
+    /** RDMA-reads from `offset` of `remote` into the local segments. */
+    void post_read(const std::vector<rbr_sge> &sgl, const rbr_remote &remote,
+                   std::uint64_t offset, std::uint64_t wr_id,
+                   std::uint32_t flags = RBR_SEND_SIGNALED)
+    {
+        detail::check(rbr_conn_post_read(get(), sgl.data(), sgl.size(), &remote, offset, wr_id,
+                                         flags),
+                      "rbr_conn_post_read");
+    }
+
+    /** Adds `add` to the peer's word; its old value lands at `offset` of `result`. */
+    void post_fetch_add(const memory_region &result, std::size_t offset,
+                        const rbr_remote &remote, std::uint64_t remote_offset, std::uint64_t add,
+                        std::uint64_t wr_id, std::uint32_t flags = RBR_SEND_SIGNALED)
+    {
+        detail::check(rbr_conn_post_fetch_add(get(), result.get(), offset, &remote,
+                                              remote_offset, add, wr_id, flags),
+                      "rbr_conn_post_fetch_add");
+    }
+
+    /** Swaps in `swap` if the peer's word is `compare`; its old value lands in `result`. */
+    void post_cmp_swap(const memory_region &result, std::size_t offset,
+                       const rbr_remote &remote, std::uint64_t remote_offset,
+                       std::uint64_t compare, std::uint64_t swap, std::uint64_t wr_id,
+                       std::uint32_t flags = RBR_SEND_SIGNALED)
+    {
+        detail::check(rbr_conn_post_cmp_swap(get(), result.get(), offset, &remote,
+                                             remote_offset, compare, swap, wr_id, flags),
+                      "rbr_conn_post_cmp_swap");
     }
 
     /** Starts an orderly disconnect (see rbr_conn_disconnect); returns at once. */
