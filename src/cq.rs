@@ -756,6 +756,17 @@ impl Reporter {
         byte_len: u32,
         imm: Option<u32>,
     ) {
+        if opcode == Opcode::Disconnected {
+            // Once per connection: its last record.
+            match status {
+                WcStatus::Success => crate::log::log!(
+                    Info,
+                    "connection {} disconnected (orderly close)",
+                    self.conn_id
+                ),
+                s => crate::log::log!(Warn, "connection {} disconnected: {s:?}", self.conn_id),
+            }
+        }
         self.cq
             .push(self.record(wr_id, opcode, status, byte_len, imm));
     }

@@ -103,6 +103,11 @@ fn rbr_log_tells_connection_events_and_is_silent_by_default() {
         stderr.contains(&format!("] info: connection 1 to {addr} established (Shm)")),
         "{stderr}"
     );
+    // The client closed in order (its drop waits for the connection's last record).
+    assert!(
+        stderr.contains("] info: connection 1 disconnected (orderly close)"),
+        "{stderr}"
+    );
     let stderr = String::from_utf8_lossy(&server_out.stderr);
     assert!(
         stderr.contains(&format!("] info: listening on {addr}")),
