@@ -76,43 +76,29 @@
 #include <stdint.h>
 
 /**
- * Bytes of a packed remote-memory descriptor.
+ * Context flag: let shared-memory peers running as another user connect.
  */
-#define REMOTE_DESC_LEN 32
+#define RBR_CTX_SHM_ANY_UID 1
 
 /**
- * Most local segments one one-sided operation may gather from or scatter into.
+ * Access: the library may write into the region (needed to receive into it).
  */
-#define SGE_MAX 4
+#define RBR_ACCESS_LOCAL_WRITE 1
 
 /**
- * Most bytes of private data a connect, accept or reject may carry (every transport).
+ * Access: the peer may write into it with one-sided operations.
  */
-#define RBR_PRIVATE_DATA_MAX 48
+#define RBR_ACCESS_REMOTE_WRITE 2
 
 /**
- * Most bytes of private data the library can hand over from a peer: a peer using this library
- * sends at most RBR_PRIVATE_DATA_MAX, but a plain librdmacm peer's data arrives as RDMA CM
- * delivers it, padded with zeros (up to 56 bytes in a request, 196 in an accept, 148 in a
- * reject). A buffer of this size always holds it whole.
+ * Access: the peer may read it with one-sided operations.
  */
-#define RBR_PRIVATE_DATA_RECV_MAX 196
+#define RBR_ACCESS_REMOTE_READ 4
 
 /**
- * Send flag: report a completion when the send finishes. Without it a send reports only a
- * failure; post a signaled send at least once per send-queue depth.
+ * Access: the peer may run atomics on it.
  */
-#define RBR_SEND_SIGNALED 1
-
-/**
- * Transport: shared memory on this host.
- */
-#define RBR_TRANSPORT_SHM 1
-
-/**
- * Transport: RDMA verbs.
- */
-#define RBR_TRANSPORT_VERBS 2
+#define RBR_ACCESS_REMOTE_ATOMIC 8
 
 /**
  * Opcode: a send finished.
@@ -240,29 +226,33 @@
 #define RBR_PROGRESS_THREAD 2
 
 /**
- * Context flag: let shared-memory peers running as another user connect.
+ * Most bytes of private data a connect, accept or reject may carry (every transport).
  */
-#define RBR_CTX_SHM_ANY_UID 1
+#define RBR_PRIVATE_DATA_MAX 48
 
 /**
- * Access: the library may write into the region (needed to receive into it).
+ * Most bytes of private data the library can hand over from a peer: a peer using this library
+ * sends at most RBR_PRIVATE_DATA_MAX, but a plain librdmacm peer's data arrives as RDMA CM
+ * delivers it, padded with zeros (up to 56 bytes in a request, 196 in an accept, 148 in a
+ * reject). A buffer of this size always holds it whole.
  */
-#define RBR_ACCESS_LOCAL_WRITE 1
+#define RBR_PRIVATE_DATA_RECV_MAX 196
 
 /**
- * Access: the peer may write into it with one-sided operations.
+ * Send flag: report a completion when the send finishes. Without it a send reports only a
+ * failure; post a signaled send at least once per send-queue depth.
  */
-#define RBR_ACCESS_REMOTE_WRITE 2
+#define RBR_SEND_SIGNALED 1
 
 /**
- * Access: the peer may read it with one-sided operations.
+ * Transport: shared memory on this host.
  */
-#define RBR_ACCESS_REMOTE_READ 4
+#define RBR_TRANSPORT_SHM 1
 
 /**
- * Access: the peer may run atomics on it.
+ * Transport: RDMA verbs.
  */
-#define RBR_ACCESS_REMOTE_ATOMIC 8
+#define RBR_TRANSPORT_VERBS 2
 
 /**
  * Bytes of a packed remote-memory descriptor (`rbr_conn_pack_region`). Its layout is fixed:
@@ -319,111 +309,24 @@ typedef struct rbr_mr rbr_mr;
 typedef struct rbr_request rbr_request;
 
 /**
- * Options of `rbr_connect` and `rbr_request_accept`. Fill with `rbr_conn_options_init`,
- * then change fields. Fields are only ever added at the end; `struct_size` tells which exist.
- */
-typedef struct rbr_conn_options {
-  /**
-   * `sizeof(rbr_conn_options)`, set by `rbr_conn_options_init`.
-   */
-  uint32_t struct_size;
-  /**
-   * Most sends outstanding at once (1..=16384). Default 128.
-   */
-  uint32_t send_queue_depth;
-  /**
-   * Most receives outstanding at once (1..=16384). Default 128.
-   */
-  uint32_t recv_queue_depth;
-  /**
-   * Largest inline send (at most 1024). Default 64.
-   */
-  uint32_t max_inline;
-  /**
-   * How long the call may wait for the peer, in ms; -1 = no limit; 0 is invalid (it would
-   * leave no time for the peer to answer). Default 5000.
-   * `rbr_connect`: establishment in all (address and route resolution, the handshake).
-   * `rbr_request_accept`: over verbs, the wait for the peer to confirm the accept; shm does
-   * not wait for the peer (its accept takes about the time of creating the connection).
-   */
-  int32_t timeout_ms;
-  /**
-   * Private data for the peer; copied during the call. NULL when `private_data_len` is 0.
-   */
-  const void *private_data;
-  /**
-   * At most `RBR_PRIVATE_DATA_MAX`; checked before any byte of `private_data` is read.
-   */
-  size_t private_data_len;
-  /**
-   * Echoed as `conn_context` in every completion of the connection.
-   */
-  void *context;
-  /**
-   * Verbs: resends of an unacknowledged packet before the connection fails (0..=7).
-   * Default 6 (some devices, soft-RoCE among them, read 7 as "forever"). Ignored by shm.
-   */
-  uint8_t retry_count;
-  /**
-   * Verbs, toward plain librdmacm peers: retries of a send that found no receive posted
-   * (0..=7; 7 = without limit). Default 7. Between peers using this library a send waits
-   * for the peer's receive in the library (receive credits), as over shm. When this side
-   * accepts, the device uses what the connecting peer asked for instead. Ignored by shm.
-   */
-  uint8_t rnr_retry_count;
-  /**
-   * Verbs: ACK timeout exponent t, waiting 4.096 us * 2^t before a resend (0..=31).
-   * Default 16 (about 0.27 s). Ignored by shm.
-   */
-  uint8_t ack_timeout;
-  /**
-   * Verbs: how long a connection to a library peer may sit with no send outstanding before
-   * the library sends a keepalive (a zero-length RDMA write), so that a lost peer is noticed
-   * on an idle connection too; in ms, 1..=3600000, or 0 for none. Default 1000. Ignored by
-   * shm and toward plain peers.
-   */
-  uint32_t keepalive_ms;
-} rbr_conn_options;
-
-/**
  * The result of every fallible function: `RBR_OK` (0), `RBR_EMPTY` (1, nothing ready), or a
  * negative `RBR_ERR_*` code. Values are fixed forever.
  */
 typedef int32_t rbr_status;
 
 /**
- * What a connection was granted; filled by `rbr_conn_get_info`. Set `struct_size` first.
+ * Options of `rbr_ctx_create_ex`. Set `struct_size = sizeof(rbr_ctx_options)`.
  */
-typedef struct rbr_conn_info {
+typedef struct rbr_ctx_options {
   /**
-   * `sizeof(rbr_conn_info)` as the caller knows it.
+   * `sizeof(rbr_ctx_options)` as the caller knows it.
    */
   uint32_t struct_size;
   /**
-   * `RBR_TRANSPORT_*`.
+   * `RBR_CTX_*` flags.
    */
-  uint32_t transport;
-  /**
-   * The connection's id.
-   */
-  uint64_t id;
-  /**
-   * Granted send queue depth.
-   */
-  uint32_t send_queue_depth;
-  /**
-   * Granted receive queue depth.
-   */
-  uint32_t recv_queue_depth;
-  /**
-   * Granted inline size.
-   */
-  uint32_t max_inline;
-  /**
-   * Zero.
-   */
-  uint32_t reserved;
-} rbr_conn_info;
+  uint32_t flags;
+} rbr_ctx_options;
 
 /**
  * Options of `rbr_cq_create_ex`. Fill with `rbr_cq_options_init`, then change fields. Fields
@@ -498,18 +401,105 @@ typedef struct rbr_completion {
 } rbr_completion;
 
 /**
- * Options of `rbr_ctx_create_ex`. Set `struct_size = sizeof(rbr_ctx_options)`.
+ * Options of `rbr_connect` and `rbr_request_accept`. Fill with `rbr_conn_options_init`,
+ * then change fields. Fields are only ever added at the end; `struct_size` tells which exist.
  */
-typedef struct rbr_ctx_options {
+typedef struct rbr_conn_options {
   /**
-   * `sizeof(rbr_ctx_options)` as the caller knows it.
+   * `sizeof(rbr_conn_options)`, set by `rbr_conn_options_init`.
    */
   uint32_t struct_size;
   /**
-   * `RBR_CTX_*` flags.
+   * Most sends outstanding at once (1..=16384). Default 128.
    */
-  uint32_t flags;
-} rbr_ctx_options;
+  uint32_t send_queue_depth;
+  /**
+   * Most receives outstanding at once (1..=16384). Default 128.
+   */
+  uint32_t recv_queue_depth;
+  /**
+   * Largest inline send (at most 1024). Default 64.
+   */
+  uint32_t max_inline;
+  /**
+   * How long the call may wait for the peer, in ms; -1 = no limit; 0 is invalid (it would
+   * leave no time for the peer to answer). Default 5000.
+   * `rbr_connect`: establishment in all (address and route resolution, the handshake).
+   * `rbr_request_accept`: over verbs, the wait for the peer to confirm the accept; shm does
+   * not wait for the peer (its accept takes about the time of creating the connection).
+   */
+  int32_t timeout_ms;
+  /**
+   * Private data for the peer; copied during the call. NULL when `private_data_len` is 0.
+   */
+  const void *private_data;
+  /**
+   * At most `RBR_PRIVATE_DATA_MAX`; checked before any byte of `private_data` is read.
+   */
+  size_t private_data_len;
+  /**
+   * Echoed as `conn_context` in every completion of the connection.
+   */
+  void *context;
+  /**
+   * Verbs: resends of an unacknowledged packet before the connection fails (0..=7).
+   * Default 6 (some devices, soft-RoCE among them, read 7 as "forever"). Ignored by shm.
+   */
+  uint8_t retry_count;
+  /**
+   * Verbs, toward plain librdmacm peers: retries of a send that found no receive posted
+   * (0..=7; 7 = without limit). Default 7. Between peers using this library a send waits
+   * for the peer's receive in the library (receive credits), as over shm. When this side
+   * accepts, the device uses what the connecting peer asked for instead. Ignored by shm.
+   */
+  uint8_t rnr_retry_count;
+  /**
+   * Verbs: ACK timeout exponent t, waiting 4.096 us * 2^t before a resend (0..=31).
+   * Default 16 (about 0.27 s). Ignored by shm.
+   */
+  uint8_t ack_timeout;
+  /**
+   * Verbs: how long a connection to a library peer may sit with no send outstanding before
+   * the library sends a keepalive (a zero-length RDMA write), so that a lost peer is noticed
+   * on an idle connection too; in ms, 1..=3600000, or 0 for none. Default 1000. Ignored by
+   * shm and toward plain peers.
+   */
+  uint32_t keepalive_ms;
+} rbr_conn_options;
+
+/**
+ * What a connection was granted; filled by `rbr_conn_get_info`. Set `struct_size` first.
+ */
+typedef struct rbr_conn_info {
+  /**
+   * `sizeof(rbr_conn_info)` as the caller knows it.
+   */
+  uint32_t struct_size;
+  /**
+   * `RBR_TRANSPORT_*`.
+   */
+  uint32_t transport;
+  /**
+   * The connection's id.
+   */
+  uint64_t id;
+  /**
+   * Granted send queue depth.
+   */
+  uint32_t send_queue_depth;
+  /**
+   * Granted receive queue depth.
+   */
+  uint32_t recv_queue_depth;
+  /**
+   * Granted inline size.
+   */
+  uint32_t max_inline;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+} rbr_conn_info;
 
 /**
  * A peer's memory region as this side targets it, filled by `rbr_conn_unpack_remote` or
@@ -705,6 +695,287 @@ extern "C" {
 #endif // __cplusplus
 
 /**
+ * Creates a context with default options into `*out`.
+ *
+ * # Safety
+ * `out` must be writable.
+ */
+rbr_status rbr_ctx_create(struct rbr_ctx **out);
+
+/**
+ * Creates a context with `opts` (NULL = defaults) into `*out`.
+ *
+ * # Safety
+ * `opts` is NULL or points at a readable `rbr_ctx_options`; `out` must be writable.
+ */
+rbr_status rbr_ctx_create_ex(const struct rbr_ctx_options *opts, struct rbr_ctx **out);
+
+/**
+ * Destroys a context handle. NULL is ignored.
+ *
+ * # Safety
+ * `ctx` is NULL or a context from `rbr_ctx_create*` not yet destroyed.
+ */
+void rbr_ctx_destroy(struct rbr_ctx *ctx);
+
+/**
+ * The name of a status code, e.g. `"RBR_ERR_TIMEOUT: timed out"`. Never NULL; the string is
+ * static. Unknown values give `"unknown status"`.
+ */
+const char *rbr_status_str(int32_t status);
+
+/**
+ * This thread's message for its last failed call. Never NULL (empty when nothing failed yet);
+ * valid until the next failing rdmabridge call on this thread.
+ */
+const char *rbr_last_error(void);
+
+/**
+ * The OS errno behind this thread's last failure, or 0 when there was none.
+ */
+int32_t rbr_last_errno(void);
+
+/**
+ * Copies the private data of the last rejection this thread saw (`rbr_connect` returning
+ * `RBR_ERR_REJECTED`) into `buf` (at most `cap` bytes) and its full length into `*len`.
+ * `buf` may be NULL when `cap` is 0, to ask for the length.
+ *
+ * # Safety
+ * `buf` must be writable for `cap` bytes; `len` must be writable.
+ */
+rbr_status rbr_last_reject_data(void *buf, size_t cap, size_t *len);
+
+/**
+ * The library's version, e.g. `"0.1.0"`. Static; never NULL.
+ */
+const char *rbr_version(void);
+
+/**
+ * Registers caller memory `addr[0..len]` with `access` (`RBR_ACCESS_*`) into `*out`.
+ * The memory stays the caller's: it must remain valid until the region is destroyed and
+ * every work request posted with it has completed. `access` 0 is allowed and enough to send
+ * from; receiving into a region needs RBR_ACCESS_LOCAL_WRITE. A range that wraps past the end
+ * of the address space is RBR_ERR_INVALID. The region belongs to `ctx`: only connections of
+ * that context may post it. Over verbs the region is registered with a device when a
+ * connection on that device first posts it, not here; a memory-lock limit too low for it
+ * (RLIMIT_MEMLOCK, `ulimit -l`) then fails that post with RBR_ERR_NO_MEMORY, and
+ * `rbr_last_error` names the limit.
+ *
+ * # Safety
+ * `ctx` live; `addr` valid for `len` bytes as above; `out` writable.
+ */
+rbr_status rbr_mr_register(struct rbr_ctx *ctx,
+                           void *addr,
+                           size_t len,
+                           uint32_t access,
+                           struct rbr_mr **out);
+
+/**
+ * Allocates `len` zeroed bytes the library owns, as a region with `access`, into `*out`.
+ * `rbr_mr_addr` gives the address; the memory is freed once the region is destroyed and no
+ * posted work uses it. Access, context and registration as for `rbr_mr_register`.
+ *
+ * # Safety
+ * `ctx` live; `out` writable.
+ */
+rbr_status rbr_mr_alloc(struct rbr_ctx *ctx, size_t len, uint32_t access, struct rbr_mr **out);
+
+/**
+ * The region's first byte, or NULL for a NULL region. Valid while the region lives.
+ *
+ * # Safety
+ * `mr` is NULL or live.
+ */
+void *rbr_mr_addr(const struct rbr_mr *mr);
+
+/**
+ * The region's length in bytes, or 0 for a NULL region.
+ *
+ * # Safety
+ * `mr` is NULL or live.
+ */
+size_t rbr_mr_len(const struct rbr_mr *mr);
+
+/**
+ * Destroys a region handle. NULL is ignored. Registered caller memory is not freed.
+ *
+ * # Safety
+ * `mr` is NULL or a region not yet destroyed, not in use by another call.
+ */
+void rbr_mr_destroy(struct rbr_mr *mr);
+
+/**
+ * Fills `*opts` with the defaults. NULL is ignored.
+ *
+ * # Safety
+ * `opts` is NULL or writable.
+ */
+void rbr_cq_options_init(struct rbr_cq_options *opts);
+
+/**
+ * Creates an empty completion queue with the default options into `*out`.
+ *
+ * # Safety
+ * `out` must be writable.
+ */
+rbr_status rbr_cq_create(struct rbr_cq **out);
+
+/**
+ * Creates an empty completion queue into `*out`. `opts` NULL means the defaults.
+ *
+ * # Safety
+ * `opts` is NULL or readable; `out` must be writable.
+ */
+rbr_status rbr_cq_create_ex(const struct rbr_cq_options *opts, struct rbr_cq **out);
+
+/**
+ * Destroys a completion queue handle. NULL is ignored.
+ *
+ * # Safety
+ * `cq` is NULL or a queue from `rbr_cq_create` not yet destroyed, not in use by another call.
+ */
+void rbr_cq_destroy(struct rbr_cq *cq);
+
+/**
+ * Takes up to `max` completions into `out[0..max]`, oldest first, without blocking.
+ * Returns RBR_OK with `*n >= 1`, or RBR_EMPTY with `*n = 0` when none is queued. `max` 0 is
+ * RBR_ERR_INVALID. With RBR_PROGRESS_CALLER this is where verbs completions are taken from
+ * the device.
+ *
+ * # Safety
+ * `out` must be writable for `max` records; `n` must be writable.
+ */
+rbr_status rbr_cq_poll(struct rbr_cq *cq, struct rbr_completion *out, size_t max, size_t *n);
+
+/**
+ * Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
+ * -1 waits forever. Polls first (for the queue's `spin_us`, or with RBR_PROGRESS_CALLER longer
+ * while completions keep coming soon after waits start: see rbr_cq_options), then sleeps.
+ * Takes nothing from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
+ *
+ * # Safety
+ * `cq` must be a live queue.
+ */
+rbr_status rbr_cq_wait(struct rbr_cq *cq, int32_t timeout_ms);
+
+/**
+ * Writes into `*fd` a descriptor for epoll/poll/select that is readable exactly while
+ * completions (including connection events) are queued: level-triggered, no lost wake-up.
+ * The pattern: poll until RBR_EMPTY, then sleep on the descriptor. (With RBR_PROGRESS_CALLER,
+ * asking for the descriptor makes the devices announce every completion from then on, and the
+ * library's threads queue them as they come: the queue then works as with
+ * RBR_PROGRESS_THREAD. A program that only polls should not ask for it.)
+ * The queue owns it: do not read, write or close it. Valid until the queue is destroyed.
+ *
+ * # Safety
+ * `cq` must be a live queue; `fd` must be writable.
+ */
+rbr_status rbr_cq_fd(const struct rbr_cq *cq, int32_t *fd);
+
+/**
+ * Listens on `addr` (`shm://NAME`, `rdma://HOST:PORT` or `HOST:PORT`; see "Limits" above)
+ * with room for `backlog` requests not yet taken; writes the listener into `*out`.
+ * RBR_ERR_ADDR_IN_USE when another listener has the address; RBR_ERR_ADDRESS when it is
+ * malformed.
+ *
+ * # Safety
+ * `ctx` live; `addr` a NUL-terminated string; `out` writable.
+ */
+rbr_status rbr_listen(struct rbr_ctx *ctx,
+                      const char *addr,
+                      uint32_t backlog,
+                      struct rbr_listener **out);
+
+/**
+ * Stops listening and frees the listener. Requests already taken stay valid. NULL is ignored.
+ *
+ * # Safety
+ * `l` is NULL or a listener not yet destroyed, with no other call on it under way.
+ */
+void rbr_listener_destroy(struct rbr_listener *l);
+
+/**
+ * Writes into `*fd` a descriptor for epoll/poll/select that is readable while a call to
+ * `rbr_listener_get_request` with timeout 0 may make progress (level-triggered). The pattern:
+ * when it is readable, call `rbr_listener_get_request(l, 0, &req)` until RBR_EMPTY. A readable
+ * descriptor may still give RBR_EMPTY (a handshake that has only partly arrived, or a client
+ * that was turned away); a client that connects and says nothing never makes it readable and
+ * is dropped after 2 s. Owned by the listener: do not read or close it. Valid until the
+ * listener is destroyed.
+ *
+ * # Safety
+ * `l` live; `fd` writable.
+ */
+rbr_status rbr_listener_fd(const struct rbr_listener *l, int32_t *fd);
+
+/**
+ * Takes the next connection request into `*out`, waiting up to `timeout_ms` (-1 = forever).
+ * With `timeout_ms` 0 it never blocks: RBR_OK with a request, or RBR_EMPTY (not an error;
+ * `rbr_last_error` is untouched) when no complete request is there yet. A request whose
+ * handshake has only partly arrived stays with the listener for a later call; no peer is
+ * dropped for being early. With a positive timeout, RBR_ERR_TIMEOUT when none came in time.
+ * Requests beyond the listen backlog (not yet taken) get no answer: the connecting side's
+ * `rbr_connect` keeps trying (shm) or waits (verbs: the RDMA CM drops them) and fails with
+ * RBR_ERR_TIMEOUT when its own timeout ends, unless room is made before that (seen on
+ * soft-RoCE with a backlog of 1: the requests beyond it got no answer and timed out).
+ *
+ * # Safety
+ * `l` live; `out` writable.
+ */
+rbr_status rbr_listener_get_request(struct rbr_listener *l,
+                                    int32_t timeout_ms,
+                                    struct rbr_request **out);
+
+/**
+ * Copies the private data the peer sent with its request into `buf` (at most `cap` bytes) and
+ * writes its full length into `*len`; a `len` above `cap` means it was cut short. `buf` may be
+ * NULL when `cap` is 0, to ask for the length. A buffer of RBR_PRIVATE_DATA_RECV_MAX bytes
+ * always suffices.
+ *
+ * # Safety
+ * `r` live; `buf` writable for `cap` bytes; `len` writable.
+ */
+rbr_status rbr_request_private_data(const struct rbr_request *r,
+                                    void *buf,
+                                    size_t cap,
+                                    size_t *len);
+
+/**
+ * Accepts the request and writes the connection into `*out`; its completions go to `cq`.
+ * Bad options return RBR_ERR_INVALID and leave the request unanswered; otherwise the request
+ * is answered (even if accepting then fails) and only `rbr_request_destroy` remains.
+ * RBR_ERR_STATE if it was already answered.
+ * How long it blocks: over shm it does not wait for the peer (it creates the connection's
+ * shared memory and answers: typically well under a millisecond); over verbs it creates the
+ * queue pair and waits for the peer to confirm, one round trip on the network, at most
+ * `opts->timeout_ms` (RBR_ERR_TIMEOUT, and the peer's connect fails).
+ *
+ * # Safety
+ * `r`, `cq` live; `opts` NULL or readable; `out` writable.
+ */
+rbr_status rbr_request_accept(struct rbr_request *r,
+                              struct rbr_cq *cq,
+                              const struct rbr_conn_options *opts,
+                              struct rbr_conn **out);
+
+/**
+ * Rejects the request, sending `data[0..len]` (at most RBR_PRIVATE_DATA_MAX bytes) to the
+ * peer, whose `rbr_connect` returns RBR_ERR_REJECTED. RBR_ERR_STATE if already answered.
+ *
+ * # Safety
+ * `r` live; `data` readable for `len` bytes (NULL allowed when `len` is 0).
+ */
+rbr_status rbr_request_reject(struct rbr_request *r, const void *data, size_t len);
+
+/**
+ * Frees a request; an unanswered one is rejected without private data. NULL is ignored.
+ *
+ * # Safety
+ * `r` is NULL or a request not yet destroyed.
+ */
+void rbr_request_destroy(struct rbr_request *r);
+
+/**
  * Fills `*opts` with the defaults. NULL is ignored.
  *
  * # Safety
@@ -815,287 +1086,6 @@ rbr_status rbr_conn_disconnect(struct rbr_conn *conn);
  * `conn` is NULL or a connection not yet destroyed, with no other call on it under way.
  */
 void rbr_conn_destroy(struct rbr_conn *conn);
-
-/**
- * Fills `*opts` with the defaults. NULL is ignored.
- *
- * # Safety
- * `opts` is NULL or writable.
- */
-void rbr_cq_options_init(struct rbr_cq_options *opts);
-
-/**
- * Creates an empty completion queue with the default options into `*out`.
- *
- * # Safety
- * `out` must be writable.
- */
-rbr_status rbr_cq_create(struct rbr_cq **out);
-
-/**
- * Creates an empty completion queue into `*out`. `opts` NULL means the defaults.
- *
- * # Safety
- * `opts` is NULL or readable; `out` must be writable.
- */
-rbr_status rbr_cq_create_ex(const struct rbr_cq_options *opts, struct rbr_cq **out);
-
-/**
- * Destroys a completion queue handle. NULL is ignored.
- *
- * # Safety
- * `cq` is NULL or a queue from `rbr_cq_create` not yet destroyed, not in use by another call.
- */
-void rbr_cq_destroy(struct rbr_cq *cq);
-
-/**
- * Takes up to `max` completions into `out[0..max]`, oldest first, without blocking.
- * Returns RBR_OK with `*n >= 1`, or RBR_EMPTY with `*n = 0` when none is queued. `max` 0 is
- * RBR_ERR_INVALID. With RBR_PROGRESS_CALLER this is where verbs completions are taken from
- * the device.
- *
- * # Safety
- * `out` must be writable for `max` records; `n` must be writable.
- */
-rbr_status rbr_cq_poll(struct rbr_cq *cq, struct rbr_completion *out, size_t max, size_t *n);
-
-/**
- * Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
- * -1 waits forever. Polls first (for the queue's `spin_us`, or with RBR_PROGRESS_CALLER longer
- * while completions keep coming soon after waits start: see rbr_cq_options), then sleeps.
- * Takes nothing from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
- *
- * # Safety
- * `cq` must be a live queue.
- */
-rbr_status rbr_cq_wait(struct rbr_cq *cq, int32_t timeout_ms);
-
-/**
- * Writes into `*fd` a descriptor for epoll/poll/select that is readable exactly while
- * completions (including connection events) are queued: level-triggered, no lost wake-up.
- * The pattern: poll until RBR_EMPTY, then sleep on the descriptor. (With RBR_PROGRESS_CALLER,
- * asking for the descriptor makes the devices announce every completion from then on, and the
- * library's threads queue them as they come: the queue then works as with
- * RBR_PROGRESS_THREAD. A program that only polls should not ask for it.)
- * The queue owns it: do not read, write or close it. Valid until the queue is destroyed.
- *
- * # Safety
- * `cq` must be a live queue; `fd` must be writable.
- */
-rbr_status rbr_cq_fd(const struct rbr_cq *cq, int32_t *fd);
-
-/**
- * Creates a context with default options into `*out`.
- *
- * # Safety
- * `out` must be writable.
- */
-rbr_status rbr_ctx_create(struct rbr_ctx **out);
-
-/**
- * Creates a context with `opts` (NULL = defaults) into `*out`.
- *
- * # Safety
- * `opts` is NULL or points at a readable `rbr_ctx_options`; `out` must be writable.
- */
-rbr_status rbr_ctx_create_ex(const struct rbr_ctx_options *opts, struct rbr_ctx **out);
-
-/**
- * Destroys a context handle. NULL is ignored.
- *
- * # Safety
- * `ctx` is NULL or a context from `rbr_ctx_create*` not yet destroyed.
- */
-void rbr_ctx_destroy(struct rbr_ctx *ctx);
-
-/**
- * The name of a status code, e.g. `"RBR_ERR_TIMEOUT: timed out"`. Never NULL; the string is
- * static. Unknown values give `"unknown status"`.
- */
-const char *rbr_status_str(int32_t status);
-
-/**
- * This thread's message for its last failed call. Never NULL (empty when nothing failed yet);
- * valid until the next failing rdmabridge call on this thread.
- */
-const char *rbr_last_error(void);
-
-/**
- * The OS errno behind this thread's last failure, or 0 when there was none.
- */
-int32_t rbr_last_errno(void);
-
-/**
- * Copies the private data of the last rejection this thread saw (`rbr_connect` returning
- * `RBR_ERR_REJECTED`) into `buf` (at most `cap` bytes) and its full length into `*len`.
- * `buf` may be NULL when `cap` is 0, to ask for the length.
- *
- * # Safety
- * `buf` must be writable for `cap` bytes; `len` must be writable.
- */
-rbr_status rbr_last_reject_data(void *buf, size_t cap, size_t *len);
-
-/**
- * The library's version, e.g. `"0.1.0"`. Static; never NULL.
- */
-const char *rbr_version(void);
-
-/**
- * Listens on `addr` (`shm://NAME`, `rdma://HOST:PORT` or `HOST:PORT`; see "Limits" above)
- * with room for `backlog` requests not yet taken; writes the listener into `*out`.
- * RBR_ERR_ADDR_IN_USE when another listener has the address; RBR_ERR_ADDRESS when it is
- * malformed.
- *
- * # Safety
- * `ctx` live; `addr` a NUL-terminated string; `out` writable.
- */
-rbr_status rbr_listen(struct rbr_ctx *ctx,
-                      const char *addr,
-                      uint32_t backlog,
-                      struct rbr_listener **out);
-
-/**
- * Stops listening and frees the listener. Requests already taken stay valid. NULL is ignored.
- *
- * # Safety
- * `l` is NULL or a listener not yet destroyed, with no other call on it under way.
- */
-void rbr_listener_destroy(struct rbr_listener *l);
-
-/**
- * Writes into `*fd` a descriptor for epoll/poll/select that is readable while a call to
- * `rbr_listener_get_request` with timeout 0 may make progress (level-triggered). The pattern:
- * when it is readable, call `rbr_listener_get_request(l, 0, &req)` until RBR_EMPTY. A readable
- * descriptor may still give RBR_EMPTY (a handshake that has only partly arrived, or a client
- * that was turned away); a client that connects and says nothing never makes it readable and
- * is dropped after 2 s. Owned by the listener: do not read or close it. Valid until the
- * listener is destroyed.
- *
- * # Safety
- * `l` live; `fd` writable.
- */
-rbr_status rbr_listener_fd(const struct rbr_listener *l, int32_t *fd);
-
-/**
- * Takes the next connection request into `*out`, waiting up to `timeout_ms` (-1 = forever).
- * With `timeout_ms` 0 it never blocks: RBR_OK with a request, or RBR_EMPTY (not an error;
- * `rbr_last_error` is untouched) when no complete request is there yet. A request whose
- * handshake has only partly arrived stays with the listener for a later call; no peer is
- * dropped for being early. With a positive timeout, RBR_ERR_TIMEOUT when none came in time.
- * Requests beyond the listen backlog (not yet taken) get no answer: the connecting side's
- * `rbr_connect` keeps trying (shm) or waits (verbs: the RDMA CM drops them) and fails with
- * RBR_ERR_TIMEOUT when its own timeout ends, unless room is made before that (seen on
- * soft-RoCE with a backlog of 1: the requests beyond it got no answer and timed out).
- *
- * # Safety
- * `l` live; `out` writable.
- */
-rbr_status rbr_listener_get_request(struct rbr_listener *l,
-                                    int32_t timeout_ms,
-                                    struct rbr_request **out);
-
-/**
- * Copies the private data the peer sent with its request into `buf` (at most `cap` bytes) and
- * writes its full length into `*len`; a `len` above `cap` means it was cut short. `buf` may be
- * NULL when `cap` is 0, to ask for the length. A buffer of RBR_PRIVATE_DATA_RECV_MAX bytes
- * always suffices.
- *
- * # Safety
- * `r` live; `buf` writable for `cap` bytes; `len` writable.
- */
-rbr_status rbr_request_private_data(const struct rbr_request *r,
-                                    void *buf,
-                                    size_t cap,
-                                    size_t *len);
-
-/**
- * Accepts the request and writes the connection into `*out`; its completions go to `cq`.
- * Bad options return RBR_ERR_INVALID and leave the request unanswered; otherwise the request
- * is answered (even if accepting then fails) and only `rbr_request_destroy` remains.
- * RBR_ERR_STATE if it was already answered.
- * How long it blocks: over shm it does not wait for the peer (it creates the connection's
- * shared memory and answers: typically well under a millisecond); over verbs it creates the
- * queue pair and waits for the peer to confirm, one round trip on the network, at most
- * `opts->timeout_ms` (RBR_ERR_TIMEOUT, and the peer's connect fails).
- *
- * # Safety
- * `r`, `cq` live; `opts` NULL or readable; `out` writable.
- */
-rbr_status rbr_request_accept(struct rbr_request *r,
-                              struct rbr_cq *cq,
-                              const struct rbr_conn_options *opts,
-                              struct rbr_conn **out);
-
-/**
- * Rejects the request, sending `data[0..len]` (at most RBR_PRIVATE_DATA_MAX bytes) to the
- * peer, whose `rbr_connect` returns RBR_ERR_REJECTED. RBR_ERR_STATE if already answered.
- *
- * # Safety
- * `r` live; `data` readable for `len` bytes (NULL allowed when `len` is 0).
- */
-rbr_status rbr_request_reject(struct rbr_request *r, const void *data, size_t len);
-
-/**
- * Frees a request; an unanswered one is rejected without private data. NULL is ignored.
- *
- * # Safety
- * `r` is NULL or a request not yet destroyed.
- */
-void rbr_request_destroy(struct rbr_request *r);
-
-/**
- * Registers caller memory `addr[0..len]` with `access` (`RBR_ACCESS_*`) into `*out`.
- * The memory stays the caller's: it must remain valid until the region is destroyed and
- * every work request posted with it has completed. `access` 0 is allowed and enough to send
- * from; receiving into a region needs RBR_ACCESS_LOCAL_WRITE. A range that wraps past the end
- * of the address space is RBR_ERR_INVALID. The region belongs to `ctx`: only connections of
- * that context may post it. Over verbs the region is registered with a device when a
- * connection on that device first posts it, not here; a memory-lock limit too low for it
- * (RLIMIT_MEMLOCK, `ulimit -l`) then fails that post with RBR_ERR_NO_MEMORY, and
- * `rbr_last_error` names the limit.
- *
- * # Safety
- * `ctx` live; `addr` valid for `len` bytes as above; `out` writable.
- */
-rbr_status rbr_mr_register(struct rbr_ctx *ctx,
-                           void *addr,
-                           size_t len,
-                           uint32_t access,
-                           struct rbr_mr **out);
-
-/**
- * Allocates `len` zeroed bytes the library owns, as a region with `access`, into `*out`.
- * `rbr_mr_addr` gives the address; the memory is freed once the region is destroyed and no
- * posted work uses it. Access, context and registration as for `rbr_mr_register`.
- *
- * # Safety
- * `ctx` live; `out` writable.
- */
-rbr_status rbr_mr_alloc(struct rbr_ctx *ctx, size_t len, uint32_t access, struct rbr_mr **out);
-
-/**
- * The region's first byte, or NULL for a NULL region. Valid while the region lives.
- *
- * # Safety
- * `mr` is NULL or live.
- */
-void *rbr_mr_addr(const struct rbr_mr *mr);
-
-/**
- * The region's length in bytes, or 0 for a NULL region.
- *
- * # Safety
- * `mr` is NULL or live.
- */
-size_t rbr_mr_len(const struct rbr_mr *mr);
-
-/**
- * Destroys a region handle. NULL is ignored. Registered caller memory is not freed.
- *
- * # Safety
- * `mr` is NULL or a region not yet destroyed, not in use by another call.
- */
-void rbr_mr_destroy(struct rbr_mr *mr);
 
 /**
  * Lets the peer of `conn` reach `mr` with one-sided operations, as far as the region's

@@ -5,12 +5,19 @@
 
 #![allow(non_camel_case_types)]
 
-pub mod conn;
-pub mod cq;
+// In the order a program meets the handles, which the generated header follows.
 pub mod ctx;
+
 pub mod error;
-pub mod listener;
+
 pub mod mr;
+
+pub mod cq;
+
+pub mod listener;
+
+pub mod conn;
+
 pub mod rdma;
 
 pub use error::rbr_status;
