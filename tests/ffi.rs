@@ -31,6 +31,19 @@ fn header_is_fresh() {
     for banned in ["ibv_", "rdma_cm", "struct rdma_"] {
         assert!(!committed.contains(banned), "header mentions {banned}");
     }
+    // Every name the header defines is the library's own (RBR_ / rbr_), so it cannot clash
+    // with a program's names.
+    for line in committed.lines() {
+        let name = match line.split_whitespace().collect::<Vec<_>>()[..] {
+            ["#define", name, ..] => name,
+            ["typedef", "struct", name, ..] => name,
+            _ => continue,
+        };
+        assert!(
+            name.starts_with("RBR_") || name.starts_with("rbr_") || name == "RDMABRIDGE_H",
+            "the header defines {name}"
+        );
+    }
 }
 
 #[test]
