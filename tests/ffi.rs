@@ -615,3 +615,33 @@ fn get_request_with_timeout_zero_is_empty_not_an_error() {
         rbr_ctx_destroy(ctx);
     }
 }
+
+/// Every exported function runs its body inside the panic boundary (`ffi_body!` or
+/// `ffi_body_or!`), so no panic can unwind into C. Read from the sources of src/ffi/.
+#[test]
+fn every_export_runs_inside_the_panic_boundary() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/ffi");
+    let (mut exports, mut outside) = (0, Vec::new());
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let src = std::fs::read_to_string(&path).unwrap();
+        let starts: Vec<usize> = src
+            .match_indices("extern \"C\" fn ")
+            .map(|(i, _)| i)
+            .collect();
+        for (k, &at) in starts.iter().enumerate() {
+            let end = starts.get(k + 1).copied().unwrap_or(src.len());
+            let body = &src[at..end];
+            let name = body["extern \"C\" fn ".len()..].split('(').next().unwrap();
+            if !(body.contains("ffi_body!(") || body.contains("ffi_body_or!(")) {
+                outside.push(name.to_owned());
+            }
+            exports += 1;
+        }
+    }
+    assert!(
+        outside.is_empty(),
+        "outside the panic boundary: {outside:?}"
+    );
+    assert!(exports >= 40, "only {exports} exports found");
+}

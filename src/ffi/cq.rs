@@ -219,8 +219,10 @@ fn cq_options(opts: *const rbr_cq_options) -> Result<CqOptions, rbr_status> {
 /// `out` must be writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rbr_cq_create(out: *mut *mut rbr_cq) -> rbr_status {
-    // SAFETY: same contract.
-    unsafe { rbr_cq_create_ex(std::ptr::null(), out) }
+    crate::ffi::ffi_body!({
+        // SAFETY: same contract.
+        unsafe { rbr_cq_create_ex(std::ptr::null(), out) }
+    })
 }
 
 /// Creates an empty completion queue into `*out`. `opts` NULL means the defaults.

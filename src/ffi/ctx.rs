@@ -28,8 +28,10 @@ pub struct rbr_ctx_options {
 /// `out` must be writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rbr_ctx_create(out: *mut *mut rbr_ctx) -> rbr_status {
-    // SAFETY: same contract, NULL options.
-    unsafe { rbr_ctx_create_ex(std::ptr::null(), out) }
+    crate::ffi::ffi_body!({
+        // SAFETY: same contract, NULL options.
+        unsafe { rbr_ctx_create_ex(std::ptr::null(), out) }
+    })
 }
 
 /// Creates a context with `opts` (NULL = defaults) into `*out`.

@@ -162,7 +162,11 @@ pub(crate) fn panicked(msg: String) -> rbr_status {
 /// static. Unknown values give `"unknown status"`.
 #[unsafe(no_mangle)]
 pub extern "C" fn rbr_status_str(status: i32) -> *const c_char {
-    let s: &'static std::ffi::CStr = match status {
+    crate::ffi::ffi_body_or!(c"unknown status".as_ptr(), { status_name(status).as_ptr() })
+}
+
+fn status_name(status: i32) -> &'static std::ffi::CStr {
+    match status {
         RBR_OK => c"RBR_OK: success",
         RBR_EMPTY => c"RBR_EMPTY: nothing ready",
         RBR_ERR_NULL => c"RBR_ERR_NULL: a required pointer was NULL",
@@ -189,21 +193,30 @@ pub extern "C" fn rbr_status_str(status: i32) -> *const c_char {
         RBR_ERR_ACCESS => c"RBR_ERR_ACCESS: memory region lacks the access",
         RBR_ERR_STATE => c"RBR_ERR_STATE: wrong state",
         _ => c"unknown status",
-    };
-    s.as_ptr()
+    }
 }
 
 /// This thread's message for its last failed call. Never NULL (empty when nothing failed yet);
 /// valid until the next failing rdmabridge call on this thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn rbr_last_error() -> *const c_char {
-    LAST.with(|l| l.borrow().message.as_ptr())
+    // `try_with`/`try_borrow`: even on a thread whose locals are being torn down this returns
+    // (an empty string) rather than panicking.
+    crate::ffi::ffi_body_or!(c"".as_ptr(), {
+        LAST.try_with(|l| l.try_borrow().map(|l| l.message.as_ptr()).ok())
+            .ok()
+            .flatten()
+            .unwrap_or(c"".as_ptr())
+    })
 }
 
 /// The OS errno behind this thread's last failure, or 0 when there was none.
 #[unsafe(no_mangle)]
 pub extern "C" fn rbr_last_errno() -> i32 {
-    LAST.with(|l| l.borrow().errno)
+    crate::ffi::ffi_body_or!(0, {
+        LAST.try_with(|l| l.try_borrow().map(|l| l.errno).unwrap_or(0))
+            .unwrap_or(0)
+    })
 }
 
 /// Copies the private data of the last rejection this thread saw (`rbr_connect` returning
@@ -240,11 +253,15 @@ pub unsafe extern "C" fn rbr_last_reject_data(
 /// The library's version, e.g. `"0.1.0"`. Static; never NULL.
 #[unsafe(no_mangle)]
 pub extern "C" fn rbr_version() -> *const c_char {
+    crate::ffi::ffi_body_or!(c"unknown".as_ptr(), { version().as_ptr() })
+}
+
+fn version() -> &'static std::ffi::CStr {
     static V: &std::ffi::CStr = match std::ffi::CStr::from_bytes_with_nul(
         concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes(),
     ) {
         Ok(v) => v,
         Err(_) => c"unknown",
     };
-    V.as_ptr()
+    V
 }
