@@ -13,10 +13,11 @@
 # Each round runs every tool once per measure, in turn, so drift hits them alike. Prints one
 # line per figure ("RESULT measure tool field value") and, at the end, a table: medians over
 # the rounds, the spread (min-max over rounds) and ratios to the stock tool of each measure.
-# Usage (in the guest): benchmarks/verbs-progress-guest.sh C_BUILD_DIR [ROUNDS] [--quick]
+# Usage (in the guest): benchmarks/verbs-progress-guest.sh C_BUILD_DIR [ROUNDS] [--quick|-] [OUT]
 #   --quick: one round at tiny counts, caller progress only (proves the pipeline works)
+#   OUT: a directory writable from the guest; raw.txt (every figure) and table.md go there
 set -u
-build=$1 rounds=${2:-3} quick=${3:-}
+build=$1 rounds=${2:-3} quick=${3:-} out=${4:-}
 ip=${RBR_TEST_ADDR:?RBR_TEST_ADDR is unset: run me through benchmarks/verbs-progress.sh}
 port=18000 results=/tmp/bench-results
 : >"$results"
@@ -250,7 +251,11 @@ awk '
           (b == "" ? "-" : b unit " (" lo[kb] "-" hi[kb] ")"), ratio(a, r50), (b == "" ? "-" : ratio(b, r99))
       }
     }
-  }' "$results"
+  }' "$results" | tee /tmp/bench-table.md
+if [ -n "$out" ]; then
+  cp "$results" "$out/raw.txt"
+  cp /tmp/bench-table.md "$out/table.md"
+fi
 # Every tool must have produced every round's figure.
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per

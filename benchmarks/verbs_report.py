@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Turns benchmarks/verbs-progress.sh's raw figures into a CSV and a gnuplot script.
+
+Usage: verbs_report.py RESULTS_DIR
+
+Reads RESULTS_DIR/raw.txt, lines of "RESULT MEASURE TOOL FIELD VALUE" written in the VM, e.g.
+    RESULT lat2 ib_send_lat p50 21.3
+    RESULT wbw65536 rbr-rma mbs 412.0
+(MEASURE: lat, bw = send/receive; wlat, rlat, wbw, rbw = RDMA write and read; then the size;
+conn = connection setup). Writes into RESULTS_DIR:
+    results.csv  per measure, tool and field: median, min, max over rounds, and the ratio of
+                 the median to the stock tool's median for the same measure and field
+    plot.dat / plot.gp  what gnuplot draws into verbs.png (run by verbs-progress.sh)
+"""
+import csv
+import os
+import re
+import statistics
+import sys
+from collections import defaultdict
+
+STOCK = {
+    "lat": "ib_send_lat", "bw": "ib_send_bw", "wlat": "ib_write_lat", "rlat": "ib_read_lat",
+    "wbw": "ib_write_bw", "rbw": "ib_read_bw", "conn": "cmtime",
+}
+
+
+def main():
+    out = sys.argv[1]
+    vals = defaultdict(list)  # (kind, size, tool, field) -> values
+    with open(os.path.join(out, "raw.txt")) as f:
+        for line in f:
+            p = line.split()
+            if len(p) != 5 or p[0] != "RESULT":
+                continue
+            m = re.fullmatch(r"([a-z]+?)(\d*)", p[1])
+            try:
+                v = float(p[4])
+            except ValueError:
+                continue
+            kind, size = m.group(1), int(m.group(2) or 0)
+            vals[(kind, size, p[2], p[3])].append(v)
+    med = {k: statistics.median(v) for k, v in vals.items()}
+    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["measure", "size_bytes", "tool", "field", "median", "min", "max", "rounds",
+                    "ratio_to_stock", "stock_tool", "better"])
+        for k in sorted(vals):
+            kind, size, tool, field = k
+            stock = STOCK.get(kind)
+            ref = med.get((kind, size, stock, field))
+            ratio = "" if not ref else "%.3f" % (med[k] / ref)
+            better = "lower" if field in ("p50", "p99") else "higher"
+            w.writerow([kind, size, tool, field, "%g" % med[k], "%g" % min(vals[k]),
+                        "%g" % max(vals[k]), len(vals[k]), ratio, stock or "", better])
+    # One data block per (panel, tool): latency p50 and bandwidth against size.
+    blocks = []
+    for panel, kinds, field in (("lat", ("lat", "wlat", "rlat"), "p50"),
+                                ("bw", ("bw", "wbw", "rbw"), "mbs")):
+        for kind in kinds:
+            tools = sorted({k[2] for k in vals if k[0] == kind and k[3] == field})
+            for tool in tools:
+                pts = sorted((k[1], med[k]) for k in vals
+                             if k[0] == kind and k[2] == tool and k[3] == field)
+                if pts:
+                    blocks.append((panel, "%s %s" % (kind, tool), pts))
+    with open(os.path.join(out, "plot.dat"), "w") as f:
+        for _, title, pts in blocks:
+            f.write("# %s\n" % title)
+            for s, v in pts:
+                f.write("%d %g\n" % (s, v))
+            f.write("\n\n")
+    dat = os.path.join(out, "plot.dat").replace("'", "")
+    lines = [
+        "set terminal pngcairo size 1400,560",
+        "set output '%s'" % os.path.join(out, "verbs.png").replace("'", ""),
+        "set multiplot layout 1,2 title 'rdmabridge verbs vs perftest on soft-RoCE "
+        "(medians over rounds)'",
+        "set logscale x 2", "set grid", "set key left top",
+        "set xlabel 'message size (bytes)'",
+    ]
+    for panel, ylabel in (("lat", "latency p50 (us; send/write one-way, read round trip)"),
+                          ("bw", "bandwidth (MB/s)")):
+        plots = ["'%s' index %d using 1:2 with linespoints title '%s'" % (dat, i, t)
+                 for i, (p, t, _) in enumerate(blocks) if p == panel]
+        lines.append("set ylabel '%s'" % ylabel)
+        lines.append("set logscale y" if panel == "lat" else "unset logscale y")
+        lines.append("plot " + ", ".join(plots) if plots else "clear")
+    lines.append("unset multiplot")
+    with open(os.path.join(out, "plot.gp"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("results: %s" % os.path.join(out, "results.csv"))
+
+
+if __name__ == "__main__":
+    main()
