@@ -190,6 +190,13 @@ impl MemoryRegion {
         self.regs.lkey(pd, self.ptr.as_ptr(), self.len, self.access)
     }
 
+    /// The remote key of this region in `pd` (what the peer's one-sided operations carry),
+    /// registering it there on first use.
+    #[cfg(feature = "verbs")]
+    pub(crate) fn verbs_rkey(&self, pd: &Arc<crate::verbs::Pd>) -> Result<u32> {
+        self.regs.rkey(pd, self.ptr.as_ptr(), self.len, self.access)
+    }
+
     pub(crate) fn same_context(&self, ctx: &Arc<ContextInner>) -> bool {
         Arc::ptr_eq(&self._ctx, ctx)
     }

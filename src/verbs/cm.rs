@@ -88,6 +88,9 @@ pub(crate) struct CmEvent {
     pub(crate) status: i32,
     pub(crate) id: *mut sys::rdma_cm_id,
     pub(crate) private_data: Vec<u8>,
+    /// A connection request's (or its answer's) RDMA reads and atomics that the sender
+    /// accepts from this side at once.
+    pub(crate) responder_resources: u8,
 }
 
 impl CmEvent {
@@ -108,11 +111,15 @@ impl CmEvent {
                 .to_vec()
             }
         };
+        // SAFETY: as above; for other events the byte is zero or meaningless, and only
+        // connection requests read it.
+        let responder_resources = unsafe { ev.param.conn.responder_resources };
         CmEvent {
             kind: ev.event,
             status: ev.status,
             id: ev.id,
             private_data,
+            responder_resources,
         }
     }
 

@@ -9,6 +9,14 @@
 //! to the device); otherwise it is held by the library and started, in order, when the count
 //! grows.
 //!
+//! A write with immediate consumes one of the peer's receives too: it counts as a send here,
+//! waits in the same queue, in order with sends, and the receive it takes counts as consumed
+//! at the peer like any other. One-sided operations without an immediate consume nothing and
+//! never wait. The library's own traffic never consumes a receive of the caller's: credit
+//! writes and keepalives are RDMA writes without an immediate (no receive, no completion at
+//! the peer), and the hello is taken by the server's own receive, posted before any of the
+//! caller's.
+//!
 //! Address exchange: the connect request has no room for an address and key (56 bytes, of
 //! which the caller may use 48), so the server puts its word's address and key in its accept
 //! (after the caller's data, flag [`FLAG_CREDITS`]), and pre-posts one internal receive before
@@ -21,6 +29,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rdma_sys as sys;
 
+use crate::conn::{RdmaOp, SGE_MAX};
+use crate::cq::Opcode;
 use crate::error::{Error, Result};
 use crate::verbs::res::Pd;
 
@@ -185,16 +195,67 @@ impl Remote {
     }
 }
 
-/// A send the peer has no receive for yet, held by the library until credits arrive.
+/// The regions a piece of the caller's work reads or writes, held alive until it completes.
+pub(crate) type Regions = [Option<Arc<crate::mr::MemoryRegion>>; SGE_MAX];
+
+/// What a piece of the caller's send-queue work does, as the device gets it.
+pub(crate) enum Work {
+    /// A send of `len` bytes at `ptr` (local key `lkey`); for an inline send, `ptr` may point
+    /// into the connection's staging area.
+    Send {
+        ptr: *mut u8,
+        len: u32,
+        lkey: u32,
+        inline: bool,
+    },
+    /// A one-sided operation with its local segments (`sges[..nsge]`, none empty), the target
+    /// address and the peer's key.
+    Rdma {
+        op: RdmaOp,
+        sges: [sys::ibv_sge; SGE_MAX],
+        nsge: u32,
+        remote_addr: u64,
+        rkey: u32,
+    },
+}
+
+/// A piece of the caller's send-queue work: posted at once, or, when it needs one of the
+/// peer's receives (a send, a write with immediate) and the peer has none posted yet, held by
+/// the library until credits arrive.
 pub(crate) struct Held {
-    pub(crate) ptr: *mut u8,
-    pub(crate) len: u32,
-    pub(crate) lkey: u32,
+    pub(crate) work: Work,
     pub(crate) wr_id: u64,
     pub(crate) signaled: bool,
-    /// For an inline send, `ptr` points into the connection's staging area.
-    pub(crate) inline: bool,
-    pub(crate) mr: Option<Arc<crate::mr::MemoryRegion>>,
+    pub(crate) mrs: Regions,
+}
+
+impl Held {
+    /// The opcode its completion carries.
+    pub(crate) fn opcode(&self) -> Opcode {
+        match self.work {
+            Work::Send { .. } => Opcode::Send,
+            Work::Rdma { op, .. } => match op {
+                RdmaOp::Write { .. } => Opcode::Write,
+                RdmaOp::Read => Opcode::Read,
+                RdmaOp::FetchAdd { .. } => Opcode::FetchAdd,
+                RdmaOp::CmpSwap { .. } => Opcode::CmpSwap,
+            },
+        }
+    }
+
+    /// Whether it consumes a receive at the peer, and so needs a credit: a send, or a write
+    /// with immediate. (The library's own writes never carry an immediate, so they consume
+    /// nothing at the peer and are never mistaken there for the caller's.)
+    pub(crate) fn needs_credit(&self) -> bool {
+        matches!(
+            self.work,
+            Work::Send { .. }
+                | Work::Rdma {
+                    op: RdmaOp::Write { imm: Some(_) },
+                    ..
+                }
+        )
+    }
 }
 
 /// The credit state of one connection (under the connection's lock).
@@ -202,13 +263,15 @@ pub(crate) struct Credits {
     pub(crate) mr: CreditMr,
     /// The peer's word; a server learns it from the hello.
     pub(crate) peer: Option<Remote>,
-    /// Caller's sends handed to the device.
+    /// Caller's sends and writes with immediate handed to the device: each takes one of the
+    /// peer's receives.
     pub(crate) sent: u64,
     /// Caller's receives posted.
     pub(crate) posted: u64,
     /// The count last written to the peer.
     pub(crate) pushed: u64,
-    /// Caller's receives seen completed.
+    /// Caller's receives seen completed (by a message, by a write with immediate, or
+    /// flushed).
     pub(crate) consumed: u64,
     /// Push when the peer's credit as this side knows it (pushed - consumed) falls below this.
     pub(crate) low: u64,
@@ -243,7 +306,8 @@ impl Credits {
         }
     }
 
-    /// Whether the peer is known to have a receive posted for one more send.
+    /// Whether the peer is known to have a receive posted for one more send (or write with
+    /// immediate).
     pub(crate) fn available(&self) -> bool {
         self.mr.peer_count() > self.sent
     }

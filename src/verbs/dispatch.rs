@@ -25,6 +25,8 @@ pub(super) struct Wc {
     status: WcStatus,
     byte_len: u32,
     imm: Option<u32>,
+    /// A receive the peer's write with immediate consumed (its bytes are in place elsewhere).
+    write_imm: bool,
 }
 
 impl Wc {
@@ -41,8 +43,12 @@ impl Wc {
         Wc {
             wr_id: wc.wr_id,
             qp_num: wc.qp_num,
+            // The opcode is defined only for a success.
+            write_imm: status == WcStatus::Success
+                && wc.opcode == sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM,
             status,
-            // The device's byte count means something only for a success.
+            // The device's byte count means something only for a success (for a write with
+            // immediate, it is the bytes written).
             byte_len: if status == WcStatus::Success {
                 wc.byte_len
             } else {
@@ -214,22 +220,29 @@ pub(super) fn complete(
                 c.consumed += 1;
             }
             let this = e.seq & SEQ_MASK == seq;
-            let (status, len, imm) = if this {
-                (status, wc.byte_len, wc.imm)
+            let (op, status, len, imm) = if this {
+                let op = if wc.write_imm {
+                    Opcode::RecvWriteImm
+                } else {
+                    Opcode::Recv
+                };
+                (op, status, wc.byte_len, wc.imm)
             } else {
-                (WcStatus::Flushed, 0, None)
+                (Opcode::Recv, WcStatus::Flushed, 0, None)
             };
-            emit(sh.report.record(e.wr_id, Opcode::Recv, status, len, imm));
+            emit(sh.report.record(e.wr_id, op, status, len, imm));
             n += 1;
         }
     } else {
-        // Sends complete in order: the unsignaled ones before `seq` finished successfully.
+        // The send queue completes in order (sends and one-sided operations alike): the
+        // unsignaled work before `seq` finished successfully. Each record carries the opcode
+        // the ledger noted at posting (a device's opcode is undefined on an error).
         while st.sends.front().is_some_and(|e| at_or_before(e.seq, seq)) {
             let e = st.sends.pop_front().expect("front exists");
             if e.internal {
                 st.internal_out -= 1;
             } else {
-                st.user_sends -= 1;
+                st.user_work -= 1;
             }
             let s = if e.seq & SEQ_MASK == seq {
                 status
@@ -237,7 +250,7 @@ pub(super) fn complete(
                 WcStatus::Success
             };
             if !e.internal && (e.signaled || s != WcStatus::Success) {
-                emit(sh.report.record(e.wr_id, Opcode::Send, s, 0, None));
+                emit(sh.report.record(e.wr_id, e.op, s, 0, None));
                 n += 1;
             }
         }

@@ -35,6 +35,9 @@ const RDMA_OPTION_ID: i32 = 0;
 const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
 /// rdma_cm's reject reason when nobody listens on the port (IB_CM_REJ_INVALID_SERVICE_ID).
 const REJ_NO_LISTENER: i32 = 8;
+/// Most RDMA reads and atomics a connection keeps in flight toward its peer, and accepts from
+/// it at once (each side's device may allow fewer).
+const RD_ATOM_MAX: u8 = 16;
 fn cm_err(what: &'static str) -> impl Fn(io::Error) -> Error {
     move |e| Error::Connect(io::Error::new(e.kind(), format!("{what}: {e}")))
 }
@@ -108,9 +111,46 @@ pub(super) struct Resources {
     /// The device's port events, and the port this connection uses.
     pub(super) dev: Arc<DeviceEvents>,
     pub(super) port: u8,
+    /// What the device allows the connection's one-sided operations.
+    pub(super) limits: Limits,
     /// The credit word toward a library peer: after the QP in drop order, since the peer's
     /// device may write into it while the QP lives.
     credit: Option<CreditMr>,
+}
+
+/// What a device allows one-sided operations on a queue pair.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Limits {
+    /// Most RDMA reads and atomics in flight that the queue pair may accept from its peer
+    /// (the device's `max_qp_rd_atom`, at most [`RD_ATOM_MAX`]).
+    pub(super) responder_resources: u8,
+    /// Most it may issue toward its peer (the device's `max_qp_init_rd_atom`, at most
+    /// [`RD_ATOM_MAX`]); the peer's responder resources bound it further.
+    pub(super) initiator_depth: u8,
+    /// Whether the device runs atomic operations.
+    pub(super) atomics: bool,
+}
+
+impl Limits {
+    fn of(device: *mut sys::ibv_context) -> Result<(Limits, u32)> {
+        // SAFETY: ibv_device_attr is plain data; zero is a valid start.
+        let mut attr: sys::ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live device context; `attr` is written on success. Returns the errno value.
+        let r = unsafe { sys::ibv_query_device(device, &mut attr) };
+        if r != 0 {
+            return Err(cm_err("ibv_query_device")(io::Error::from_raw_os_error(r)));
+        }
+        let cap = |v: i32| v.clamp(0, i32::from(RD_ATOM_MAX)) as u8;
+        let limits = Limits {
+            responder_resources: cap(attr.max_qp_rd_atom),
+            initiator_depth: cap(attr.max_qp_init_rd_atom),
+            atomics: attr.atomic_cap != sys::ibv_atomic_cap::IBV_ATOMIC_NONE,
+        };
+        // Scatter/gather entries a send-queue work request may carry: what one-sided
+        // operations need, as far as the device allows.
+        let sge = (crate::conn::SGE_MAX as i32).min(attr.max_sge).max(1) as u32;
+        Ok((limits, sge))
+    }
 }
 
 /// Destroys the id's QP on drop.
@@ -141,6 +181,7 @@ impl Resources {
         }
         let pd = ctx.verbs.pd(device)?;
         let dev = device_events(device)?;
+        let (limits, max_send_sge) = Limits::of(device)?;
         // SAFETY: live id, bound to a device port by now.
         let port = unsafe { (*id.0).port_num };
         // Room in the shared device CQ for everything the queue pair may report at once: a
@@ -161,7 +202,7 @@ impl Resources {
         // must never take the caller's, nor the server's hello receive.
         attr.cap.max_send_wr = opts.send_queue_depth + INTERNAL_SLOTS;
         attr.cap.max_recv_wr = opts.recv_queue_depth + 1;
-        attr.cap.max_send_sge = 1;
+        attr.cap.max_send_sge = max_send_sge;
         attr.cap.max_recv_sge = 1;
         attr.cap.max_inline_data = opts.max_inline;
         // SAFETY: live id, PD and attr (its CQ lives while `att` does); on success the id owns
@@ -183,6 +224,7 @@ impl Resources {
             pd,
             dev,
             port,
+            limits,
             id: Some(id),
             ch: Some(ch),
             credit: None,
@@ -263,13 +305,21 @@ impl Resources {
         Ok(())
     }
 
-    fn conn_param(&self, data: &[u8], opts: &ConnOptions) -> sys::rdma_conn_param {
+    /// The connection parameters: `data` as private data, and the RDMA read and atomic limits
+    /// (a client offers what its device allows; a server answers with what both allow, and
+    /// the client's queue pair takes the answer).
+    fn conn_param(
+        &self,
+        data: &[u8],
+        opts: &ConnOptions,
+        (responder_resources, initiator_depth): (u8, u8),
+    ) -> sys::rdma_conn_param {
         // SAFETY: rdma_conn_param is plain data; zero is a valid start.
         let mut p: sys::rdma_conn_param = unsafe { std::mem::zeroed() };
         p.private_data = data.as_ptr().cast();
         p.private_data_len = data.len() as u8;
-        p.responder_resources = 1;
-        p.initiator_depth = 1;
+        p.responder_resources = responder_resources;
+        p.initiator_depth = initiator_depth;
         p.retry_count = opts.retry_count;
         // 7 = retry forever while the peer has no receive posted: a send waits, never fails.
         p.rnr_retry_count = opts.rnr_retry_count;
@@ -342,6 +392,7 @@ impl Listener {
                         ch: Some(ch),
                         library_peer,
                         private_data,
+                        peer_responder_resources: ev.responder_resources,
                         ctx: self.ctx.clone(),
                     }));
                 }
@@ -361,6 +412,8 @@ pub(crate) struct Request {
     ch: Option<EventChannel>,
     library_peer: bool,
     private_data: Vec<u8>,
+    /// How many RDMA reads and atomics the client accepts from this side at once.
+    peer_responder_resources: u8,
     ctx: Arc<ContextInner>,
 }
 
@@ -400,7 +453,15 @@ impl Request {
             opts.private_data.clone()
         };
         res.set_ack_timeout(opts)?;
-        let mut param = res.conn_param(&data, opts);
+        // Reads and atomics: accept as many as the device can answer; issue no more than the
+        // client said it can answer (a plain librdmacm client says so too).
+        let rd = (
+            res.limits.responder_resources,
+            res.limits
+                .initiator_depth
+                .min(self.peer_responder_resources),
+        );
+        let mut param = res.conn_param(&data, opts, rd);
         // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
         if unsafe { sys::rdma_accept(res.id_raw(), &mut param) } != 0 {
             return Err(Error::Accept(io::Error::last_os_error()));
@@ -517,7 +578,8 @@ pub(super) fn establish(
     res.credit = Some(CreditMr::new(&res.pd)?);
     let data = with_preamble(&opts.private_data, FLAG_CREDITS, &[]);
     res.set_ack_timeout(opts)?;
-    let mut param = res.conn_param(&data, opts);
+    let rd = (res.limits.responder_resources, res.limits.initiator_depth);
+    let mut param = res.conn_param(&data, opts, rd);
     // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
     if unsafe { sys::rdma_connect(res.id_raw(), &mut param) } != 0 {
         return Err(cm_err("rdma_connect")(io::Error::last_os_error()));

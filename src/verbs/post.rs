@@ -1,7 +1,7 @@
 //! Posting on a verbs connection: the ledger of outstanding work that posters, the pollers of
 //! the shared device CQ (`devcq.rs`) and the connection's driver turns (`progress.rs`) share
-//! under the connection's lock, the caller's sends and receives, and the library's own work
-//! (hello, keepalive, credit writes; see `credit.rs`).
+//! under the connection's lock, the caller's sends, receives and one-sided operations, and the
+//! library's own work (hello, keepalive, credit writes; see `credit.rs`).
 //!
 //! Lock order: a device CQ's poll lock, then a connection's state lock. Posters take only the
 //! connection's lock, and never while holding it take a poll lock. (This module knows nothing
@@ -15,13 +15,13 @@ use std::time::Duration;
 
 use rdma_sys as sys;
 
-use crate::conn::{ConnInfo, Payload, RecvRequest, SendRequest};
-use crate::cq::{Reporter, WcStatus};
+use crate::conn::{ConnInfo, Payload, RdmaOp, RdmaRequest, RecvRequest, SGE_MAX, SendRequest};
+use crate::cq::{Opcode, Reporter, WcStatus};
 use crate::domain::ContextInner;
 use crate::driver::Registration;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
-use crate::verbs::credit::{CREDIT_WRITES_MAX, Credits, Held, SIGNAL_EVERY};
+use crate::verbs::credit::{CREDIT_WRITES_MAX, Credits, Held, Regions, SIGNAL_EVERY, Work};
 
 /// Work-request ids the library hands the device: bit 63 marks a receive, bit 62 the server's
 /// internal receive for the client's hello; bits 46..62 carry the connection's tag (see
@@ -42,13 +42,16 @@ pub(super) fn at_or_before(e: u64, s: u64) -> bool {
 pub(super) struct SendEntry {
     pub(super) seq: u64,
     pub(super) wr_id: u64,
+    /// What its completion reports (the caller's send or one-sided operation).
+    pub(super) op: Opcode,
     pub(super) signaled: bool,
     /// The library's own (keepalive, hello, credit write): never reported, but its failure
     /// fails the connection.
     pub(super) internal: bool,
     /// Whether the device reports its completion (an unsignaled one is reaped by a later one).
     pub(super) hw_signaled: bool,
-    pub(super) _mr: Option<Arc<MemoryRegion>>,
+    /// The regions the device reads or writes for it, held until it completes.
+    pub(super) _mrs: Regions,
 }
 
 pub(super) struct RecvEntry {
@@ -68,14 +71,16 @@ pub(super) struct PostState {
     /// Everything handed to the device's send queue, in order.
     pub(super) sends: VecDeque<SendEntry>,
     pub(super) recvs: VecDeque<RecvEntry>,
-    /// The caller's sends outstanding: on the device or held for credits.
-    pub(super) user_sends: usize,
+    /// The caller's send-queue work outstanding (sends and one-sided operations): on the
+    /// device or held for credits.
+    pub(super) user_work: usize,
     /// The library's own work requests on the device, not yet reaped.
     pub(super) internal_out: u32,
     /// Work requests (the library's or the caller's) posted unsignaled to the device since
     /// the last signaled one.
     pub(super) unsignaled_run: u32,
-    /// Toward a library peer: receive credits, and the sends held for them.
+    /// Toward a library peer: receive credits, and the sends (and writes with immediate) held
+    /// for them.
     pub(super) credits: Option<Credits>,
 }
 
@@ -94,6 +99,10 @@ pub(super) struct Shared {
     pub(super) ctx: Arc<ContextInner>,
     pub(super) pd: Arc<crate::verbs::res::Pd>,
     pub(super) qp: *mut sys::ibv_qp,
+    /// Most local segments the queue pair takes in one work request (at most [`SGE_MAX`]).
+    pub(super) max_send_sge: u32,
+    /// Whether the device runs atomic operations.
+    pub(super) atomics: bool,
     /// This connection's tag in its work-request ids (already shifted, see [`TAG_SHIFT`]).
     pub(super) tag: u64,
     /// How many connections of the device CQ this connection shares (`devcq.rs`) have sends
@@ -141,42 +150,98 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Hands one of the caller's sends to the device (`st.user_sends` already counts it).
-    fn post_user_send(&self, st: &mut PostState, h: Held) -> std::result::Result<(), (i32, Held)> {
+    /// Hands a piece of the caller's work to the device (`st.user_work` already counts it).
+    fn post_user(&self, st: &mut PostState, h: Held) -> std::result::Result<(), (i32, Held)> {
         let seq = st.next_seq;
-        let mut sge = sys::ibv_sge {
-            addr: h.ptr as u64,
-            length: h.len,
-            lkey: h.lkey,
-        };
         // SAFETY: ibv_send_wr is plain data; zero is a valid start.
         let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = (seq & SEQ_MASK) | self.tag;
-        wr.sg_list = &mut sge;
-        wr.num_sge = if h.len == 0 { 0 } else { 1 };
-        wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
-        // The device reports an unsignaled send to nobody, so its slot is freed only by a
-        // later reported send: of the sends in a row the caller left unsignaled, every
-        // SIGNAL_EVERY-th (or every other one, on a queue less than twice that deep) asks the
-        // device for a completion all the same, which the library takes and reports to nobody.
+        let mut f = 0;
+        // The device only reads the list during the post; local copies keep it live that long.
+        let mut send_sge;
+        let mut sges;
+        match h.work {
+            Work::Send {
+                ptr,
+                len,
+                lkey,
+                inline,
+            } => {
+                send_sge = sys::ibv_sge {
+                    addr: ptr as u64,
+                    length: len,
+                    lkey,
+                };
+                wr.sg_list = &mut send_sge;
+                wr.num_sge = if len == 0 { 0 } else { 1 };
+                wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+                if inline {
+                    f |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
+                }
+            }
+            Work::Rdma {
+                op,
+                sges: list,
+                nsge,
+                remote_addr,
+                rkey,
+            } => {
+                sges = list;
+                wr.sg_list = sges.as_mut_ptr();
+                wr.num_sge = nsge as i32;
+                match op {
+                    RdmaOp::Write { imm: None } => {
+                        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+                    }
+                    RdmaOp::Write { imm: Some(imm) } => {
+                        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+                        // Network byte order on the wire; the peer's library turns it back.
+                        wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+                    }
+                    RdmaOp::Read => wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_READ,
+                    RdmaOp::FetchAdd { add } => {
+                        wr.opcode = sys::ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
+                        wr.wr.atomic = sys::atomic_t {
+                            remote_addr,
+                            compare_add: add,
+                            swap: 0,
+                            rkey,
+                        };
+                    }
+                    RdmaOp::CmpSwap { compare, swap } => {
+                        wr.opcode = sys::ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP;
+                        wr.wr.atomic = sys::atomic_t {
+                            remote_addr,
+                            compare_add: compare,
+                            swap,
+                            rkey,
+                        };
+                    }
+                }
+                if matches!(op, RdmaOp::Write { .. } | RdmaOp::Read) {
+                    wr.wr.rdma = sys::rdma_t { remote_addr, rkey };
+                }
+            }
+        }
+        // The device reports unsignaled work to nobody, so its slot is freed only by a later
+        // reported completion: of the work requests in a row the caller left unsignaled (sends
+        // and one-sided operations alike), every SIGNAL_EVERY-th (or every other one, on a
+        // queue less than twice that deep) asks the device for a completion all the same,
+        // which the library takes and reports to nobody.
         let period = SIGNAL_EVERY
             .min(self.info.send_queue_depth.div_ceil(2))
             .max(1);
         let hw_signaled = h.signaled || st.unsignaled_run + 1 >= period;
-        let mut f = 0;
         if hw_signaled {
             f |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
-        }
-        if h.inline {
-            f |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
         }
         wr.send_flags = f;
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live while `closed` is false (callers check it under the lock); the
-        // work request and SGE are live locals; the buffer is valid until the send completes
-        // (held by `mr`) or, inline, copied during the call (from the caller's slice or region,
-        // which the posting call holds, or from the staging slot that no later send reuses
-        // before this one left).
+        // work request and its SGEs are live locals; the local memory is valid until the work
+        // completes (held by `mrs`) or, inline, copied during the call (from the caller's slice
+        // or region, which the posting call holds, or from the staging slot that no later send
+        // reuses before this one left). The remote side is the peer device's to check.
         let r = unsafe { sys::ibv_post_send(self.qp, &mut wr, &mut bad) };
         if r != 0 {
             return Err((r, h));
@@ -190,10 +255,11 @@ impl Shared {
         st.sends.push_back(SendEntry {
             seq,
             wr_id: h.wr_id,
+            op: h.opcode(),
             signaled: h.signaled,
             internal: false,
             hw_signaled,
-            _mr: h.mr,
+            _mrs: h.mrs,
         });
         Ok(())
     }
@@ -208,6 +274,12 @@ impl Shared {
     ) -> std::result::Result<(), i32> {
         let seq = st.next_seq;
         let signal = signal || st.unsignaled_run + 1 >= SIGNAL_EVERY;
+        // The library's own traffic never carries an immediate: at the peer it must never
+        // consume (or be taken for) a receive of the caller's (see `credit.rs`).
+        debug_assert!(
+            wr.opcode == sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
+                || wr.opcode == sys::ibv_wr_opcode::IBV_WR_SEND
+        );
         wr.wr_id = (seq & SEQ_MASK) | self.tag;
         if signal {
             wr.send_flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
@@ -226,10 +298,11 @@ impl Shared {
         st.sends.push_back(SendEntry {
             seq,
             wr_id: 0,
+            op: Opcode::Send,
             signaled: false,
             internal: true,
             hw_signaled: signal,
-            _mr: None,
+            _mrs: Default::default(),
         });
         Ok(())
     }
@@ -249,7 +322,8 @@ impl Shared {
         self.reg.wake();
     }
 
-    /// Starts held sends, in order, for as many as the peer has receives posted.
+    /// Starts held sends (and writes with immediate), in order, for as many as the peer has
+    /// receives posted.
     pub(super) fn pump(&self, st: &mut PostState) {
         if st.closed || st.failed.is_some() {
             return;
@@ -260,7 +334,7 @@ impl Shared {
                 break;
             }
             let h = c.held.pop_front().expect("not empty");
-            match self.post_user_send(st, h) {
+            match self.post_user(st, h) {
                 Ok(()) => st.credits.as_mut().expect("credits").sent += 1,
                 Err((r, h)) => {
                     st.credits.as_mut().expect("credits").held.push_front(h);
@@ -400,37 +474,54 @@ impl Conn {
         inline: bool,
         mr: Option<Arc<MemoryRegion>>,
     ) -> Result<()> {
+        let mut mrs: Regions = Default::default();
+        mrs[0] = mr;
+        self.submit(Held {
+            work: Work::Send {
+                ptr,
+                len: len as u32,
+                lkey,
+                inline,
+            },
+            wr_id,
+            signaled,
+            mrs,
+        })
+    }
+
+    /// Hands the caller's work to the device, or, when it needs a receive the peer has not
+    /// posted yet (or others wait before it), holds it for credits.
+    fn submit(&self, mut h: Held) -> Result<()> {
         let mut st = self.sh.lock();
         if st.closed {
             return Err(Error::Disconnected);
         }
-        if st.user_sends >= self.sh.info.send_queue_depth as usize {
+        if st.user_work >= self.sh.info.send_queue_depth as usize {
             return Err(Error::QueueFull("send"));
         }
-        let mut h = Held {
-            ptr,
-            len: len as u32,
-            lkey,
-            wr_id,
-            signaled,
-            inline,
-            mr,
-        };
-        if let Some(c) = st.credits.as_mut()
+        let credit = h.needs_credit();
+        if credit
+            && let Some(c) = st.credits.as_mut()
             && (!c.held.is_empty() || !c.available())
         {
             // The peer has no receive for it yet: held, and started in order when credits
             // arrive. An inline send's bytes are copied now, as the caller may reuse them.
-            if inline {
+            if let Work::Send {
+                ptr,
+                len,
+                inline: true,
+                ..
+            } = &mut h.work
+            {
                 // SAFETY: `ptr`/`len` are the caller's slice (post_send_inline) or a range of
                 // the caller's region that check_region found inside it (post_send), readable
                 // for the whole call.
-                let data = unsafe { std::slice::from_raw_parts(ptr, len) };
-                h.ptr = c.stage(data, self.sh.info.send_queue_depth, self.sh.info.max_inline);
+                let data = unsafe { std::slice::from_raw_parts(*ptr, *len as usize) };
+                *ptr = c.stage(data, self.sh.info.send_queue_depth, self.sh.info.max_inline);
             }
             let first = c.held.is_empty();
             c.held.push_back(h);
-            st.user_sends += 1;
+            st.user_work += 1;
             if first {
                 // The credits may come while nobody polls: the connection's turn looks for
                 // them, once it knows sends are held; pollers pump on their polls.
@@ -440,11 +531,11 @@ impl Conn {
             }
             return Ok(());
         }
-        if let Err((r, _)) = self.sh.post_user_send(&mut st, h) {
+        if let Err((r, _)) = self.sh.post_user(&mut st, h) {
             return Err(post_error(r, "send"));
         }
-        st.user_sends += 1;
-        if let Some(c) = st.credits.as_mut() {
+        st.user_work += 1;
+        if credit && let Some(c) = st.credits.as_mut() {
             c.sent += 1;
         }
         Ok(())
@@ -499,18 +590,64 @@ impl Conn {
         Ok(())
     }
 
-    /// Lets the peer reach `mr` with one-sided operations; returns its key.
-    pub(crate) fn expose(&self, _mr: &Arc<crate::mr::MemoryRegion>) -> Result<u64> {
-        Err(Error::Unsupported(
-            "one-sided operations are not built yet".into(),
-        ))
+    /// Lets the peer reach `mr` with one-sided operations: registers it in the connection's
+    /// protection domain (once; with the region's access bits) and returns its remote key.
+    pub(crate) fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
+        mr.verbs_rkey(&self.sh.pd).map(u64::from)
     }
 
-    /// Posts a checked one-sided operation.
-    pub(crate) fn rdma(&self, _wr: crate::conn::RdmaRequest<'_>) -> Result<()> {
-        Err(Error::Unsupported(
-            "one-sided operations are not built yet".into(),
-        ))
+    /// Posts a checked one-sided operation. A write with immediate takes one of the peer's
+    /// receives, so toward a library peer it waits for a credit like a send, in order with
+    /// the sends; the others go to the device at once.
+    pub(crate) fn rdma(&self, wr: RdmaRequest<'_>) -> Result<()> {
+        let rkey = u32::try_from(wr.remote.key).map_err(|_| {
+            Error::invalid(format!(
+                "key {:#x} is not a verbs remote key (they are 32 bits)",
+                wr.remote.key
+            ))
+        })?;
+        let atomic = matches!(wr.op, RdmaOp::FetchAdd { .. } | RdmaOp::CmpSwap { .. });
+        if atomic && !self.sh.atomics {
+            return Err(Error::Unsupported(
+                "the connection's device runs no atomic operations".into(),
+            ));
+        }
+        let nonempty = wr.segs[..wr.nsegs].iter().flatten().filter(|s| s.len > 0);
+        if nonempty.clone().count() > self.sh.max_send_sge as usize {
+            return Err(Error::Unsupported(format!(
+                "the connection's device takes at most {} local segments in one operation",
+                self.sh.max_send_sge
+            )));
+        }
+        let mut sges = [sys::ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        }; SGE_MAX];
+        let mut mrs: Regions = Default::default();
+        let mut nsge = 0;
+        // Empty segments are left out: some devices read a length of 0 as 2 GiB.
+        for seg in nonempty {
+            sges[nsge] = sys::ibv_sge {
+                addr: seg.ptr as u64,
+                length: seg.len as u32,
+                lkey: seg.mr.verbs_lkey(&self.sh.pd)?,
+            };
+            mrs[nsge] = Some(seg.mr.clone());
+            nsge += 1;
+        }
+        self.submit(Held {
+            work: Work::Rdma {
+                op: wr.op,
+                sges,
+                nsge: nsge as u32,
+                remote_addr: wr.remote_addr,
+                rkey,
+            },
+            wr_id: wr.wr_id,
+            signaled: wr.signaled,
+            mrs,
+        })
     }
 
     pub(crate) fn disconnect(&self) {

@@ -302,19 +302,20 @@ impl Engine {
     }
 }
 
-/// Completes everything the device did not report as flushed: the sends that reached it, then
-/// the sends held for credits (which never did), then the receives.
+/// Completes everything the device did not report as flushed: the send-queue work that
+/// reached it (sends and one-sided operations), then the sends and writes with immediate held
+/// for credits (which never did), then the receives.
 fn flush_rest(sh: &Shared, st: &mut PostState) {
     while let Some(e) = st.sends.pop_front() {
         if !e.internal {
             sh.report
-                .complete(e.wr_id, Opcode::Send, WcStatus::Flushed, 0, None);
+                .complete(e.wr_id, e.op, WcStatus::Flushed, 0, None);
         }
     }
     let held = st.credits.as_mut().map(|c| std::mem::take(&mut c.held));
     for h in held.into_iter().flatten() {
         sh.report
-            .complete(h.wr_id, Opcode::Send, WcStatus::Flushed, 0, None);
+            .complete(h.wr_id, h.opcode(), WcStatus::Flushed, 0, None);
     }
     sh.note_held(st);
     while let Some(e) = st.recvs.pop_front() {
@@ -393,6 +394,8 @@ impl Conn {
             ctx: ctx.clone(),
             pd: res.pd.clone(),
             qp: res.qp_raw(),
+            max_send_sge: res.caps.max_send_sge.min(crate::conn::SGE_MAX as u32),
+            atomics: res.limits.atomics,
             tag: res.att.tag,
             held_conns: res.att.devcq.held_conns(),
             state: std::sync::Mutex::new(PostState {
@@ -403,7 +406,7 @@ impl Conn {
                     (info.send_queue_depth + INTERNAL_SLOTS) as usize,
                 ),
                 recvs: std::collections::VecDeque::with_capacity(info.recv_queue_depth as usize),
-                user_sends: 0,
+                user_work: 0,
                 internal_out: 0,
                 unsignaled_run: 0,
                 credits,

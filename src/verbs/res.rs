@@ -35,10 +35,11 @@ impl Drop for Pd {
 #[derive(Default)]
 pub(crate) struct Registrations {
     regs: Mutex<Vec<(Arc<Pd>, *mut sys::ibv_mr)>>,
-    /// The first registration's protection domain (by address) and local key, read without the
-    /// lock on every post: most regions are only ever used on one device. The address cannot
-    /// name another domain while the region lives, since `regs` keeps that domain alive.
-    first: OnceLock<(usize, u32)>,
+    /// The first registration's protection domain (by address), local and remote keys, read
+    /// without the lock on every post: most regions are only ever used on one device. The
+    /// address cannot name another domain while the region lives, since `regs` keeps that
+    /// domain alive.
+    first: OnceLock<(usize, u32, u32)>,
 }
 
 // SAFETY: the raw MR pointers are only read (lkey/rkey) and deregistered under the lock.
@@ -61,15 +62,39 @@ impl Registrations {
         len: usize,
         access: Access,
     ) -> Result<u32> {
-        if let Some(&(at, lkey)) = self.first.get()
+        if let Some(&(at, lkey, _)) = self.first.get()
             && at == Arc::as_ptr(pd) as usize
         {
             return Ok(lkey);
         }
+        self.keys(pd, addr, len, access).map(|(lkey, _)| lkey)
+    }
+
+    /// The remote key of `addr..addr+len` in `pd` (what a peer's one-sided operations carry),
+    /// registering it on first use.
+    pub(crate) fn rkey(
+        &self,
+        pd: &Arc<Pd>,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<u32> {
+        if let Some(&(at, _, rkey)) = self.first.get()
+            && at == Arc::as_ptr(pd) as usize
+        {
+            return Ok(rkey);
+        }
+        self.keys(pd, addr, len, access).map(|(_, rkey)| rkey)
+    }
+
+    /// The local and remote keys of `addr..addr+len` in `pd`, registering it on first use
+    /// (with the access flags the region was made with: what its remote key allows is what a
+    /// peer may do).
+    fn keys(&self, pd: &Arc<Pd>, addr: *mut u8, len: usize, access: Access) -> Result<(u32, u32)> {
         let mut regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((_, mr)) = regs.iter().find(|(p, _)| Arc::ptr_eq(p, pd)) {
             // SAFETY: registrations stay live until `self` is dropped.
-            return Ok(unsafe { (**mr).lkey });
+            return Ok(unsafe { ((**mr).lkey, (**mr).rkey) });
         }
         let mut flags = 0;
         if access.contains(Access::LOCAL_WRITE) {
@@ -92,12 +117,12 @@ impl Registrations {
         }
         regs.push((pd.clone(), mr));
         // SAFETY: just registered.
-        let lkey = unsafe { (*mr).lkey };
+        let keys = unsafe { ((*mr).lkey, (*mr).rkey) };
         if regs.len() == 1 {
             // Only the first registration ever sets it (under the lock), so it never changes.
-            let _ = self.first.set((Arc::as_ptr(pd) as usize, lkey));
+            let _ = self.first.set((Arc::as_ptr(pd) as usize, keys.0, keys.1));
         }
-        Ok(lkey)
+        Ok(keys)
     }
 }
 
