@@ -332,3 +332,304 @@ fn posting_and_polling_allocate_nothing() {
     let made = alloc_count::this_thread() - before;
     assert_eq!(made, 0, "{made} allocations in 1000 ping-pongs");
 }
+
+/// The peer's region `target`, handed over in a message (which takes one of `to`'s receives).
+fn hand_over_region(
+    ctx: &rdmabridge::Context,
+    owner: &rdmabridge::Connection,
+    owner_cq: &rdmabridge::CompletionQueue,
+    user: &rdmabridge::Connection,
+    user_cq: &rdmabridge::CompletionQueue,
+    target: &std::sync::Arc<rdmabridge::MemoryRegion>,
+) -> rdmabridge::RemoteRegion {
+    use rdmabridge::{Access, Opcode, SendFlags, WcStatus};
+    let desc = owner.pack_region(target).unwrap();
+    let buf = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    user.post_recv(&buf, 0, 64, 9000).unwrap();
+    owner
+        .post_send_inline(&desc, 9001, SendFlags::SIGNALED)
+        .unwrap();
+    let s = common::next(owner_cq);
+    assert_eq!((s.opcode, s.status), (Opcode::Send, WcStatus::Success));
+    let r = common::next(user_cq);
+    assert_eq!((r.opcode, r.status), (Opcode::Recv, WcStatus::Success));
+    let mut got = vec![0u8; r.byte_len as usize];
+    buf.read(0, &mut got).unwrap();
+    user.unpack_remote(&got).unwrap()
+}
+
+/// Between two library peers a write with immediate takes one of the target's receives: it
+/// waits for a credit like a send, in order with the sends, while a plain write posted after
+/// both goes at once. The library's own traffic meanwhile (keepalives every 5 ms, credit
+/// writes) reaches the target as nothing at all. Once receives are posted the target sees the
+/// message, then the write's immediate and length, in that order, the immediate's receive
+/// buffer untouched.
+#[test]
+#[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+fn write_with_immediate_waits_for_a_receive_in_order_with_sends() {
+    use common::{next, pattern};
+    use rdmabridge::{Access, ConnOptions, Context, Opcode, SendFlags, Sge, WcStatus};
+    use std::time::Duration;
+    let net = Net::verbs_from_env();
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions {
+        keepalive: Some(Duration::from_millis(5)),
+        ..Default::default()
+    };
+    let (c, ccq, s, scq) = common::pair(&net, &ctx, &opts, &opts);
+    let target = ctx
+        .alloc_mr(8192, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    let remote = hand_over_region(&ctx, &s, &scq, &c, &ccq, &target);
+    let src = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    src.write(0, &pattern(1, 4096)).unwrap();
+    let sig = SendFlags::SIGNALED;
+    c.post_send(&src, 0, 100, 1, sig).unwrap();
+    let seg = |offset, len| Sge {
+        mr: &src,
+        offset,
+        len,
+    };
+    c.post_write_imm(
+        &[seg(100, 300), seg(400, 200)],
+        &remote,
+        0,
+        0xdead_beef,
+        2,
+        sig,
+    )
+    .unwrap();
+    c.post_write(&[seg(1000, 500)], &remote, 4096, 3, sig)
+        .unwrap();
+    let w = next(&ccq);
+    assert_eq!(
+        (w.opcode, w.status, w.wr_id),
+        (Opcode::Write, WcStatus::Success, 3),
+        "the plain write did not pass the held send and write with immediate"
+    );
+    let mut got = vec![0u8; 500];
+    target.read(4096, &mut got).unwrap();
+    assert_eq!(got, pattern(1, 4096)[1000..1500]);
+    // Keepalives and credit looks go on; neither side reports anything.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        ccq.poll().is_none(),
+        "held work completed without a receive"
+    );
+    assert!(
+        scq.poll().is_none(),
+        "the library's own traffic reached the target"
+    );
+    let rbuf = ctx.alloc_mr(256, Access::LOCAL_WRITE).unwrap();
+    rbuf.write(0, &[0x5a; 256]).unwrap();
+    s.post_recv(&rbuf, 0, 128, 10).unwrap();
+    s.post_recv(&rbuf, 128, 128, 11).unwrap();
+    let r = next(&scq);
+    assert_eq!(
+        (r.opcode, r.status, r.wr_id, r.byte_len),
+        (Opcode::Recv, WcStatus::Success, 10, 100)
+    );
+    let r = next(&scq);
+    assert_eq!(
+        (r.opcode, r.status, r.wr_id, r.byte_len, r.imm),
+        (
+            Opcode::RecvWriteImm,
+            WcStatus::Success,
+            11,
+            500,
+            Some(0xdead_beef)
+        )
+    );
+    let mut got = vec![0u8; 500];
+    target.read(0, &mut got).unwrap();
+    assert_eq!(
+        got,
+        pattern(1, 4096)[100..600],
+        "bytes of the write with immediate"
+    );
+    let mut untouched = vec![0u8; 128];
+    rbuf.read(128, &mut untouched).unwrap();
+    assert_eq!(
+        untouched,
+        vec![0x5a; 128],
+        "the immediate's receive buffer was written"
+    );
+    for (op, id) in [(Opcode::Send, 1), (Opcode::Write, 2)] {
+        let x = next(&ccq);
+        assert_eq!((x.opcode, x.status, x.wr_id), (op, WcStatus::Success, id));
+    }
+    // Credits keep flowing: the receives consumed by both are counted, so more go through.
+    for k in 0..20u64 {
+        s.post_recv(&rbuf, 0, 128, 100 + k).unwrap();
+        if k % 2 == 0 {
+            c.post_send(&src, 0, 64, 200 + k, sig).unwrap();
+        } else {
+            c.post_write_imm(&[seg(0, 64)], &remote, 0, k as u32, 200 + k, sig)
+                .unwrap();
+        }
+        let x = next(&ccq);
+        assert_eq!((x.status, x.wr_id), (WcStatus::Success, 200 + k));
+        let r = next(&scq);
+        let want = if k % 2 == 0 {
+            (Opcode::Recv, None)
+        } else {
+            (Opcode::RecvWriteImm, Some(k as u32))
+        };
+        assert_eq!((r.opcode, r.imm, r.wr_id), (want.0, want.1, 100 + k));
+    }
+}
+
+/// A disconnect flushes one-sided work with its own opcode: a write with immediate still
+/// held for a receive the peer never posted, and reads and atomics that reached the device.
+#[test]
+#[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+fn held_write_with_immediate_is_flushed_as_a_write() {
+    use common::next;
+    use rdmabridge::{Access, ConnOptions, Context, Opcode, SendFlags, Sge, WcStatus};
+    let net = Net::verbs_from_env();
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions::default();
+    let (c, ccq, s, scq) = common::pair(&net, &ctx, &opts, &opts);
+    let target = ctx
+        .alloc_mr(
+            4096,
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+        )
+        .unwrap();
+    let remote = hand_over_region(&ctx, &s, &scq, &c, &ccq, &target);
+    let local = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    let sge = [Sge {
+        mr: &local,
+        offset: 0,
+        len: 64,
+    }];
+    c.post_write_imm(&sge, &remote, 0, 7, 1, SendFlags::SIGNALED)
+        .unwrap();
+    c.post_send(&local, 0, 8, 2, SendFlags::SIGNALED).unwrap();
+    c.disconnect();
+    let mut seen = Vec::new();
+    loop {
+        let x = next(&ccq);
+        if x.opcode == Opcode::Disconnected {
+            break;
+        }
+        seen.push((x.opcode, x.status, x.wr_id));
+    }
+    assert_eq!(
+        seen,
+        [
+            (Opcode::Write, WcStatus::Flushed, 1),
+            (Opcode::Send, WcStatus::Flushed, 2)
+        ]
+    );
+    drop(s);
+}
+
+/// Unsignaled one-sided operations free their send-queue slots like unsignaled sends: with a
+/// queue of 4, 400 of them (writes, reads, fetch-and-adds) go through without a record, and a
+/// last signaled one reports; the counter shows every fetch-and-add ran.
+#[test]
+#[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+fn unsignaled_one_sided_operations_never_fill_the_send_queue() {
+    use common::next;
+    use rdmabridge::{Access, ConnOptions, Context, Error, Opcode, SendFlags, Sge, WcStatus};
+    use std::time::{Duration, Instant};
+    let net = Net::verbs_from_env();
+    let ctx = Context::new().unwrap();
+    let copts = ConnOptions {
+        send_queue_depth: 4,
+        ..Default::default()
+    };
+    let (c, ccq, s, scq) = common::pair(&net, &ctx, &copts, &ConnOptions::default());
+    let all =
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+    let target = ctx.alloc_mr(4096, all).unwrap();
+    let remote = hand_over_region(&ctx, &s, &scq, &c, &ccq, &target);
+    let local = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    let sge = [Sge {
+        mr: &local,
+        offset: 64,
+        len: 256,
+    }];
+    let n = 400u64;
+    let mut adds = 0u64;
+    for k in 0..=n {
+        let flags = if k == n {
+            SendFlags::SIGNALED
+        } else {
+            SendFlags(0)
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = match k % 3 {
+                0 => c.post_write(&sge, &remote, 1024, k, flags),
+                1 => c.post_read(&sge, &remote, 1024, k, flags),
+                _ => c.post_fetch_add(&local, 0, &remote, 0, 1, k, flags),
+            };
+            match r {
+                Ok(()) => break,
+                Err(Error::QueueFull(_)) => {
+                    assert!(Instant::now() < deadline, "op {k}: the queue stayed full");
+                    assert!(ccq.poll().is_none(), "a record for unsignaled work");
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                Err(e) => panic!("op {k}: {e}"),
+            }
+        }
+        if k % 3 == 2 {
+            adds += 1;
+        }
+    }
+    let last = next(&ccq);
+    assert_eq!(
+        (last.opcode, last.status, last.wr_id),
+        (Opcode::Read, WcStatus::Success, n)
+    );
+    assert!(ccq.poll().is_none());
+    let mut word = [0u8; 8];
+    target.read(0, &mut word).unwrap();
+    // The last fetch-and-add completed before the last read did (the send queue completes in
+    // order), so the word holds them all.
+    assert_eq!(u64::from_ne_bytes(word), adds);
+}
+
+/// Over verbs a remote key is 32 bits: a larger key is refused at once, nothing is posted,
+/// and the connection goes on.
+#[test]
+#[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+fn a_key_wider_than_32_bits_is_invalid_and_posts_nothing() {
+    use common::next;
+    use rdmabridge::{Access, ConnOptions, Context, Error, Opcode, SendFlags, Sge, WcStatus};
+    let net = Net::verbs_from_env();
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions::default();
+    let (c, ccq, s, scq) = common::pair(&net, &ctx, &opts, &opts);
+    let target = ctx
+        .alloc_mr(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    let good = hand_over_region(&ctx, &s, &scq, &c, &ccq, &target);
+    let bad = c
+        .remote_from_raw(good.addr(), good.len(), good.key() | 1 << 32)
+        .unwrap();
+    let local = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    local.write(0, &[7; 64]).unwrap();
+    let sge = [Sge {
+        mr: &local,
+        offset: 0,
+        len: 64,
+    }];
+    assert!(matches!(
+        c.post_write(&sge, &bad, 0, 1, SendFlags::SIGNALED),
+        Err(Error::InvalidArgument(_))
+    ));
+    c.post_write(&sge, &good, 0, 2, SendFlags::SIGNALED)
+        .unwrap();
+    let x = next(&ccq);
+    assert_eq!(
+        (x.opcode, x.status, x.wr_id),
+        (Opcode::Write, WcStatus::Success, 2)
+    );
+    let mut got = [0u8; 64];
+    target.read(0, &mut got).unwrap();
+    assert_eq!(got, [7; 64]);
+}

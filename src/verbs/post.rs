@@ -151,6 +151,8 @@ impl Shared {
     }
 
     /// Hands a piece of the caller's work to the device (`st.user_work` already counts it).
+    /// On failure the work comes back with the error number, so that held work keeps its place.
+    #[allow(clippy::result_large_err)] // the error path is rare; the work is moved, not copied
     fn post_user(&self, st: &mut PostState, h: Held) -> std::result::Result<(), (i32, Held)> {
         let seq = st.next_seq;
         // SAFETY: ibv_send_wr is plain data; zero is a valid start.
