@@ -1,11 +1,12 @@
 //! One-sided operations: remote-memory descriptors, RDMA write (with immediate), read and
 //! atomics.
 //!
-//! Ordering on one connection: operations start in the order they were posted, and a write's
-//! bytes are in place at the peer before any later message or write-with-immediate of the
-//! connection is delivered there. Completions of one connection come in the order the work was
-//! posted, except that a send (or write with immediate) waiting for the peer's receive does not
-//! hold back the completions of one-sided operations posted after it.
+//! Ordering on one connection: operations start and complete in the order they were posted,
+//! and a write's bytes are in place at the peer before any later message or
+//! write-with-immediate of the connection is delivered there. One exception: a send or write
+//! with immediate that waits for the peer's receive (toward a library peer) keeps its place
+//! among the sends and writes with immediate, but writes, reads and atomics posted after it do
+//! not wait behind it: they may start and complete first.
 
 use std::ffi::c_void;
 
