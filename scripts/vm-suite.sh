@@ -3,7 +3,8 @@
 #   1. the Rust suite over verbs (tests/verbs.rs, run with --ignored), in both progress modes
 #   2. the C examples talking to each other over verbs, every message verified
 #   3. the C examples against the stock librdmacm peers: our server serving rdma_client, our
-#      client talking to rdma_server
+#      client talking to rdma_server, and rbr_rping_peer in either role of rping against the
+#      stock rping (one-sided reads and writes of each other's buffers, every ping verified)
 #      and the library accepting the stock ucmatose client, which asks for no RNR retries: a send
 #      that finds no receive fails at once (README, Verbs specifics)
 #   4. a non-root client under `ulimit -l 64`: its first post of a 1 MiB region fails, naming
@@ -99,6 +100,8 @@ step "C examples over verbs, progress threads, 2000 x 4096 B" \
 step "C epoll server, 20 clients x 100 x 4096 B at once over verbs" epoll_burst
 step "C server with the stock rdma_client" stock_client
 step "C client with the stock rdma_server" stock_server
+step "C rping peer with the stock rping, both roles, verified pings" \
+  scripts/vm-rping-check.sh "$build"
 step "library server with the stock ucmatose client (no RNR retries)" "$verbs_bin" --ignored \
   --exact plain_client_without_rnr_retries_fails_a_send_that_finds_no_receive --nocapture
 step "non-root C client over RLIMIT_MEMLOCK: the error names the limit" memlock_limit
