@@ -17,7 +17,7 @@
 #   --quick: one round at tiny counts, caller progress only (proves the pipeline works)
 #   OUT: a directory writable from the guest; raw.txt (every figure) and table.md go there
 set -u
-build=$1 rounds=${2:-3} quick=${3:-} out=${4:-}
+build=$1 rounds=${2:-3} quick=${3:-} outdir=${4:-}
 ip=${RBR_TEST_ADDR:?RBR_TEST_ADDR is unset: run me through benchmarks/verbs-progress.sh}
 port=18000 results=/tmp/bench-results
 : >"$results"
@@ -252,9 +252,9 @@ awk '
       }
     }
   }' "$results" | tee /tmp/bench-table.md
-if [ -n "$out" ]; then
-  cp "$results" "$out/raw.txt"
-  cp /tmp/bench-table.md "$out/table.md"
+if [ -n "$outdir" ]; then
+  cp "$results" "$outdir/raw.txt"
+  cp /tmp/bench-table.md "$outdir/table.md"
 fi
 # Every tool must have produced every round's figure.
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
