@@ -1,13 +1,13 @@
 //! Memory regions: caller memory registered with the library, or memory the library allocates.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
-use crate::sys::cvt;
 
 /// Access rights of a memory region, combined with `|`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -41,10 +41,11 @@ impl std::ops::BitOr for Access {
 static NEXT_MR_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Memory the library owns: a shared-memory file mapped into this process, so that a peer on the
-/// same host can later map it too.
+/// same host can later map it too. The file is sealed against resizing, so that a peer's
+/// mapping of it can never fault.
 #[derive(Debug)]
 struct Owned {
-    _fd: OwnedFd,
+    fd: OwnedFd,
 }
 
 /// A region of memory that work requests may use.
@@ -61,7 +62,20 @@ pub struct MemoryRegion {
     /// Registrations with verbs protection domains, made on first use by a connection.
     /// Declared before `_ctx` and released before the memory (see `Drop`).
     regs: crate::verbs::Registrations,
+    /// The connections that let their peer reach this region (see [`Exposure`]); each
+    /// withdraws it when the region is dropped, before its memory goes.
+    exposures: Mutex<Vec<Weak<dyn Exposure>>>,
+    /// Set once the region was exposed on some connection (so that dropping the many regions
+    /// never exposed costs no lock).
+    exposed: AtomicBool,
     _ctx: Arc<ContextInner>,
+}
+
+/// A connection's table of the regions its peer may reach with one-sided operations.
+pub(crate) trait Exposure: Send + Sync {
+    /// The region with id `mr_id` is going away: after this returns the peer can no longer
+    /// reach it through this connection, and no access of the peer to it is in progress.
+    fn revoke(&self, mr_id: u64);
 }
 
 // SAFETY: the region is plain memory; the struct only hands out its address and copies bytes in
@@ -97,6 +111,8 @@ impl MemoryRegion {
             id: NEXT_MR_ID.fetch_add(1, Ordering::Relaxed),
             owned: None,
             regs: Default::default(),
+            exposures: Mutex::new(Vec::new()),
+            exposed: AtomicBool::new(false),
             _ctx: ctx,
         }))
     }
@@ -104,22 +120,18 @@ impl MemoryRegion {
     /// Allocates `len` zeroed bytes the library owns.
     pub(crate) fn alloc(ctx: Arc<ContextInner>, len: usize, access: Access) -> Result<Arc<Self>> {
         check_args(len, access)?;
-        // SAFETY: the name is a NUL-terminated literal; flags are valid memfd flags.
-        let fd = cvt(unsafe { libc::memfd_create(c"rdmabridge-mr".as_ptr(), libc::MFD_CLOEXEC) })
-            .map_err(Error::MemoryRegion)?;
-        // SAFETY: `fd` is a fresh descriptor owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let size = libc::off_t::try_from(len).map_err(|_| Error::invalid("length too large"))?;
-        // SAFETY: plain syscall on a descriptor we own.
-        cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), size) }).map_err(Error::MemoryRegion)?;
+        libc::off_t::try_from(len).map_err(|_| Error::invalid("length too large"))?;
+        let fd = crate::sys::sealed_memfd(c"rdmabridge-mr", len).map_err(Error::MemoryRegion)?;
         let ptr = crate::sys::map_shared(&fd, len).map_err(Error::MemoryRegion)?;
         Ok(Arc::new(MemoryRegion {
             ptr,
             len,
             access,
             id: NEXT_MR_ID.fetch_add(1, Ordering::Relaxed),
-            owned: Some(Owned { _fd: fd }),
+            owned: Some(Owned { fd }),
             regs: Default::default(),
+            exposures: Mutex::new(Vec::new()),
+            exposed: AtomicBool::new(false),
             _ctx: ctx,
         }))
     }
@@ -197,6 +209,20 @@ impl MemoryRegion {
         self.regs.rkey(pd, self.ptr.as_ptr(), self.len, self.access)
     }
 
+    /// The shared-memory file holding the region, for a region the library allocated.
+    pub(crate) fn memfd(&self) -> Option<RawFd> {
+        self.owned.as_ref().map(|o| o.fd.as_raw_fd())
+    }
+
+    /// Remembers that `table` lets a peer reach this region: it is told when the region goes.
+    pub(crate) fn add_exposure(&self, table: Weak<dyn Exposure>) {
+        let mut v = self.exposures.lock().unwrap_or_else(|p| p.into_inner());
+        v.retain(|w| w.strong_count() > 0);
+        v.push(table);
+        // Relaxed: read in `drop`, which runs after every other use of the region.
+        self.exposed.store(true, Ordering::Relaxed);
+    }
+
     pub(crate) fn same_context(&self, ctx: &Arc<ContextInner>) -> bool {
         Arc::ptr_eq(&self._ctx, ctx)
     }
@@ -204,6 +230,15 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
+        // First no peer may reach the memory any more (each connection it was exposed on
+        // withdraws it and waits for accesses in progress), then it goes.
+        if *self.exposed.get_mut() {
+            let tables =
+                std::mem::take(self.exposures.get_mut().unwrap_or_else(|p| p.into_inner()));
+            for t in tables.iter().filter_map(Weak::upgrade) {
+                t.revoke(self.id);
+            }
+        }
         // Deregister from every device before the memory can go away. (Without the verbs
         // feature there is nothing to deregister.)
         #[cfg_attr(not(feature = "verbs"), allow(clippy::drop_non_drop))]

@@ -9,15 +9,20 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::conn::{
-    ConnInfo, ConnOptions, Payload, RecvRequest, SendRequest, Transport, next_conn_id,
+    ConnInfo, ConnOptions, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest, Transport,
+    next_conn_id,
 };
-use crate::cq::{Completion, CompletionQueue, Progress, Reporter, SlotReservation, Source};
+use crate::cq::{
+    Completion, CompletionQueue, Opcode, Progress, Reporter, SlotReservation, Source, WcStatus,
+};
 use crate::domain::ContextInner;
 use crate::driver::Registration;
 use crate::error::{Error, Result};
+use crate::mr::MemoryRegion;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, RecvWr, SendSrc};
 use crate::shm::notice::Board;
+use crate::shm::onesided::{self, Exports, Inbox};
 use crate::shm::segment::Segment;
 
 /// State shared by the users of a connection, the pollers of its completion queue, and its
@@ -38,6 +43,11 @@ pub(crate) struct Shared {
     pub(crate) wake: Registration,
     /// The connection's slot on its queue's notice board, when it has one.
     slot: Option<u32>,
+    /// The regions this side lets the peer reach (one-sided operations).
+    pub(crate) exports: Arc<Exports>,
+    /// The reader of the connection's socket and the peer's regions it learned of. Taken
+    /// after the flow's lock when both are held.
+    pub(crate) inbox: Mutex<Inbox>,
     /// Polls in a row that moved nothing (see `settle`).
     idle_polls: AtomicU32,
 }
@@ -45,6 +55,10 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn lock(&self) -> MutexGuard<'_, Flow> {
         self.flow.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn lock_inbox(&self) -> MutexGuard<'_, Inbox> {
+        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Wakes the connection's background work if it sleeps.
@@ -168,6 +182,8 @@ pub(crate) struct Link {
     pub(crate) peer_board: Option<(Board, u32)>,
     /// The peer's process, when this side can copy from its memory.
     pub(crate) peer_pid: Option<libc::pid_t>,
+    /// The peer's process, as the socket's credentials name it.
+    pub(crate) peer_proc: libc::pid_t,
 }
 
 /// Polls in a row that find nothing before a connection leaves the list its queue polls every
@@ -205,6 +221,7 @@ impl Conn {
             slot,
             peer_board,
             peer_pid,
+            peer_proc,
         } = link;
         let info = ConnInfo {
             id: next_conn_id(),
@@ -215,6 +232,8 @@ impl Conn {
         };
         let caller_polls = cq.options().progress == Progress::Caller;
         let driver = ctx.driver.get().map_err(Error::Thread)?;
+        let seg = Arc::new(seg);
+        let exports = Arc::new(Exports::new(seg.clone(), side, peer_proc));
         let flow = Flow::new(
             seg,
             side,
@@ -238,6 +257,8 @@ impl Conn {
             wake: driver.registration(),
             slot: slot.as_ref().map(|r| r.slot()),
             idle_polls: AtomicU32::new(0),
+            exports,
+            inbox: Mutex::new(Inbox::default()),
         });
         // Before the background work starts, so that its teardown's removal always comes after.
         if slot.is_some() {
@@ -310,18 +331,87 @@ impl Conn {
         Ok(())
     }
 
-    /// Lets the peer reach `mr` with one-sided operations; returns its key.
-    pub(crate) fn expose(&self, _mr: &Arc<crate::mr::MemoryRegion>) -> Result<u64> {
-        Err(Error::Unsupported(
-            "one-sided operations are not built yet".into(),
-        ))
+    /// Lets the peer reach `mr` with one-sided operations; returns its key (see
+    /// `onesided.rs`: the offer is in the peer's socket when this returns).
+    pub(crate) fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
+        // The flow's lock keeps the socket open while the offer goes out.
+        let flow = self.sh.lock();
+        flow.check_open()?;
+        self.sh
+            .exports
+            .expose(flow.sock(), mr, flow.peer_reaches_us())
     }
 
-    /// Posts a checked one-sided operation.
-    pub(crate) fn rdma(&self, _wr: crate::conn::RdmaRequest<'_>) -> Result<()> {
-        Err(Error::Unsupported(
-            "one-sided operations are not built yet".into(),
-        ))
+    /// Posts a checked one-sided operation. It runs now, on this thread, under the flow's
+    /// lock - so it cannot complete after the connection's disconnect record - with no system
+    /// call when the peer's region is mapped here. A write with immediate data then queues its
+    /// record like a send.
+    pub(crate) fn rdma(&self, wr: RdmaRequest<'_>) -> Result<()> {
+        let opcode = match wr.op {
+            RdmaOp::Write { .. } => Opcode::Write,
+            RdmaOp::Read => Opcode::Read,
+            RdmaOp::FetchAdd { .. } => Opcode::FetchAdd,
+            RdmaOp::CmpSwap { .. } => Opcode::CmpSwap,
+        };
+        let mut flow = self.sh.lock();
+        flow.claim_send()?;
+        let key = wr.remote.key;
+        let import = {
+            let mut inbox = self.sh.lock_inbox();
+            match inbox.get(key) {
+                Some(i) => Some(i),
+                None => {
+                    // The offer may still be in the socket: read what it holds.
+                    if inbox.drain(flow.sock()) {
+                        // Doorbells or a goodbye meant for the background work: pass them on.
+                        self.sh.wake.wake();
+                    }
+                    inbox.get(key)
+                }
+            }
+        };
+        let peer_side = 1 - flow.side();
+        let result = match &import {
+            Some(imp) => onesided::run(imp, &wr, flow.seg(), peer_side, flow.peer_pid()),
+            None => Err(onesided::Refused::Denied),
+        };
+        let was_busy = flow.busy();
+        let failed = match result {
+            Ok(()) => {
+                if let RdmaOp::Write { imm: Some(imm) } = wr.op {
+                    flow.post_write_imm(imm, wr.len, wr.wr_id, wr.signaled)?;
+                    drop(flow);
+                    if !was_busy {
+                        self.sh.watch_sends();
+                    }
+                    self.sh.posted();
+                    return Ok(());
+                }
+                if wr.signaled {
+                    self.sh
+                        .report
+                        .complete(wr.wr_id, opcode, WcStatus::Success, 0, None);
+                }
+                false
+            }
+            Err(refused) => {
+                if refused == onesided::Refused::Withdrawn {
+                    self.sh.lock_inbox().forget(key);
+                }
+                self.sh
+                    .report
+                    .complete(wr.wr_id, opcode, WcStatus::RemoteAccess, 0, None);
+                flow.fail_access();
+                true
+            }
+        };
+        drop(flow);
+        drop(import);
+        if failed {
+            // The background work tears the connection down.
+            self.sh.wake.wake();
+        }
+        Ok(())
     }
 
     pub(crate) fn disconnect(&self) {

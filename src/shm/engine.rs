@@ -31,7 +31,6 @@ pub(crate) struct Engine {
     sh: Arc<Shared>,
     /// The handshake socket (descriptor 0 of the registration): doorbells, goodbye, hang-up.
     sock: OwnedFd,
-    peer_said_bye: bool,
     /// The pollers' count of polls when this connection's last turn looked.
     seen_polls: u64,
     /// While it moves data: since when nothing moved (it spins for [`SPIN`], then sleeps).
@@ -64,7 +63,6 @@ impl Engine {
         Engine {
             sh,
             sock,
-            peer_said_bye: false,
             seen_polls: u64::MAX,
             idle_since: None,
             slept: false,
@@ -182,45 +180,17 @@ impl Engine {
         })
     }
 
-    /// Reads doorbell packets; an end of file means the peer is gone.
+    /// Reads the socket's packets (doorbells, goodbye, offers of regions: see
+    /// `onesided.rs`); an end of file means the peer is gone.
     fn drain_socket(&mut self) -> std::result::Result<(), End> {
-        let mut buf = [0u8; 64];
-        loop {
-            // SAFETY: receives into a live local buffer of the given length.
-            let n = unsafe {
-                libc::recv(
-                    self.sock.as_raw_fd(),
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            match n {
-                0 => {
-                    return Err(End::Peer {
-                        clean: self.peer_said_bye,
-                    });
-                }
-                n if n > 0 => {
-                    if buf[..n as usize].contains(&BYE) {
-                        self.peer_said_bye = true;
-                    }
-                }
-                _ => {
-                    let e = std::io::Error::last_os_error();
-                    return match e.kind() {
-                        std::io::ErrorKind::WouldBlock => Ok(()),
-                        std::io::ErrorKind::Interrupted => continue,
-                        // A peer that closes with doorbells of ours still unread makes the
-                        // kernel report a reset before the packets it sent first - its goodbye
-                        // among them. The report is consumed by reading it: read on, and the
-                        // goodbye (if it said one) and the end of file follow.
-                        std::io::ErrorKind::ConnectionReset => continue,
-                        _ => Err(End::Peer { clean: false }),
-                    };
-                }
-            }
+        let mut inbox = self.sh.lock_inbox();
+        inbox.drain(self.sock.as_raw_fd());
+        if inbox.eof {
+            return Err(End::Peer {
+                clean: inbox.said_bye && !inbox.broken,
+            });
         }
+        Ok(())
     }
 
     /// Starts ending the connection: tells the peer (goodbye when the user ended it, then
@@ -246,6 +216,9 @@ impl Engine {
         let cq = &self.sh.report.cq;
         let status = flow.close(end, &self.sh.report, &mut |c| cq.push(c));
         drop(flow);
+        // Nothing is reachable through the connection any more, either way.
+        self.sh.exports.close();
+        self.sh.lock_inbox().clear();
         self.sh
             .report
             .complete(0, Opcode::Disconnected, status, 0, None);

@@ -24,7 +24,7 @@ use crate::mr::MemoryRegion;
 use crate::shm::direct;
 use crate::shm::notice::Board;
 use crate::shm::ring::{self, Consumer, Producer, Record};
-use crate::shm::segment::{FATAL_LENGTH, FATAL_PROTOCOL, Segment};
+use crate::shm::segment::{FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, Segment};
 
 /// Doorbell packet: "look at the rings".
 pub(crate) const WAKE: u8 = 1;
@@ -42,6 +42,8 @@ pub(crate) enum End {
     LocalLength,
     /// The peer broke the protocol (or a panic inside the library).
     Protocol,
+    /// A one-sided operation of this side named memory the peer did not let it reach.
+    RemoteAccess,
 }
 
 /// Where a send's bytes come from while it waits to be written into the ring.
@@ -53,12 +55,31 @@ pub(crate) enum SendSrc {
     Inline(Box<[u8]>),
 }
 
+/// What a queued work request sends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SendKind {
+    /// A message.
+    Send,
+    /// The record of a write with immediate data, whose `written` bytes are in place.
+    WriteImm { imm: u32, written: usize },
+}
+
+impl SendKind {
+    fn opcode(self) -> Opcode {
+        match self {
+            SendKind::Send => Opcode::Send,
+            SendKind::WriteImm { .. } => Opcode::Write,
+        }
+    }
+}
+
 /// A send not yet fully written into the ring.
 pub(crate) struct SendWr {
     pub(crate) wr_id: u64,
     pub(crate) signaled: bool,
     pub(crate) len: usize,
     pub(crate) src: SendSrc,
+    pub(crate) kind: SendKind,
 }
 
 impl SendWr {
@@ -89,6 +110,7 @@ struct InFlight {
     seq: u64,
     wr_id: u64,
     signaled: bool,
+    opcode: Opcode,
     /// A direct send's region, which the peer reads until it takes the record.
     _hold: Option<Arc<MemoryRegion>>,
 }
@@ -108,7 +130,7 @@ impl From<Error> for ReceiveError {
 
 /// The state of one connection's data path, kept under the connection's lock.
 pub(crate) struct Flow {
-    seg: Segment,
+    seg: Arc<Segment>,
     side: usize,
     /// The handshake socket, for doorbells; owned by the connection's driver handler, which
     /// closes it only after setting `closed` under the lock.
@@ -147,7 +169,7 @@ pub(crate) struct Flow {
 
 impl Flow {
     pub(crate) fn new(
-        seg: Segment,
+        seg: Arc<Segment>,
         side: usize,
         sock: RawFd,
         send_depth: u32,
@@ -198,14 +220,14 @@ impl Flow {
         }
     }
 
-    fn check_open(&self) -> Result<()> {
+    pub(crate) fn check_open(&self) -> Result<()> {
         if self.closed || self.failed.is_some() {
             return Err(Error::Disconnected);
         }
         Ok(())
     }
 
-    fn claim_send(&self) -> Result<()> {
+    pub(crate) fn claim_send(&self) -> Result<()> {
         self.check_open()?;
         if self.pending.len() + self.inflight.len() >= self.send_depth {
             return Err(Error::QueueFull("send"));
@@ -271,6 +293,7 @@ impl Flow {
             signaled,
             len,
             src,
+            kind: SendKind::Send,
         });
         if copied > 0 {
             // This send is the front one, partly written.
@@ -293,6 +316,107 @@ impl Flow {
                 Err(e)
             }
         }
+    }
+
+    /// Posts the record of a write with immediate data whose `written` bytes are already in
+    /// the peer's memory: it consumes a receive there like a message, so it waits for a credit
+    /// (and behind the sends that wait) as a send does, and completes when the peer took it.
+    pub(crate) fn post_write_imm(
+        &mut self,
+        imm: u32,
+        written: usize,
+        wr_id: u64,
+        signaled: bool,
+    ) -> Result<()> {
+        self.claim_send()?;
+        if self.pending.is_empty() && self.has_credit() {
+            match self.tx.write_imm(imm, written) {
+                Ok(true) => {
+                    self.start_write_imm(wr_id, signaled);
+                    self.ring_peer();
+                    return Ok(());
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    self.fail_protocol();
+                    return Err(e);
+                }
+            }
+        }
+        self.pending.push_back(SendWr {
+            wr_id,
+            signaled,
+            len: 0,
+            src: SendSrc::Inline(Box::default()),
+            kind: SendKind::WriteImm { imm, written },
+        });
+        // As for a send that waits (see `post_send`).
+        self.set_sleeping(true);
+        match self.transmit() {
+            Ok(moved) => {
+                if moved {
+                    self.ring_peer();
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.fail_protocol();
+                Err(e)
+            }
+        }
+    }
+
+    /// A write-with-immediate record went into the ring: it is in flight.
+    fn start_write_imm(&mut self, wr_id: u64, signaled: bool) {
+        self.msgs_started += 1;
+        self.inflight.push_back(InFlight {
+            end: self.tx.tail(),
+            seq: self.msgs_started - 1,
+            wr_id,
+            signaled,
+            opcode: Opcode::Write,
+            _hold: None,
+        });
+    }
+
+    /// The segment.
+    pub(crate) fn seg(&self) -> &Segment {
+        &self.seg
+    }
+
+    /// This side's index in the segment.
+    pub(crate) fn side(&self) -> usize {
+        self.side
+    }
+
+    /// The peer's process, when this side may reach its memory.
+    pub(crate) fn peer_pid(&self) -> Option<libc::pid_t> {
+        self.peer_pid
+    }
+
+    /// The connection's socket (open while the flow is not closed).
+    pub(crate) fn sock(&self) -> RawFd {
+        self.sock
+    }
+
+    /// Whether the peer found it may reach this process's memory (the kernel's ptrace check).
+    pub(crate) fn peer_reaches_us(&self) -> bool {
+        // Acquire: pairs with the peer's Release of the word.
+        self.seg
+            .ctrl(1 - self.side)
+            .reads_peer
+            .load(Ordering::Acquire)
+            == 1
+    }
+
+    /// A one-sided operation of this side was refused by what the peer registered: the
+    /// connection fails (its driver tears it down), as a verbs queue pair goes to error.
+    pub(crate) fn fail_access(&mut self) {
+        self.seg
+            .ctrl(self.side)
+            .fatal
+            .store(FATAL_ACCESS << 48, Ordering::SeqCst);
+        self.failed.get_or_insert(End::RemoteAccess);
     }
 
     /// Whether sends wait for a credit or ring space.
@@ -340,6 +464,7 @@ impl Flow {
             seq: self.msgs_started - 1,
             wr_id,
             signaled,
+            opcode: Opcode::Send,
             _hold: Some(mr.clone()),
         });
         Ok(true)
@@ -371,6 +496,7 @@ impl Flow {
                 seq: self.msgs_started - 1,
                 wr_id,
                 signaled,
+                opcode: Opcode::Send,
                 _hold: None,
             });
         }
@@ -499,6 +625,15 @@ impl Flow {
             if first && self.msgs_started >= credits {
                 break;
             }
+            if let SendKind::WriteImm { imm, written } = wr.kind {
+                if !self.tx.write_imm(imm, written)? {
+                    break;
+                }
+                let wr = self.pending.pop_front().expect("front exists");
+                self.start_write_imm(wr.wr_id, wr.signaled);
+                moved = true;
+                continue;
+            }
             let region = match &wr.src {
                 SendSrc::Region { mr, .. } if first && wr.len >= direct::DIRECT_MIN => {
                     Some(mr.clone())
@@ -540,6 +675,7 @@ impl Flow {
                     seq: self.msgs_started - 1,
                     wr_id: wr.wr_id,
                     signaled: wr.signaled,
+                    opcode: Opcode::Send,
                     _hold: None,
                 });
                 self.copied = 0;
@@ -564,7 +700,7 @@ impl Flow {
             // The slot is free before the completion is seen (popped above): a caller that
             // reaps it may post again at once, as with a verbs queue pair.
             if f.signaled {
-                emit(report.record(f.wr_id, Opcode::Send, WcStatus::Success, 0, None));
+                emit(report.record(f.wr_id, f.opcode, WcStatus::Success, 0, None));
             }
             moved = true;
         }
@@ -595,6 +731,9 @@ impl Flow {
         let proto = |_: &str| ReceiveError::Protocol;
         if rec.flags & ring::DIRECT != 0 {
             return self.take_direct(rec, report, emit);
+        }
+        if rec.flags & ring::WRITE_IMM != 0 {
+            return self.take_write_imm(rec, report, emit);
         }
         let first = rec.flags & ring::FIRST != 0;
         if first == self.filling {
@@ -667,6 +806,33 @@ impl Flow {
             None,
         ));
         ReceiveError::Length
+    }
+
+    /// Takes a write-with-immediate record: the peer's bytes are in place (its stamp, taken
+    /// with Acquire, was released after them), so the front receive completes with the
+    /// immediate value and the length written; its buffer is untouched.
+    fn take_write_imm(
+        &mut self,
+        rec: &Record,
+        report: &Reporter,
+        emit: &mut dyn FnMut(Completion),
+    ) -> std::result::Result<(), ReceiveError> {
+        let whole = ring::FIRST | ring::LAST | ring::IMM;
+        if self.filling || rec.flags & whole != whole || rec.len != 0 {
+            return Err(ReceiveError::Protocol);
+        }
+        let Some(wr) = self.recvs.pop_front() else {
+            return Err(ReceiveError::Protocol);
+        };
+        emit(report.record(
+            wr.wr_id,
+            Opcode::RecvWriteImm,
+            WcStatus::Success,
+            rec.total as u32,
+            Some(rec.imm),
+        ));
+        self.msgs_received += 1;
+        Ok(())
     }
 
     /// Takes a direct record: copies the whole message from the peer's memory into the
@@ -806,10 +972,10 @@ impl Flow {
             } else {
                 WcStatus::Flushed
             };
-            emit(report.record(f.wr_id, Opcode::Send, status, 0, None));
+            emit(report.record(f.wr_id, f.opcode, status, 0, None));
         }
         while let Some(wr) = self.pending.pop_front() {
-            emit(report.record(wr.wr_id, Opcode::Send, WcStatus::Flushed, 0, None));
+            emit(report.record(wr.wr_id, wr.kind.opcode(), WcStatus::Flushed, 0, None));
         }
         while let Some(wr) = self.recvs.pop_front() {
             emit(report.record(wr.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None));
@@ -819,6 +985,7 @@ impl Flow {
             End::Local | End::Peer { .. } if refused_seq.is_some() => WcStatus::RemoteError,
             End::Peer { clean: false } => WcStatus::Transport,
             End::LocalLength => WcStatus::LocalLength,
+            End::RemoteAccess => WcStatus::RemoteAccess,
             _ => WcStatus::General,
         }
     }

@@ -643,6 +643,7 @@ impl Request {
             slot,
             peer_board,
             peer_pid,
+            peer_proc: pid,
         };
         Conn::start(self.ctx.clone(), cq, opts, link, data)
     }
@@ -786,6 +787,7 @@ pub(crate) fn connect(
         slot,
         peer_board,
         peer_pid,
+        peer_proc: pid,
     };
     Conn::start(ctx, cq, opts, link, msg.data)
 }

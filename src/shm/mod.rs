@@ -14,6 +14,7 @@ mod engine;
 mod flow;
 mod handshake;
 pub(crate) mod notice;
+mod onesided;
 mod ring;
 mod segment;
 

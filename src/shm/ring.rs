@@ -31,6 +31,11 @@ pub(crate) const PAD: u32 = 8;
 /// the receiver copies the `total` bytes from there itself (see `flow.rs`).
 pub(crate) const DIRECT: u32 = 16;
 
+/// A write with immediate data: the bytes are already in the receiver's memory; the record,
+/// with no payload, carries the immediate value and, in `total`, the bytes written, and
+/// consumes a receive like a message.
+pub(crate) const WRITE_IMM: u32 = 32;
+
 /// Records start and end on multiples of this, so a header always fits before the ring's end.
 const ALIGN: usize = 32;
 
@@ -150,6 +155,17 @@ impl Producer {
         // SAFETY: `b` is readable for its 8 bytes.
         let r = unsafe { self.write_record(b.as_ptr(), 8, true, true, None, total, DIRECT)? };
         Ok(r == Some(8))
+    }
+
+    /// Writes a [`WRITE_IMM`] record for a write of `total` bytes with immediate `imm`.
+    /// Returns whether it fit.
+    pub(crate) fn write_imm(&mut self, imm: u32, total: usize) -> Result<bool> {
+        let none = [0u8; 0];
+        // SAFETY: no byte is read from the empty source.
+        let r = unsafe {
+            self.write_record(none.as_ptr(), 0, true, true, Some(imm), total, WRITE_IMM)?
+        };
+        Ok(r == Some(0))
     }
 
     /// [`Producer::write`] with `extra` flags; a record with extra flags is written whole or

@@ -9,6 +9,8 @@
 //! - `RING + dir * RING_STRIDE`: the cursor of ring `dir` (ring `d` carries side `d`'s
 //!   messages): `head`, written by the consumer (the records announce themselves, see
 //!   `ring.rs`).
+//! - `EXPORTS + side * EXPORTS_STRIDE`: the export table of `side` (see [`Export`]): one
+//!   entry per region that side lets its peer reach, [`EXPORT_SLOTS`] of them.
 //! - `DATA + dir * cap`: the bytes of ring `dir`.
 //!
 //! The peer maps the same memory and may write anything into it: every value read from it is
@@ -23,13 +25,19 @@ use crate::error::{Error, Result};
 use crate::sys::cvt;
 
 const MAGIC: u64 = 0x5242_5348_4d53_4547; // "RBSHMSEG"
-/// Version 2: self-announcing records.
-const VERSION: u32 = 2;
+/// Version 3: export tables (one-sided operations) and write-with-immediate records.
+const VERSION: u32 = 3;
 const CTRL: usize = 256;
 const CTRL_STRIDE: usize = 512;
 const RING: usize = CTRL + 2 * CTRL_STRIDE;
 const RING_STRIDE: usize = 256;
-const DATA: usize = 4096;
+const EXPORTS: usize = 4096;
+const EXPORTS_STRIDE: usize = 4096;
+/// Bytes of one export table entry: `live` and `busy`, 8 each.
+const EXPORT_ENTRY: usize = 16;
+/// Regions one side of a connection may let its peer reach at once.
+pub(crate) const EXPORT_SLOTS: usize = EXPORTS_STRIDE / EXPORT_ENTRY;
+const DATA: usize = EXPORTS + 2 * EXPORTS_STRIDE;
 /// Smallest and largest ring a peer may propose.
 const MIN_CAP: usize = 64 * 1024;
 const MAX_CAP: usize = 1 << 30;
@@ -53,10 +61,26 @@ pub(crate) struct Ctrl<'a> {
     pub(crate) reads_peer: &'a AtomicU32,
 }
 
+/// One entry of a side's export table, through which the peer reaches one region.
+///
+/// The owner writes `live`: the region's key while the peer may reach it, 0 otherwise. The
+/// peer raises `busy` around every access, and looks at `live` only after raising it (both
+/// SeqCst); the owner, to withdraw a region, clears `live` and then waits for `busy` to be 0
+/// (both SeqCst). Whichever of the two comes second sees the other: either the access finds
+/// the region withdrawn and touches nothing, or the owner waits until it is over.
+pub(crate) struct Export<'a> {
+    /// The region's key while it is reachable; 0 otherwise.
+    pub(crate) live: &'a AtomicU64,
+    /// Accesses of the peer in progress.
+    pub(crate) busy: &'a AtomicU64,
+}
+
 /// A receive buffer was too small for the message with the sequence number in the low bits.
 pub(crate) const FATAL_LENGTH: u64 = 1;
 /// The peer broke the ring protocol.
 pub(crate) const FATAL_PROTOCOL: u64 = 2;
+/// A one-sided operation named memory the other side did not let it reach.
+pub(crate) const FATAL_ACCESS: u64 = 3;
 
 /// A mapped segment. Unmapped on drop.
 #[derive(Debug)]
@@ -148,7 +172,7 @@ impl Segment {
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         debug_assert!(off % 8 == 0 && off + 8 <= DATA);
-        // SAFETY: `off` is one of the fixed, 8-aligned offsets inside the header page, which
+        // SAFETY: `off` is one of the fixed, 8-aligned offsets inside the header pages, which
         // lives as long as `self`; memory shared with the peer is only ever accessed atomically.
         unsafe { AtomicU64::from_ptr(self.base.as_ptr().add(off).cast()) }
     }
@@ -169,6 +193,19 @@ impl Segment {
             fatal: self.u64_at(b + 256),
             reads_peer: self.u32_at(b + 384),
         }
+    }
+
+    /// Entry `slot` of the export table of `side`; `None` when `slot` is out of range (the
+    /// peer names slots, so they are checked).
+    pub(crate) fn export(&self, side: usize, slot: usize) -> Option<Export<'_>> {
+        if side > 1 || slot >= EXPORT_SLOTS {
+            return None;
+        }
+        let b = EXPORTS + side * EXPORTS_STRIDE + slot * EXPORT_ENTRY;
+        Some(Export {
+            live: self.u64_at(b),
+            busy: self.u64_at(b + 8),
+        })
     }
 
     /// The head cursor of ring `dir`.

@@ -1,0 +1,751 @@
+//! One-sided operations over shm: the regions a side lets its peer reach (exports), the
+//! peer's view of them (imports), and the accesses themselves.
+//!
+//! **Offers.** Exposing a region on a connection gives it a random 64-bit key (never a
+//! counter) and a slot in this side's export table in the shared segment (`segment.rs`,
+//! [`Export`]), stores the key in the slot's `live` word, and sends the peer an offer on the
+//! connection's socket before returning: slot, key, address, length and remote access bits,
+//! plus, for a region the library allocated, its memfd (SCM_RIGHTS; a read-only descriptor when
+//! the offer grants no write or atomic access). The packet is in the peer's socket before the
+//! descriptor the program sends can arrive there.
+//!
+//! **Imports.** The peer reads offers from the socket - its connection's background work does,
+//! and so does a post that names a key it does not know yet (one reader at a time) - maps a
+//! received memfd shared (read-only unless the offer grants write or atomic access), and keeps
+//! key -> (mapping, slot, address, length, access). Caller memory comes without a descriptor
+//! and is reached with `process_vm_writev`/`process_vm_readv`.
+//!
+//! **Accesses** run on the poster's thread. Each one is checked against the import (key,
+//! range, access; the length of a mapping was checked against the memfd's size when it was
+//! mapped), then raises the slot's `busy` count, checks that `live` still holds the key, copies
+//! or runs the atomic instruction on the mapping (no system call), and lowers `busy`. A check
+//! that fails touches nothing: the operation completes with
+//! [`WcStatus::RemoteAccess`](crate::WcStatus::RemoteAccess) and the connection fails.
+//!
+//! **Revocation** is synchronous: when a region is dropped, each connection it was exposed on
+//! clears the slot's `live` word and then waits until `busy` is 0 (see [`Export`] for why the
+//! two cannot miss each other), before the region's memory goes. The wait is bounded: it ends
+//! at once when the peer's process has exited, and after [`REVOKE_WAIT`] in any case (a peer
+//! that holds `busy` up that long is not following the protocol). A connection that ends
+//! withdraws all its regions the same way.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use crate::conn::{LocalSeg, RdmaOp, RdmaRequest};
+use crate::error::{Error, Result};
+use crate::log::log;
+use crate::mr::{Access, Exposure, MemoryRegion};
+use crate::shm::flow::{BYE, WAKE};
+use crate::shm::segment::{EXPORT_SLOTS, Segment};
+use crate::sys::cvt;
+
+/// Offer packet: a region the sender lets its peer reach.
+pub(crate) const OFFER: u8 = 3;
+/// Bytes of an offer packet.
+const OFFER_LEN: usize = 40;
+/// Offer kinds: caller memory (reached through the kernel), or a memfd that comes along.
+const KIND_PROCESS: u32 = 0;
+const KIND_MAPPED: u32 = 1;
+/// Longest a revocation waits for the peer's accesses in progress.
+pub(crate) const REVOKE_WAIT: Duration = Duration::from_secs(10);
+/// Longest an offer waits for room in the socket's send buffer.
+const OFFER_SEND_WAIT: Duration = Duration::from_secs(1);
+
+const REMOTE_BITS: u32 = Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0;
+
+/// A random key: 64 bits from the kernel, never 0 (0 marks a withdrawn slot).
+fn random_key() -> Result<u64> {
+    loop {
+        let mut k = 0u64;
+        // SAFETY: fills 8 bytes of a live local.
+        let n = unsafe { libc::getrandom((&raw mut k).cast(), 8, 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::MemoryRegion(e));
+        }
+        if n == 8 && k != 0 {
+            return Ok(k);
+        }
+    }
+}
+
+/// The regions this side of one connection lets its peer reach.
+pub(crate) struct Exports {
+    seg: Arc<Segment>,
+    side: usize,
+    /// The peer's process, to stop waiting for a peer that has exited.
+    peer_proc: libc::pid_t,
+    state: Mutex<ExportState>,
+}
+
+#[derive(Default)]
+struct ExportState {
+    /// Region id -> (key, slot).
+    by_mr: HashMap<u64, (u64, usize)>,
+    /// Slots in use.
+    used: Vec<bool>,
+    /// The connection ended: nothing more is exposed.
+    closed: bool,
+}
+
+impl Exports {
+    pub(crate) fn new(seg: Arc<Segment>, side: usize, peer_proc: libc::pid_t) -> Exports {
+        Exports {
+            seg,
+            side,
+            peer_proc,
+            state: Mutex::new(ExportState {
+                used: vec![false; EXPORT_SLOTS],
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ExportState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Lets the peer reach `mr`: returns its key on this connection, offering it to the peer
+    /// on `sock` the first time. `peer_reaches_us`: the peer found it may reach this process's
+    /// memory (the kernel's ptrace check), which caller memory needs.
+    pub(crate) fn expose(
+        self: &Arc<Self>,
+        sock: RawFd,
+        mr: &Arc<MemoryRegion>,
+        peer_reaches_us: bool,
+    ) -> Result<u64> {
+        let mut st = self.lock();
+        if st.closed {
+            return Err(Error::Disconnected);
+        }
+        if let Some(&(key, _)) = st.by_mr.get(&mr.id()) {
+            return Ok(key);
+        }
+        let access = mr.access().0 & REMOTE_BITS;
+        let memfd = mr.memfd();
+        if memfd.is_none() {
+            if access & Access::REMOTE_ATOMIC.0 != 0 {
+                return Err(Error::Unsupported(
+                    "over shm, atomics need memory the peer maps: caller memory cannot have \
+                     REMOTE_ATOMIC; use a region the library allocates (alloc_mr / rbr_mr_alloc)"
+                        .into(),
+                ));
+            }
+            if !peer_reaches_us {
+                return Err(Error::Unsupported(
+                    "over shm, the peer cannot reach caller memory of this process: the kernel \
+                     does not let it (ptrace rules: another user, Yama ptrace_scope, or another \
+                     PID namespace); use a region the library allocates (alloc_mr / \
+                     rbr_mr_alloc), which the peer maps"
+                        .into(),
+                ));
+            }
+        }
+        let Some(slot) = st.used.iter().position(|u| !u) else {
+            return Err(Error::invalid(format!(
+                "at most {EXPORT_SLOTS} regions may be exposed on one shm connection at once"
+            )));
+        };
+        let key = random_key()?;
+        let entry = self.seg.export(self.side, slot).expect("slot in range");
+        // SeqCst: live before the offer leaves, so that the peer finds it live once it has it.
+        entry.live.store(key, Ordering::SeqCst);
+        let mut pkt = [0u8; OFFER_LEN];
+        pkt[0] = OFFER;
+        pkt[4..8].copy_from_slice(&(slot as u32).to_le_bytes());
+        pkt[8..16].copy_from_slice(&key.to_le_bytes());
+        pkt[16..24].copy_from_slice(&(mr.as_ptr() as u64).to_le_bytes());
+        pkt[24..32].copy_from_slice(&(mr.len() as u64).to_le_bytes());
+        pkt[32..36].copy_from_slice(&access.to_le_bytes());
+        let kind = if memfd.is_some() {
+            KIND_MAPPED
+        } else {
+            KIND_PROCESS
+        };
+        pkt[36..40].copy_from_slice(&kind.to_le_bytes());
+        let sent = match memfd {
+            Some(fd) => {
+                let writable = access & (Access::REMOTE_WRITE.0 | Access::REMOTE_ATOMIC.0) != 0;
+                // A read-only offer carries a read-only descriptor where /proc allows one.
+                let ro = if writable { None } else { reopen_read_only(fd) };
+                let fd = ro.as_ref().map_or(fd, |f| f.as_raw_fd());
+                send_offer(sock, &pkt, Some(fd))
+            }
+            None => send_offer(sock, &pkt, None),
+        };
+        if let Err(e) = sent {
+            entry.live.store(0, Ordering::SeqCst);
+            return Err(e);
+        }
+        st.used[slot] = true;
+        st.by_mr.insert(mr.id(), (key, slot));
+        let weak: Weak<dyn Exposure> = Arc::downgrade(self) as Weak<dyn Exposure>;
+        mr.add_exposure(weak);
+        Ok(key)
+    }
+
+    /// The connection ended: every region is withdrawn, and no access of the peer to any of
+    /// them is in progress when this returns.
+    pub(crate) fn close(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        let slots: Vec<usize> = st.by_mr.drain().map(|(_, (_, slot))| slot).collect();
+        for slot in slots {
+            self.withdraw(slot);
+            st.used[slot] = false;
+        }
+    }
+
+    /// Clears the slot's key, then waits until no access of the peer is in progress there.
+    fn withdraw(&self, slot: usize) {
+        let entry = self.seg.export(self.side, slot).expect("slot in range");
+        // SeqCst: the clear comes before the read of `busy` (Dekker with `Access::begin`).
+        entry.live.store(0, Ordering::SeqCst);
+        wait_idle(entry.busy, self.peer_proc);
+    }
+}
+
+impl Exposure for Exports {
+    fn revoke(&self, mr_id: u64) {
+        let mut st = self.lock();
+        if let Some((_, slot)) = st.by_mr.remove(&mr_id) {
+            self.withdraw(slot);
+            st.used[slot] = false;
+        }
+    }
+}
+
+impl Drop for Exports {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Waits until `busy` is 0; bounded (see the module docs).
+fn wait_idle(busy: &AtomicU64, peer: libc::pid_t) {
+    // SeqCst: pairs with the peer's raise of `busy` (Dekker), and acquires what its last
+    // access did before it lowered the count.
+    if busy.load(Ordering::SeqCst) == 0 {
+        return;
+    }
+    let start = Instant::now();
+    let mut pidfd: Option<OwnedFd> = None;
+    let mut spins = 0u32;
+    while busy.load(Ordering::SeqCst) != 0 {
+        spins += 1;
+        if spins < 1000 {
+            std::hint::spin_loop();
+            continue;
+        }
+        if peer_exited(peer, &mut pidfd) {
+            return;
+        }
+        if start.elapsed() > REVOKE_WAIT {
+            log!(
+                Warn,
+                "the shm peer kept an access to a withdrawn region going for {REVOKE_WAIT:?}; \
+                 waiting no longer"
+            );
+            return;
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+/// Whether process `pid` has exited (a zombie counts: it runs no more).
+fn peer_exited(pid: libc::pid_t, pidfd: &mut Option<OwnedFd>) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    if pidfd.is_none() {
+        // SAFETY: pidfd_open takes a pid and flags; a non-negative result is a new descriptor.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        }
+        // SAFETY: `fd` was just returned and is owned by nobody else.
+        *pidfd = Some(unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
+    }
+    let fd = pidfd.as_ref().expect("opened above").as_raw_fd();
+    // A pidfd is readable once its process has exited.
+    crate::sys::poll_one(fd, libc::POLLIN, Some(Duration::ZERO)).unwrap_or(false)
+}
+
+/// A read-only descriptor of the same file as `fd`, through /proc; `None` when /proc does not
+/// give one (the peer's library then still maps the region read-only).
+fn reopen_read_only(fd: RawFd) -> Option<OwnedFd> {
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).ok()?;
+    // SAFETY: a NUL-terminated path and valid flags; a non-negative result is a new descriptor.
+    let r = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    // SAFETY: `r` is a fresh descriptor owned by nobody else.
+    (r >= 0).then(|| unsafe { OwnedFd::from_raw_fd(r) })
+}
+
+/// Sends an offer packet, with `fd` attached, waiting a bounded time for room.
+fn send_offer(sock: RawFd, pkt: &[u8], fd: Option<RawFd>) -> Result<()> {
+    let mut iov = libc::iovec {
+        iov_base: pkt.as_ptr() as *mut _,
+        iov_len: pkt.len(),
+    };
+    let mut cbuf = [0u64; 4];
+    // SAFETY: msghdr is plain data; zero is a valid "no name, no control" value.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        let bytes = std::mem::size_of::<RawFd>() as u32;
+        mh.msg_control = cbuf.as_mut_ptr().cast();
+        // SAFETY: CMSG_SPACE is a pure size computation; one int fits the 32-byte buffer.
+        mh.msg_controllen = unsafe { libc::CMSG_SPACE(bytes) } as usize;
+        // SAFETY: the control buffer holds one header carrying one descriptor, so
+        // CMSG_FIRSTHDR is non-null and CMSG_DATA points inside it.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&mh);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
+            libc::CMSG_DATA(c).cast::<RawFd>().write_unaligned(fd);
+        }
+    }
+    let deadline = Instant::now() + OFFER_SEND_WAIT;
+    loop {
+        // SAFETY: `mh` points at live locals (iov, pkt, cbuf) for the duration of the call.
+        let n = unsafe { libc::sendmsg(sock, &mh, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        if n >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(Error::Timeout("sending a region offer to the shm peer"));
+                }
+                let _ = crate::sys::poll_one(sock, libc::POLLOUT, Some(left));
+            }
+            _ if matches!(e.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET)) => {
+                return Err(Error::Disconnected);
+            }
+            _ => return Err(Error::SharedMemory(e)),
+        }
+    }
+}
+
+/// Where an imported region is.
+enum Target {
+    /// Mapped into this process (a memfd): `len` bytes at `base`.
+    Mapped { base: NonNull<u8>, len: usize },
+    /// In the peer's process, reached with process_vm_writev/readv.
+    Process,
+}
+
+/// A region of the peer's that this side may reach, as the peer offered it.
+pub(crate) struct Import {
+    key: u64,
+    slot: usize,
+    addr: u64,
+    len: u64,
+    access: u32,
+    target: Target,
+}
+
+// SAFETY: the mapping is process-wide memory; an import only hands out bounds-checked accesses
+// to it, and unmaps it only when dropped (when no access can hold it any more).
+unsafe impl Send for Import {}
+// SAFETY: as above.
+unsafe impl Sync for Import {}
+
+impl Drop for Import {
+    fn drop(&mut self) {
+        if let Target::Mapped { base, len } = self.target {
+            // SAFETY: base/len are what mmap returned in `Import::map`; the last holder is gone.
+            unsafe { libc::munmap(base.as_ptr().cast(), len) };
+        }
+    }
+}
+
+impl Import {
+    /// Parses an offer packet (and its descriptor); `None` when it is not a valid one (its
+    /// key then stays unknown, and accesses with it fail).
+    fn from_offer(pkt: &[u8], fd: Option<OwnedFd>) -> Option<Import> {
+        if pkt.len() != OFFER_LEN {
+            return None;
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(pkt[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(pkt[i..i + 8].try_into().expect("8 bytes"));
+        let (slot, key, addr, len) = (u32_at(4) as usize, u64_at(8), u64_at(16), u64_at(24));
+        let (access, kind) = (u32_at(32), u32_at(36));
+        if slot >= EXPORT_SLOTS
+            || key == 0
+            || len == 0
+            || access & !REMOTE_BITS != 0
+            || addr.checked_add(len).is_none()
+        {
+            return None;
+        }
+        let target = match (kind, fd) {
+            (KIND_PROCESS, None) => {
+                if access & Access::REMOTE_ATOMIC.0 != 0 {
+                    return None;
+                }
+                Target::Process
+            }
+            (KIND_MAPPED, Some(fd)) => {
+                let writable = access & (Access::REMOTE_WRITE.0 | Access::REMOTE_ATOMIC.0) != 0;
+                Self::map(&fd, len, writable)?
+            }
+            _ => return None,
+        };
+        Some(Import {
+            key,
+            slot,
+            addr,
+            len,
+            access,
+            target,
+        })
+    }
+
+    /// Maps `len` bytes of the peer's memfd, checking that the file holds them and cannot
+    /// shrink under the mapping.
+    fn map(fd: &OwnedFd, len: u64, writable: bool) -> Option<Target> {
+        let len = usize::try_from(len).ok()?;
+        // SAFETY: plain syscall on a descriptor we own.
+        let seals = cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) }).ok()?;
+        if seals & libc::F_SEAL_SHRINK == 0 {
+            return None;
+        }
+        // SAFETY: `st` is a live local that fstat fills.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }).ok()?;
+        if usize::try_from(st.st_size).ok()? < len {
+            return None;
+        }
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: a fresh mapping chosen by the kernel; nothing is overwritten. The file holds
+        // `len` bytes and is sealed against shrinking, so the mapping never faults.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        Some(Target::Mapped {
+            base: NonNull::new(p.cast())?,
+            len,
+        })
+    }
+}
+
+/// This side's reader of the connection's socket, and the regions of the peer it knows.
+/// Whoever reads the socket holds it (one reader at a time).
+#[derive(Default)]
+pub(crate) struct Inbox {
+    /// The peer said goodbye.
+    pub(crate) said_bye: bool,
+    /// The socket reached its end (`broken`: with an error): the peer is gone.
+    pub(crate) eof: bool,
+    pub(crate) broken: bool,
+    imports: HashMap<u64, Arc<Import>>,
+}
+
+impl Inbox {
+    /// Reads every packet the socket holds: doorbells, goodbye, offers (mapped and recorded),
+    /// the end. Returns whether a doorbell or goodbye was among them.
+    pub(crate) fn drain(&mut self, sock: RawFd) -> bool {
+        let mut news = false;
+        let mut buf = [0u8; 64];
+        let mut cbuf = [0u64; 4];
+        while !self.eof {
+            let mut iov = libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: buf.len(),
+            };
+            // SAFETY: msghdr is plain data; zero is a valid starting value.
+            let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+            mh.msg_iov = &mut iov;
+            mh.msg_iovlen = 1;
+            mh.msg_control = cbuf.as_mut_ptr().cast();
+            mh.msg_controllen = std::mem::size_of_val(&cbuf);
+            // SAFETY: `mh` points at live local buffers of the sizes it states.
+            let n = unsafe {
+                libc::recvmsg(sock, &mut mh, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC)
+            };
+            // Every descriptor that came is owned (and closed unless used) before anything else.
+            let mut fds = Vec::new();
+            if n >= 0 && mh.msg_controllen > 0 {
+                // SAFETY: walking the control messages the kernel wrote into `cbuf`.
+                unsafe {
+                    let mut c = libc::CMSG_FIRSTHDR(&mh);
+                    while !c.is_null() {
+                        if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS
+                        {
+                            let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                            let count = ((*c).cmsg_len - libc::CMSG_LEN(0) as usize)
+                                / std::mem::size_of::<RawFd>();
+                            for i in 0..count {
+                                fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                            }
+                        }
+                        c = libc::CMSG_NXTHDR(&mh, c);
+                    }
+                }
+            }
+            match n {
+                0 => self.eof = true,
+                n if n > 0 => {
+                    let pkt = &buf[..n as usize];
+                    match pkt[0] {
+                        WAKE => news = true,
+                        BYE => {
+                            news = true;
+                            self.said_bye = true;
+                        }
+                        OFFER if fds.len() <= 1 && mh.msg_flags & libc::MSG_TRUNC == 0 => {
+                            if let Some(imp) = Import::from_offer(pkt, fds.pop()) {
+                                // A slot offered again carries a new region: the old one is gone.
+                                self.imports.retain(|_, i| i.slot != imp.slot);
+                                self.imports.insert(imp.key, Arc::new(imp));
+                            }
+                        }
+                        // Anything else is not ours to understand; its descriptors close.
+                        _ => {}
+                    }
+                }
+                _ => {
+                    let e = io::Error::last_os_error();
+                    match e.kind() {
+                        io::ErrorKind::WouldBlock => break,
+                        io::ErrorKind::Interrupted => {}
+                        // A peer that closes with doorbells of ours still unread makes the
+                        // kernel report a reset before the packets it sent first - its goodbye
+                        // among them. The report is consumed by reading it: read on, and the
+                        // goodbye (if it said one) and the end of file follow.
+                        io::ErrorKind::ConnectionReset => {}
+                        _ => {
+                            self.eof = true;
+                            self.broken = true;
+                        }
+                    }
+                }
+            }
+        }
+        news
+    }
+
+    /// The import with `key`, if the peer offered it.
+    pub(crate) fn get(&self, key: u64) -> Option<Arc<Import>> {
+        self.imports.get(&key).cloned()
+    }
+
+    /// Forgets the import with `key` (the peer withdrew it); its mapping goes with its last
+    /// holder.
+    pub(crate) fn forget(&mut self, key: u64) {
+        self.imports.remove(&key);
+    }
+
+    /// Forgets every import (the connection ended).
+    pub(crate) fn clear(&mut self) {
+        self.imports.clear();
+    }
+}
+
+/// Why an access did not run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// The key, range or access right is not what the peer registered: nothing was touched.
+    Denied,
+    /// The peer withdrew the region: nothing was touched.
+    Withdrawn,
+}
+
+/// The access `op` needs at the target.
+fn needs(op: RdmaOp) -> u32 {
+    match op {
+        RdmaOp::Write { .. } => Access::REMOTE_WRITE.0,
+        RdmaOp::Read => Access::REMOTE_READ.0,
+        RdmaOp::FetchAdd { .. } | RdmaOp::CmpSwap { .. } => Access::REMOTE_ATOMIC.0,
+    }
+}
+
+/// Runs the checked request `wr` on the peer's region `imp`. `seg`/`peer_side`: where the
+/// peer's export table is; `peer_pid`: the peer's process when this side may reach its memory.
+pub(crate) fn run(
+    imp: &Import,
+    wr: &RdmaRequest<'_>,
+    seg: &Segment,
+    peer_side: usize,
+    peer_pid: Option<libc::pid_t>,
+) -> std::result::Result<(), Refused> {
+    let need = needs(wr.op);
+    if imp.access & need != need {
+        return Err(Refused::Denied);
+    }
+    let off = wr
+        .remote_addr
+        .checked_sub(imp.addr)
+        .filter(|o| {
+            o.checked_add(wr.len as u64)
+                .is_some_and(|end| end <= imp.len)
+        })
+        .ok_or(Refused::Denied)? as usize;
+    let Some(entry) = seg.export(peer_side, imp.slot) else {
+        return Err(Refused::Denied);
+    };
+    // SeqCst, raise then look: pairs with the owner's clear of `live` and look at `busy`
+    // (Dekker): if the key is still there, the owner waits for the lowering below.
+    entry.busy.fetch_add(1, Ordering::SeqCst);
+    let r = if entry.live.load(Ordering::SeqCst) != imp.key {
+        Err(Refused::Withdrawn)
+    } else {
+        match imp.target {
+            // SAFETY: `off..off+len` lies inside the mapping (checked above against the
+            // import's length, which `Import::map` checked against the file), the mapping
+            // stays while `imp` lives, and it is writable where the access needs it (writes
+            // and atomics need an offer that made it writable).
+            Target::Mapped { base, .. } => unsafe {
+                mapped(base.as_ptr().add(off), wr);
+                Ok(())
+            },
+            Target::Process => match peer_pid {
+                Some(pid) => process(pid, wr).map_err(|_| Refused::Denied),
+                None => Err(Refused::Denied),
+            },
+        }
+    };
+    // Release: our accesses come before the owner, seeing 0, lets the memory go.
+    entry.busy.fetch_sub(1, Ordering::Release);
+    r
+}
+
+/// The access on a mapping: plain copies, or atomic instructions.
+///
+/// # Safety
+/// `at` is valid for `wr.len` bytes (8-aligned for atomics, which the core checked), writable
+/// where `wr` writes.
+unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
+    let mut pos = at;
+    match wr.op {
+        RdmaOp::Write { .. } => {
+            for s in wr.segs() {
+                // SAFETY: `s.ptr` is readable for `s.len` bytes (checked by the core, the
+                // region held by the request); the segments add up to `wr.len`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(s.ptr.cast_const(), pos, s.len);
+                    pos = pos.add(s.len);
+                }
+            }
+        }
+        RdmaOp::Read => {
+            for s in wr.segs() {
+                // SAFETY: as for writes; `s.ptr` is writable (LOCAL_WRITE, checked).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(pos.cast_const(), s.ptr, s.len);
+                    pos = pos.add(s.len);
+                }
+            }
+        }
+        RdmaOp::FetchAdd { .. } | RdmaOp::CmpSwap { .. } => {
+            // SAFETY: the word is 8-aligned, inside the mapping, and shared memory is accessed
+            // atomically by everyone who follows the protocol.
+            let word = unsafe { AtomicU64::from_ptr(at.cast()) };
+            // SeqCst: atomics order with every other atomic on the word, wherever it runs.
+            let old = match wr.op {
+                RdmaOp::FetchAdd { add } => word.fetch_add(add, Ordering::SeqCst),
+                RdmaOp::CmpSwap { compare, swap } => {
+                    match word.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
+                        Ok(v) | Err(v) => v,
+                    }
+                }
+                _ => unreachable!("atomics only"),
+            };
+            let s: &LocalSeg<'_> = wr.segs().next().expect("an atomic has its local word");
+            // SAFETY: the local word is 8 bytes, 8-aligned and writable (checked by the core).
+            unsafe { s.ptr.cast::<u64>().write(old) };
+        }
+    }
+}
+
+/// The access through the kernel, in the peer's process (writes and reads only).
+fn process(pid: libc::pid_t, wr: &RdmaRequest<'_>) -> io::Result<()> {
+    let mut iov = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; crate::conn::SGE_MAX];
+    let mut n = 0;
+    for s in wr.segs().filter(|s| s.len > 0) {
+        iov[n] = libc::iovec {
+            iov_base: s.ptr.cast(),
+            iov_len: s.len,
+        };
+        n += 1;
+    }
+    let mut done = 0usize;
+    while done < wr.len {
+        // The local segments from `done` on.
+        let mut local = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; crate::conn::SGE_MAX];
+        let (mut k, mut skip) = (0, done);
+        for v in &iov[..n] {
+            if skip >= v.iov_len {
+                skip -= v.iov_len;
+                continue;
+            }
+            local[k] = libc::iovec {
+                iov_base: v.iov_base.cast::<u8>().wrapping_add(skip).cast(),
+                iov_len: v.iov_len - skip,
+            };
+            skip = 0;
+            k += 1;
+        }
+        let remote = libc::iovec {
+            iov_base: (wr.remote_addr as usize).wrapping_add(done) as *mut libc::c_void,
+            iov_len: wr.len - done,
+        };
+        // SAFETY: the local iovecs lie inside the request's checked segments (readable, and
+        // writable for reads); the remote one is checked by the kernel against the peer's
+        // mappings, and was checked by us against what the peer registered.
+        let r = unsafe {
+            match wr.op {
+                RdmaOp::Read => libc::process_vm_readv(pid, local.as_ptr(), k as _, &remote, 1, 0),
+                _ => libc::process_vm_writev(pid, local.as_ptr(), k as _, &remote, 1, 0),
+            }
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+        }
+        done += r as usize;
+    }
+    Ok(())
+}
