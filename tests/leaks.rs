@@ -1,9 +1,66 @@
-//! Resource-leak test over shm, alone in its own test binary so no other test opens
-//! descriptors or mappings while it counts them.
+//! Resource-leak tests over shm, alone in their own test binary so no other test opens
+//! descriptors or mappings while they count them; they take turns (`ALONE`).
 
 mod common;
 
+/// Held by each test for its whole run: they count the process's descriptors and mappings.
+static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn connect_close_cycles_leak_nothing() {
+    let _alone = ALONE.lock().unwrap_or_else(|p| p.into_inner());
     common::suite::connect_close_cycles_leak_nothing(&common::Net::Shm);
+}
+
+/// Regions exposed on connections (a mapped region, a read-only one, one dropped before the
+/// close, one after) and accessed by the peer leave no descriptor or mapping behind once the
+/// connections are closed.
+#[test]
+fn expose_and_close_cycles_leak_nothing() {
+    use common::*;
+    use rdmabridge::{Access, ConnOptions, Context, Opcode, SendFlags, Sge, WcStatus};
+    let _alone = ALONE.lock().unwrap_or_else(|p| p.into_inner());
+
+    let ctx = Context::new().unwrap();
+    let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let cycle = |ctx: &Context| {
+        let o = ConnOptions::default();
+        let (c, ccq, s, scq) = pair(&Net::Shm, ctx, &o, &o);
+        let tmr = ctx.alloc_mr(8192, all | Access::REMOTE_ATOMIC).unwrap();
+        let ro = ctx.alloc_mr(4096, Access::REMOTE_READ).unwrap();
+        let mut backing = vec![0u8; 4096];
+        // SAFETY: `backing` outlives the region (dropped below, before it).
+        let cma = unsafe { ctx.register_mr(backing.as_mut_ptr(), 4096, all).unwrap() };
+        let r1 = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
+        let r2 = c.unpack_remote(&s.pack_region(&ro).unwrap()).unwrap();
+        let r3 = c.unpack_remote(&s.pack_region(&cma).unwrap()).unwrap();
+        let local = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        let sgl = [Sge {
+            mr: &local,
+            offset: 0,
+            len: 64,
+        }];
+        c.post_write(&sgl, &r1, 0, 1, SendFlags::SIGNALED).unwrap();
+        c.post_read(&sgl, &r2, 0, 2, SendFlags::SIGNALED).unwrap();
+        c.post_write(&sgl, &r3, 0, 3, SendFlags::SIGNALED).unwrap();
+        for _ in 0..3 {
+            assert_eq!(next(&ccq).status, WcStatus::Success);
+        }
+        drop(tmr);
+        drop((c, s));
+        for cq in [&ccq, &scq] {
+            while next(cq).opcode != Opcode::Disconnected {}
+        }
+        drop((ro, cma));
+        drop(backing);
+    };
+    cycle(&ctx);
+    let (fds, maps, ours) = (fd_count(), map_count(), our_map_count());
+    for _ in 0..20 {
+        cycle(&ctx);
+    }
+    assert_eq!(
+        (fd_count(), map_count(), our_map_count()),
+        (fds, maps, ours)
+    );
 }

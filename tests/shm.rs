@@ -444,3 +444,285 @@ fn out_of_descriptors_child() {
             .expect("the client's connect succeeds");
     });
 }
+
+/// One-sided operations over shm: a connected pair of one context, and a region of the
+/// server's the client targets.
+mod onesided {
+    use super::*;
+    use rdmabridge::{
+        Access, Completion, Connection, MemoryRegion, Opcode, SendFlags, Sge, WcStatus,
+    };
+    use std::sync::Arc;
+
+    const RW: Access = Access(
+        Access::LOCAL_WRITE.0
+            | Access::REMOTE_WRITE.0
+            | Access::REMOTE_READ.0
+            | Access::REMOTE_ATOMIC.0,
+    );
+
+    fn setup(
+        ctx: &Context,
+    ) -> (
+        Connection,
+        Arc<CompletionQueue>,
+        Connection,
+        Arc<CompletionQueue>,
+    ) {
+        pair(
+            &Net::Shm,
+            ctx,
+            &ConnOptions::default(),
+            &ConnOptions::default(),
+        )
+    }
+
+    /// Completions of `cq` until (and with) the connection's disconnect record.
+    fn until_disconnected(cq: &CompletionQueue) -> Vec<Completion> {
+        let mut v = Vec::new();
+        loop {
+            let c = next(cq);
+            v.push(c);
+            if c.opcode == Opcode::Disconnected {
+                return v;
+            }
+        }
+    }
+
+    #[test]
+    fn caller_memory_with_remote_atomic_is_unsupported_at_pack_time() {
+        let ctx = Context::new().unwrap();
+        let (_c, _ccq, s, _scq) = setup(&ctx);
+        let mut buf = vec![0u64; 64];
+        // SAFETY: `buf` outlives the region (dropped at the end of the test, after it).
+        let mr = unsafe { ctx.register_mr(buf.as_mut_ptr().cast(), 512, RW).unwrap() };
+        let e = s.pack_region(&mr).unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+        assert!(e.to_string().contains("REMOTE_ATOMIC"), "{e}");
+        // Without the atomic bit the same memory may be exposed (the peer reaches this
+        // process: same user, same process).
+        // SAFETY: as above.
+        let mr2 = unsafe {
+            ctx.register_mr(
+                buf.as_mut_ptr().cast(),
+                512,
+                Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            )
+            .unwrap()
+        };
+        s.pack_region(&mr2).unwrap();
+        drop((mr, mr2));
+        drop(buf);
+    }
+
+    #[test]
+    fn a_write_lands_in_caller_registered_memory() {
+        let ctx = Context::new().unwrap();
+        let (c, ccq, s, _scq) = setup(&ctx);
+        let mut target = vec![0u8; 8192];
+        // SAFETY: `target` outlives the region.
+        let tmr = unsafe {
+            ctx.register_mr(
+                target.as_mut_ptr(),
+                target.len(),
+                Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            )
+            .unwrap()
+        };
+        let desc = s.pack_region(&tmr).unwrap();
+        let remote = c.unpack_remote(&desc).unwrap();
+        let src = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+        let data = pattern(3, 4096);
+        src.write(0, &data).unwrap();
+        let sgl = [
+            Sge {
+                mr: &src,
+                offset: 0,
+                len: 1000,
+            },
+            Sge {
+                mr: &src,
+                offset: 1000,
+                len: 3096,
+            },
+        ];
+        c.post_write(&sgl, &remote, 100, 7, SendFlags::SIGNALED)
+            .unwrap();
+        let done = next(&ccq);
+        assert_eq!(
+            (done.wr_id, done.opcode, done.status),
+            (7, Opcode::Write, WcStatus::Success)
+        );
+        drop(tmr);
+        assert_eq!(&target[100..4196], &data[..]);
+        assert!(target[..100].iter().all(|&b| b == 0));
+        assert!(target[4196..].iter().all(|&b| b == 0));
+        // And read back through the kernel too.
+        drop(c);
+        drop(s);
+    }
+
+    #[test]
+    fn a_region_dropped_by_its_owner_is_no_longer_reachable() {
+        for caller_memory in [false, true] {
+            let ctx = Context::new().unwrap();
+            let (c, ccq, s, scq) = setup(&ctx);
+            let mut backing = vec![0u8; 4096];
+            let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+            let tmr = if caller_memory {
+                // SAFETY: `backing` outlives the region.
+                unsafe { ctx.register_mr(backing.as_mut_ptr(), 4096, access).unwrap() }
+            } else {
+                ctx.alloc_mr(4096, access).unwrap()
+            };
+            let remote = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
+            let src = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+            src.write(0, &[0xab; 64]).unwrap();
+            let sgl = [Sge {
+                mr: &src,
+                offset: 0,
+                len: 64,
+            }];
+            c.post_write(&sgl, &remote, 0, 1, SendFlags::SIGNALED)
+                .unwrap();
+            assert_eq!(next(&ccq).status, WcStatus::Success);
+            let mut got = [0u8; 64];
+            tmr.read(0, &mut got).unwrap();
+            assert_eq!(got, [0xab; 64]);
+            let keep = if caller_memory {
+                None
+            } else {
+                Some(tmr.as_ptr())
+            };
+            drop(tmr);
+            let _ = keep;
+            if caller_memory {
+                backing[..64].fill(0);
+            }
+            src.write(0, &[0xcd; 64]).unwrap();
+            c.post_write(&sgl, &remote, 0, 2, SendFlags::SIGNALED)
+                .unwrap();
+            let done = next(&ccq);
+            assert_eq!(
+                (done.wr_id, done.opcode, done.status),
+                (2, Opcode::Write, WcStatus::RemoteAccess)
+            );
+            if caller_memory {
+                assert!(backing.iter().all(|&b| b == 0), "untouched");
+            }
+            // The connection failed: both sides end with their disconnect record.
+            let rest = until_disconnected(&ccq);
+            assert_eq!(rest.last().unwrap().status, WcStatus::RemoteAccess);
+            assert_eq!(until_disconnected(&scq).len(), 1);
+            assert!(matches!(
+                c.post_write(&sgl, &remote, 0, 3, SendFlags::SIGNALED),
+                Err(Error::Disconnected)
+            ));
+        }
+    }
+
+    #[test]
+    fn writes_reads_and_atomics_on_an_allocated_region() {
+        let ctx = Context::new().unwrap();
+        let (c, ccq, s, scq) = setup(&ctx);
+        let tmr = ctx.alloc_mr(1 << 20, RW).unwrap();
+        let remote = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
+        assert_eq!(
+            s.pack_region(&tmr).unwrap(),
+            s.pack_region(&tmr).unwrap(),
+            "the same key again"
+        );
+        let local = ctx.alloc_mr(1 << 20, Access::LOCAL_WRITE).unwrap();
+        let data = pattern(9, 1 << 20);
+        local.write(0, &data).unwrap();
+        let all = [Sge {
+            mr: &local,
+            offset: 0,
+            len: 1 << 20,
+        }];
+        c.post_write(&all, &remote, 0, 1, SendFlags::SIGNALED)
+            .unwrap();
+        assert_eq!(next(&ccq).opcode, Opcode::Write);
+        let mut got = vec![0u8; 1 << 20];
+        tmr.read(0, &mut got).unwrap();
+        assert!(got == data);
+        // Read it back into the other half of a zeroed region, scattered.
+        local.write(0, &vec![0u8; 1 << 20]).unwrap();
+        let halves = [
+            Sge {
+                mr: &local,
+                offset: 512 << 10,
+                len: 256 << 10,
+            },
+            Sge {
+                mr: &local,
+                offset: 0,
+                len: 256 << 10,
+            },
+        ];
+        c.post_read(&halves, &remote, 0, 2, SendFlags::SIGNALED)
+            .unwrap();
+        let done = next(&ccq);
+        assert_eq!(
+            (done.opcode, done.status),
+            (Opcode::Read, WcStatus::Success)
+        );
+        local.read(512 << 10, &mut got[..256 << 10]).unwrap();
+        assert!(got[..256 << 10] == data[..256 << 10]);
+        local.read(0, &mut got[..256 << 10]).unwrap();
+        assert!(got[..256 << 10] == data[256 << 10..512 << 10]);
+        // Atomics.
+        tmr.write(64, &5u64.to_ne_bytes()).unwrap();
+        c.post_fetch_add(&local, 8, &remote, 64, 10, 3, SendFlags::SIGNALED)
+            .unwrap();
+        assert_eq!(next(&ccq).opcode, Opcode::FetchAdd);
+        c.post_cmp_swap(&local, 16, &remote, 64, 15, 99, 4, SendFlags::SIGNALED)
+            .unwrap();
+        assert_eq!(next(&ccq).opcode, Opcode::CmpSwap);
+        let word = |mr: &MemoryRegion, off| {
+            let mut b = [0u8; 8];
+            mr.read(off, &mut b).unwrap();
+            u64::from_ne_bytes(b)
+        };
+        assert_eq!((word(&local, 8), word(&local, 16)), (5, 15));
+        assert_eq!(word(&tmr, 64), 99);
+        // Write with immediate: consumes a receive, whose buffer stays untouched.
+        let rbuf = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        rbuf.write(0, &[7; 64]).unwrap();
+        s.post_recv(&rbuf, 0, 64, 50).unwrap();
+        c.post_write_imm(&all[..], &remote, 0, 0xfeed, 5, SendFlags::SIGNALED)
+            .unwrap();
+        let r = next(&scq);
+        assert_eq!(
+            (r.wr_id, r.opcode, r.status, r.byte_len, r.imm),
+            (
+                50,
+                Opcode::RecvWriteImm,
+                WcStatus::Success,
+                1 << 20,
+                Some(0xfeed)
+            )
+        );
+        let w = next(&ccq);
+        assert_eq!(
+            (w.wr_id, w.opcode, w.status),
+            (5, Opcode::Write, WcStatus::Success)
+        );
+        let mut r = [0u8; 64];
+        rbuf.read(0, &mut r).unwrap();
+        assert_eq!(r, [7; 64]);
+        // A wrong key fails and changes nothing.
+        let bad = c
+            .remote_from_raw(remote.addr(), remote.len(), remote.key() ^ 1)
+            .unwrap();
+        tmr.read(0, &mut got).unwrap();
+        let before = got.clone();
+        c.post_write(&all, &bad, 0, 6, SendFlags::SIGNALED).unwrap();
+        let e = next(&ccq);
+        assert_eq!((e.wr_id, e.status), (6, WcStatus::RemoteAccess));
+        tmr.read(0, &mut got).unwrap();
+        assert!(got == before);
+        until_disconnected(&ccq);
+        until_disconnected(&scq);
+    }
+}
