@@ -725,4 +725,38 @@ mod onesided {
         until_disconnected(&ccq);
         until_disconnected(&scq);
     }
+
+    #[test]
+    fn a_one_sided_completion_comes_after_the_sends_in_flight_before_it() {
+        let ctx = Context::new().unwrap();
+        let (c, ccq, s, scq) = setup(&ctx);
+        let tmr = ctx.alloc_mr(64, RW).unwrap();
+        let remote = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
+        let rbuf = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        s.post_recv(&rbuf, 0, 64, 1).unwrap();
+        let local = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        c.post_send(&local, 0, 64, 10, SendFlags::SIGNALED).unwrap();
+        let sgl = [Sge {
+            mr: &local,
+            offset: 0,
+            len: 8,
+        }];
+        c.post_write(&sgl, &remote, 0, 11, SendFlags::SIGNALED)
+            .unwrap();
+        c.post_fetch_add(&local, 8, &remote, 8, 1, 12, SendFlags::SIGNALED)
+            .unwrap();
+        let got: Vec<_> = (0..3)
+            .map(|_| next(&ccq))
+            .map(|c| (c.wr_id, c.opcode))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (10, Opcode::Send),
+                (11, Opcode::Write),
+                (12, Opcode::FetchAdd)
+            ]
+        );
+        assert_eq!(next(&scq).opcode, Opcode::Recv);
+    }
 }

@@ -376,21 +376,13 @@ impl Conn {
             None => Err(onesided::Refused::Denied),
         };
         let was_busy = flow.busy();
+        let report = &self.sh.report;
         let failed = match result {
             Ok(()) => {
                 if let RdmaOp::Write { imm: Some(imm) } = wr.op {
                     flow.post_write_imm(imm, wr.len, wr.wr_id, wr.signaled)?;
-                    drop(flow);
-                    if !was_busy {
-                        self.sh.watch_sends();
-                    }
-                    self.sh.posted();
-                    return Ok(());
-                }
-                if wr.signaled {
-                    self.sh
-                        .report
-                        .complete(wr.wr_id, opcode, WcStatus::Success, 0, None);
+                } else {
+                    flow.finish_onesided(report, wr.wr_id, opcode, WcStatus::Success, wr.signaled);
                 }
                 false
             }
@@ -398,18 +390,22 @@ impl Conn {
                 if refused == onesided::Refused::Withdrawn {
                     self.sh.lock_inbox().forget(key);
                 }
-                self.sh
-                    .report
-                    .complete(wr.wr_id, opcode, WcStatus::RemoteAccess, 0, None);
+                flow.finish_onesided(report, wr.wr_id, opcode, WcStatus::RemoteAccess, true);
                 flow.fail_access();
                 true
             }
         };
+        let busy = flow.busy();
         drop(flow);
         drop(import);
         if failed {
             // The background work tears the connection down.
             self.sh.wake.wake();
+        } else if busy {
+            if !was_busy {
+                self.sh.watch_sends();
+            }
+            self.sh.posted();
         }
         Ok(())
     }

@@ -111,6 +111,9 @@ struct InFlight {
     wr_id: u64,
     signaled: bool,
     opcode: Opcode,
+    /// How it ended, for a one-sided operation that ran already and only waits for the sends
+    /// before it to complete first; `Success` otherwise.
+    status: WcStatus,
     /// A direct send's region, which the peer reads until it takes the record.
     _hold: Option<Arc<MemoryRegion>>,
 }
@@ -366,6 +369,37 @@ impl Flow {
         }
     }
 
+    /// A one-sided operation ran (at post time) and ended with `status`: it completes now,
+    /// or, when sends are in flight, after them, so that the connection's completions come in
+    /// the order the work was posted (sends still waiting for a receive credit or ring space
+    /// do not hold it back). An unsignaled success reports nothing and takes no slot.
+    pub(crate) fn finish_onesided(
+        &mut self,
+        report: &Reporter,
+        wr_id: u64,
+        opcode: Opcode,
+        status: WcStatus,
+        signaled: bool,
+    ) {
+        if !signaled && status == WcStatus::Success {
+            return;
+        }
+        if self.inflight.is_empty() {
+            report.complete(wr_id, opcode, status, 0, None);
+            return;
+        }
+        self.inflight.push_back(InFlight {
+            end: self.tx.tail(),
+            // Never a message's number: the peer refuses none of it.
+            seq: u64::MAX,
+            wr_id,
+            signaled: true,
+            opcode,
+            status,
+            _hold: None,
+        });
+    }
+
     /// A write-with-immediate record went into the ring: it is in flight.
     fn start_write_imm(&mut self, wr_id: u64, signaled: bool) {
         self.msgs_started += 1;
@@ -375,6 +409,7 @@ impl Flow {
             wr_id,
             signaled,
             opcode: Opcode::Write,
+            status: WcStatus::Success,
             _hold: None,
         });
     }
@@ -465,6 +500,7 @@ impl Flow {
             wr_id,
             signaled,
             opcode: Opcode::Send,
+            status: WcStatus::Success,
             _hold: Some(mr.clone()),
         });
         Ok(true)
@@ -497,6 +533,7 @@ impl Flow {
                 wr_id,
                 signaled,
                 opcode: Opcode::Send,
+                status: WcStatus::Success,
                 _hold: None,
             });
         }
@@ -676,6 +713,7 @@ impl Flow {
                     wr_id: wr.wr_id,
                     signaled: wr.signaled,
                     opcode: Opcode::Send,
+                    status: WcStatus::Success,
                     _hold: None,
                 });
                 self.copied = 0;
@@ -969,6 +1007,8 @@ impl Flow {
         while let Some(f) = self.inflight.pop_front() {
             let status = if Some(f.seq) == refused_seq {
                 WcStatus::RemoteError
+            } else if f.status != WcStatus::Success {
+                f.status
             } else {
                 WcStatus::Flushed
             };
