@@ -759,4 +759,54 @@ mod onesided {
         );
         assert_eq!(next(&scq).opcode, Opcode::Recv);
     }
+
+    /// Two connections to one region, from two threads: every fetch-and-add lands once
+    /// (exact sum, every fetched value distinct); both progress modes.
+    #[test]
+    fn fetch_adds_from_two_connections_are_atomic() {
+        use rdmabridge::{CqOptions, Progress};
+        const N: u64 = 20_000;
+        for progress in [Progress::Caller, Progress::Thread] {
+            let ctx = Context::new().unwrap();
+            let cq_opts = CqOptions {
+                progress,
+                ..CqOptions::default()
+            };
+            let o = ConnOptions::default();
+            let (c1, q1, s1, _sq1) = pair_with(&Net::Shm, &ctx, &o, &o, cq_opts);
+            let (c2, q2, s2, _sq2) = pair_with(&Net::Shm, &ctx, &o, &o, cq_opts);
+            let tmr = ctx.alloc_mr(4096, RW).unwrap();
+            let r1 = c1.unpack_remote(&s1.pack_region(&tmr).unwrap()).unwrap();
+            let r2 = c2.unpack_remote(&s2.pack_region(&tmr).unwrap()).unwrap();
+            let run = |c: &Connection, q: &CompletionQueue, r| {
+                let local = ctx.alloc_mr(8, Access::LOCAL_WRITE).unwrap();
+                let mut seen = Vec::with_capacity(N as usize);
+                for i in 0..N {
+                    c.post_fetch_add(&local, 0, &r, 128, 1, i, SendFlags::SIGNALED)
+                        .unwrap();
+                    let d = next(q);
+                    assert_eq!(
+                        (d.wr_id, d.opcode, d.status),
+                        (i, Opcode::FetchAdd, WcStatus::Success)
+                    );
+                    let mut b = [0u8; 8];
+                    local.read(0, &mut b).unwrap();
+                    seen.push(u64::from_ne_bytes(b));
+                }
+                seen
+            };
+            let (a, b) = std::thread::scope(|sc| {
+                let h = sc.spawn(|| run(&c2, &q2, r2));
+                (run(&c1, &q1, r1), h.join().unwrap())
+            });
+            let mut all: Vec<u64> = a.into_iter().chain(b).collect();
+            all.sort_unstable();
+            all.dedup();
+            assert_eq!(all.len() as u64, 2 * N, "{progress:?}");
+            assert_eq!(*all.last().unwrap(), 2 * N - 1);
+            let mut w = [0u8; 8];
+            tmr.read(128, &mut w).unwrap();
+            assert_eq!(u64::from_ne_bytes(w), 2 * N);
+        }
+    }
 }
