@@ -334,12 +334,13 @@ impl Conn {
     /// Lets the peer reach `mr` with one-sided operations; returns its key (see
     /// `onesided.rs`: the offer is in the peer's socket when this returns).
     pub(crate) fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
+        // Caller memory needs the peer to reach this process; it says whether it can as its
+        // side starts, which may be just after ours (asked before taking the lock).
+        let reaches = mr.memfd().is_none() && self.sh.exports.peer_reaches_us();
         // The flow's lock keeps the socket open while the offer goes out.
         let flow = self.sh.lock();
         flow.check_open()?;
-        self.sh
-            .exports
-            .expose(flow.sock(), mr, flow.peer_reaches_us())
+        self.sh.exports.expose(flow.sock(), mr, reaches)
     }
 
     /// Posts a checked one-sided operation. It runs now, on this thread, under the flow's

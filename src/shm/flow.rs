@@ -24,7 +24,9 @@ use crate::mr::MemoryRegion;
 use crate::shm::direct;
 use crate::shm::notice::Board;
 use crate::shm::ring::{self, Consumer, Producer, Record};
-use crate::shm::segment::{FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, Segment};
+use crate::shm::segment::{
+    FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES, Segment,
+};
 
 /// Doorbell packet: "look at the rings".
 pub(crate) const WAKE: u8 = 1;
@@ -180,10 +182,13 @@ impl Flow {
         peer_board: Option<(Board, u32)>,
         peer_pid: Option<libc::pid_t>,
     ) -> Flow {
-        if peer_pid.is_some() {
-            // Release: nothing to order before it, but the peer reads it with Acquire.
-            seg.ctrl(side).reads_peer.store(1, Ordering::Release);
-        }
+        let reads = if peer_pid.is_some() {
+            READS_PEER_YES
+        } else {
+            READS_PEER_NO
+        };
+        // Release: nothing to order before it, but the peer reads it with Acquire.
+        seg.ctrl(side).reads_peer.store(reads, Ordering::Release);
         let cap = seg.cap();
         // SAFETY: the cursors and rings live in `seg`, which the flow owns: the mapping lasts
         // as long as the producer and consumer can be used (they touch no memory when
@@ -434,16 +439,6 @@ impl Flow {
         self.sock
     }
 
-    /// Whether the peer found it may reach this process's memory (the kernel's ptrace check).
-    pub(crate) fn peer_reaches_us(&self) -> bool {
-        // Acquire: pairs with the peer's Release of the word.
-        self.seg
-            .ctrl(1 - self.side)
-            .reads_peer
-            .load(Ordering::Acquire)
-            == 1
-    }
-
     /// A one-sided operation of this side was refused by what the peer registered: the
     /// connection fails (its driver tears it down), as a verbs queue pair goes to error.
     pub(crate) fn fail_access(&mut self) {
@@ -471,7 +466,7 @@ impl Flow {
                 .ctrl(1 - self.side)
                 .reads_peer
                 .load(Ordering::Acquire)
-                == 1;
+                == READS_PEER_YES;
         }
         self.peer_reads_us
     }

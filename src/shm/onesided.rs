@@ -42,7 +42,7 @@ use crate::error::{Error, Result};
 use crate::log::log;
 use crate::mr::{Access, Exposure, MemoryRegion};
 use crate::shm::flow::{BYE, WAKE};
-use crate::shm::segment::{EXPORT_SLOTS, Segment};
+use crate::shm::segment::{EXPORT_SLOTS, READS_PEER_YES, Segment};
 use crate::sys::cvt;
 
 /// Offer packet: a region the sender lets its peer reach.
@@ -54,6 +54,9 @@ const KIND_PROCESS: u32 = 0;
 const KIND_MAPPED: u32 = 1;
 /// Longest a revocation waits for the peer's accesses in progress.
 pub(crate) const REVOKE_WAIT: Duration = Duration::from_secs(10);
+/// Longest exposing caller memory waits for the peer to say whether it can reach it (it says
+/// so as its side of the connection starts, which may come just after this side's).
+const PEER_DECIDES_WAIT: Duration = Duration::from_secs(2);
 /// Longest an offer waits for room in the socket's send buffer.
 const OFFER_SEND_WAIT: Duration = Duration::from_secs(1);
 
@@ -107,6 +110,20 @@ impl Exports {
                 used: vec![false; EXPORT_SLOTS],
                 ..Default::default()
             }),
+        }
+    }
+
+    /// Whether the peer can reach this process's memory (it passed the kernel's ptrace check
+    /// when its side of the connection started), waiting a bounded time for it to say.
+    pub(crate) fn peer_reaches_us(&self) -> bool {
+        let word = self.seg.ctrl(1 - self.side).reads_peer;
+        let deadline = Instant::now() + PEER_DECIDES_WAIT;
+        loop {
+            // Acquire: pairs with the peer's Release of the word.
+            match word.load(Ordering::Acquire) {
+                0 if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(100)),
+                v => return v == READS_PEER_YES,
+            }
         }
     }
 

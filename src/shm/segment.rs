@@ -56,8 +56,10 @@ pub(crate) struct Ctrl<'a> {
     pub(crate) recv_posted: &'a AtomicU64,
     /// Non-zero once that side failed the connection: `FATAL_* << 48 | message sequence`.
     pub(crate) fatal: &'a AtomicU64,
-    /// 1 once that side has found it can copy straight from the other's memory: the other
-    /// may then send large messages as [`DIRECT`](crate::shm::ring::DIRECT) records.
+    /// [`READS_PEER_YES`] once that side has found it can copy straight from the other's
+    /// memory: the other may then send large messages as
+    /// [`DIRECT`](crate::shm::ring::DIRECT) records, and expose caller memory to it.
+    /// [`READS_PEER_NO`] once it found it cannot; 0 until that side's connection started.
     pub(crate) reads_peer: &'a AtomicU32,
 }
 
@@ -74,6 +76,11 @@ pub(crate) struct Export<'a> {
     /// Accesses of the peer in progress.
     pub(crate) busy: &'a AtomicU64,
 }
+
+/// `reads_peer`: that side can reach the other's memory.
+pub(crate) const READS_PEER_YES: u32 = 1;
+/// `reads_peer`: that side cannot reach the other's memory.
+pub(crate) const READS_PEER_NO: u32 = 2;
 
 /// A receive buffer was too small for the message with the sequence number in the low bits.
 pub(crate) const FATAL_LENGTH: u64 = 1;
