@@ -809,4 +809,157 @@ mod onesided {
             assert_eq!(u64::from_ne_bytes(w), 2 * N);
         }
     }
+
+    /// One-sided operations on the regions of another process: a library-allocated one (its
+    /// memfd passed and mapped here) and caller memory (reached through the kernel), which,
+    /// once the owner drops its region, is no longer reachable.
+    #[test]
+    fn regions_of_another_process_are_reached_until_dropped() {
+        let addr = unique_addr("xproc");
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "onesided::target_child",
+                "--test-threads=1",
+            ])
+            .env("RBR_TEST_TARGET_ADDR", &addr)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let ctx = Context::new().unwrap();
+        let cq = CompletionQueue::new().unwrap();
+        let start = std::time::Instant::now();
+        let c = loop {
+            match ctx.connect(&addr, &cq, &ConnOptions::default()) {
+                Ok(c) => break c,
+                Err(Error::Refused(_)) if start.elapsed() < Duration::from_secs(10) => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Err(e) => panic!("{e}"),
+            }
+        };
+        let msg = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        c.post_recv(&msg, 0, 64, 100).unwrap();
+        assert_eq!(next(&cq).opcode, Opcode::Recv);
+        let mut desc = [0u8; 64];
+        msg.read(0, &mut desc).unwrap();
+        let a = c.unpack_remote(&desc[..32]).unwrap();
+        let b = c.unpack_remote(&desc[32..]).unwrap();
+        let local = ctx.alloc_mr(1 << 16, Access::LOCAL_WRITE).unwrap();
+        local.write(0, &pattern(1, 1 << 16)).unwrap();
+        let halves = [
+            Sge {
+                mr: &local,
+                offset: 0,
+                len: 1000,
+            },
+            Sge {
+                mr: &local,
+                offset: 1000,
+                len: (1 << 16) - 1000,
+            },
+        ];
+        c.post_write(&halves, &a, 0, 1, SendFlags::SIGNALED)
+            .unwrap();
+        let word = ctx.alloc_mr(8, Access::LOCAL_WRITE).unwrap();
+        c.post_fetch_add(&word, 0, &a, (1 << 16) - 8, 5, 2, SendFlags(0))
+            .unwrap();
+        let small = ctx.alloc_mr(1 << 14, Access::LOCAL_WRITE).unwrap();
+        small.write(0, &pattern(2, 1 << 14)).unwrap();
+        let whole = [Sge {
+            mr: &small,
+            offset: 0,
+            len: 1 << 14,
+        }];
+        c.post_write(&whole, &b, 0, 3, SendFlags::SIGNALED).unwrap();
+        small.write(0, &[0; 1 << 14]).unwrap();
+        c.post_read(&whole, &b, 0, 4, SendFlags::SIGNALED).unwrap();
+        c.post_recv(&msg, 0, 64, 101).unwrap();
+        c.post_write_imm(&[], &a, 0, 1, 5, SendFlags::SIGNALED)
+            .unwrap();
+        let mut got = Vec::new();
+        while got.len() < 5 {
+            let d = next(&cq);
+            assert_eq!(d.status, WcStatus::Success, "{d:?}");
+            got.push((d.wr_id, d.opcode));
+        }
+        assert_eq!(
+            got,
+            [
+                (1, Opcode::Write),
+                (3, Opcode::Write),
+                (4, Opcode::Read),
+                (5, Opcode::Write),
+                (101, Opcode::Recv)
+            ]
+        );
+        let mut back = vec![0u8; 1 << 14];
+        small.read(0, &mut back).unwrap();
+        assert!(back == pattern(2, 1 << 14), "read back through the kernel");
+        // The owner dropped region b (its message said so): writing it fails, and the owner
+        // checks that its memory did not change.
+        small.write(0, &pattern(3, 1 << 14)).unwrap();
+        c.post_write(&whole, &b, 0, 6, SendFlags::SIGNALED).unwrap();
+        let d = next(&cq);
+        assert_eq!((d.wr_id, d.status), (6, WcStatus::RemoteAccess));
+        while next(&cq).opcode != Opcode::Disconnected {}
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    #[test]
+    #[ignore = "run by regions_of_another_process_are_reached_until_dropped in a child process"]
+    fn target_child() {
+        let addr = std::env::var("RBR_TEST_TARGET_ADDR").unwrap();
+        let ctx = Context::new().unwrap();
+        let l = ctx.listen(&addr, 4).unwrap();
+        let cq = CompletionQueue::new().unwrap();
+        let req = l.get_request(Some(Duration::from_secs(10))).unwrap();
+        let s = req.accept(&cq, &ConnOptions::default()).unwrap();
+        let a = ctx.alloc_mr(1 << 16, RW).unwrap();
+        let mut backing = vec![0u8; 1 << 14];
+        let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+        // SAFETY: `backing` outlives the region (dropped below, long before it).
+        let b = unsafe {
+            ctx.register_mr(backing.as_mut_ptr(), 1 << 14, access)
+                .unwrap()
+        };
+        let msg = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        msg.write(0, &s.pack_region(&a).unwrap()).unwrap();
+        msg.write(32, &s.pack_region(&b).unwrap()).unwrap();
+        let rbuf = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        s.post_recv(&rbuf, 0, 64, 1).unwrap();
+        s.post_send(&msg, 0, 64, 2, SendFlags::SIGNALED).unwrap();
+        let mut imm = None;
+        while imm.is_none() {
+            let d = next(&cq);
+            assert_eq!(d.status, WcStatus::Success, "{d:?}");
+            if d.opcode == Opcode::RecvWriteImm {
+                imm = Some((d.wr_id, d.imm, d.byte_len));
+            }
+        }
+        assert_eq!(imm, Some((1, Some(1), 0)));
+        let mut got = vec![0u8; 1 << 16];
+        a.read(0, &mut got).unwrap();
+        let mut want = pattern(1, 1 << 16);
+        let last = u64::from_ne_bytes(want[(1 << 16) - 8..].try_into().unwrap());
+        want[(1 << 16) - 8..].copy_from_slice(&(last + 5).to_ne_bytes());
+        assert!(got == want, "the mapped region holds the write and the add");
+        drop(b);
+        assert!(
+            backing == pattern(2, 1 << 14),
+            "caller memory holds the write"
+        );
+        s.post_send(&msg, 0, 8, 3, SendFlags::SIGNALED).unwrap();
+        // The peer's next write fails its side of the connection; this side sees the end.
+        while next(&cq).opcode != Opcode::Disconnected {}
+        assert!(backing == pattern(2, 1 << 14), "untouched once dropped");
+    }
 }
