@@ -799,6 +799,11 @@ size_t rbr_mr_len(const struct rbr_mr *mr);
 /**
  * Destroys a region handle. NULL is ignored. Registered caller memory is not freed.
  *
+ * The region goes once no posted work holds it any more. A region a peer could reach with
+ * one-sided operations stops being reachable then, on every connection it was packed for;
+ * over shm that waits for the peer's accesses to it already in progress (a bounded time, and
+ * not at all for a peer that has exited), so no byte lands in the memory afterwards.
+ *
  * # Safety
  * `mr` is NULL or a region not yet destroyed, not in use by another call.
  */
@@ -1097,7 +1102,8 @@ void rbr_conn_destroy(struct rbr_conn *conn);
  * runs atomics on it with no system call; caller memory (`rbr_mr_register`) is reached with
  * process_vm_readv/writev where the kernel lets the peer do so, and otherwise this returns
  * RBR_ERR_UNSUPPORTED, as it does for caller memory with RBR_ACCESS_REMOTE_ATOMIC (atomics
- * need the shared mapping).
+ * need the shared mapping). Over shm at most 256 regions may be reachable through one
+ * connection at once (RBR_ERR_INVALID beyond that, until some are destroyed).
  *
  * # Safety
  * `conn`, `mr` live; `desc` writable for RBR_REMOTE_DESC_LEN bytes.

@@ -323,7 +323,10 @@ impl Connection {
     /// the peer, which then reads, writes and runs atomics on it with no system call; caller
     /// memory is reached with `process_vm_readv`/`process_vm_writev` where the kernel lets the
     /// peer do so, and otherwise this fails with [`Error::Unsupported`], as it does for caller
-    /// memory with [`crate::Access::REMOTE_ATOMIC`] (atomics need the shared mapping).
+    /// memory with [`crate::Access::REMOTE_ATOMIC`] (atomics need the shared mapping). Over
+    /// shm at most 256 regions may be reachable through one connection at once
+    /// ([`Error::InvalidArgument`] beyond that, until some are dropped); dropping a region
+    /// waits for the peer's accesses to it in progress (a bounded time).
     pub fn pack_region(&self, mr: &Arc<MemoryRegion>) -> Result<[u8; REMOTE_DESC_LEN]> {
         if !mr.same_context(self.imp.context()) {
             return Err(Error::invalid("memory region belongs to another context"));

@@ -118,6 +118,11 @@ pub unsafe extern "C" fn rbr_mr_len(mr: *const rbr_mr) -> usize {
 
 /// Destroys a region handle. NULL is ignored. Registered caller memory is not freed.
 ///
+/// The region goes once no posted work holds it any more. A region a peer could reach with
+/// one-sided operations stops being reachable then, on every connection it was packed for;
+/// over shm that waits for the peer's accesses to it already in progress (a bounded time, and
+/// not at all for a peer that has exited), so no byte lands in the memory afterwards.
+///
 /// # Safety
 /// `mr` is NULL or a region not yet destroyed, not in use by another call.
 #[unsafe(no_mangle)]

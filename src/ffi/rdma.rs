@@ -93,7 +93,8 @@ impl From<&rbr_remote> for RemoteRegion {
 /// runs atomics on it with no system call; caller memory (`rbr_mr_register`) is reached with
 /// process_vm_readv/writev where the kernel lets the peer do so, and otherwise this returns
 /// RBR_ERR_UNSUPPORTED, as it does for caller memory with RBR_ACCESS_REMOTE_ATOMIC (atomics
-/// need the shared mapping).
+/// need the shared mapping). Over shm at most 256 regions may be reachable through one
+/// connection at once (RBR_ERR_INVALID beyond that, until some are destroyed).
 ///
 /// # Safety
 /// `conn`, `mr` live; `desc` writable for RBR_REMOTE_DESC_LEN bytes.

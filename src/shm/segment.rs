@@ -38,6 +38,8 @@ const EXPORT_ENTRY: usize = 16;
 /// Regions one side of a connection may let its peer reach at once.
 pub(crate) const EXPORT_SLOTS: usize = EXPORTS_STRIDE / EXPORT_ENTRY;
 const DATA: usize = EXPORTS + 2 * EXPORTS_STRIDE;
+// The number the documentation of `pack_region` / `rbr_conn_pack_region` gives.
+const _: () = assert!(EXPORT_SLOTS == 256);
 /// Smallest and largest ring a peer may propose.
 const MIN_CAP: usize = 64 * 1024;
 const MAX_CAP: usize = 1 << 30;
