@@ -965,4 +965,50 @@ mod onesided {
         while next(&cq).opcode != Opcode::Disconnected {}
         assert!(backing == pattern(2, 1 << 14), "untouched once dropped");
     }
+
+    /// A send's completion comes before the completion of the answer the peer sent after
+    /// taking it (a write with immediate data here, or a message), as over verbs: a ping-pong
+    /// that waits for each in turn never sees them the other way round.
+    #[test]
+    fn a_send_completes_before_the_answer_to_it() {
+        let ctx = Context::new().unwrap();
+        let (c, ccq, s, scq) = setup(&ctx);
+        let tmr = ctx.alloc_mr(64, RW).unwrap();
+        let remote = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
+        let (sbuf, cbuf) = (
+            ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap(),
+            ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap(),
+        );
+        const ROUNDS: u64 = 2000;
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                for r in 0..ROUNDS {
+                    c.post_recv(&cbuf, 0, 64, r).unwrap();
+                    let got = next(&ccq);
+                    assert_eq!((got.wr_id, got.opcode), (r, Opcode::Recv), "round {r}");
+                    if r % 2 == 0 {
+                        c.post_write_imm(&[], &remote, 0, r as u32, r, SendFlags::SIGNALED)
+                            .unwrap();
+                    } else {
+                        c.post_send_inline(b"a", r, SendFlags::SIGNALED).unwrap();
+                    }
+                    let done = next(&ccq);
+                    assert_eq!(done.wr_id, r, "round {r}: {done:?}");
+                }
+            });
+            for r in 0..ROUNDS {
+                s.post_recv(&sbuf, 0, 64, r).unwrap();
+                s.post_send_inline(b"k", r, SendFlags::SIGNALED).unwrap();
+                let first = next(&scq);
+                assert_eq!((first.wr_id, first.opcode), (r, Opcode::Send), "round {r}");
+                let answer = next(&scq);
+                let want = if r % 2 == 0 {
+                    Opcode::RecvWriteImm
+                } else {
+                    Opcode::Recv
+                };
+                assert_eq!((answer.wr_id, answer.opcode), (r, want), "round {r}");
+            }
+        });
+    }
 }

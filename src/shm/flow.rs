@@ -798,23 +798,34 @@ impl Flow {
                 return Err(proto("message shorter than announced"));
             }
             let imm = (rec.flags & ring::IMM != 0).then_some(rec.imm);
-            self.deliver(rec.total, imm, report, emit);
+            self.deliver(Opcode::Recv, rec.total, imm, report, emit)?;
         }
         Ok(())
     }
 
-    /// The front receive holds a whole message of `total` bytes: it completes.
+    /// The front receive holds a whole message of `total` bytes (or was consumed by a write
+    /// with immediate data: `opcode`): it completes.
+    ///
+    /// First come the completions of our sends the peer took before it finished this message:
+    /// a program that waits for its send's completion and then for the answer to it sees them
+    /// in that order, as over verbs. (The peer's cursor is read only while sends are in flight;
+    /// the record's stamp, taken with Acquire, came after the peer moved it.)
     fn deliver(
         &mut self,
+        opcode: Opcode,
         total: usize,
         imm: Option<u32>,
         report: &Reporter,
         emit: &mut dyn FnMut(Completion),
-    ) {
+    ) -> std::result::Result<(), ReceiveError> {
+        if !self.inflight.is_empty() {
+            self.complete_sends(report, emit)?;
+        }
         let wr = self.recvs.pop_front().expect("a receive is posted");
-        emit(report.record(wr.wr_id, Opcode::Recv, WcStatus::Success, total as u32, imm));
+        emit(report.record(wr.wr_id, opcode, WcStatus::Success, total as u32, imm));
         self.filling = false;
         self.msgs_received += 1;
+        Ok(())
     }
 
     /// A receive too small for the message of `total` bytes: the receive fails, and so does
@@ -854,18 +865,10 @@ impl Flow {
         if self.filling || rec.flags & whole != whole || rec.len != 0 {
             return Err(ReceiveError::Protocol);
         }
-        let Some(wr) = self.recvs.pop_front() else {
+        if self.recvs.is_empty() {
             return Err(ReceiveError::Protocol);
-        };
-        emit(report.record(
-            wr.wr_id,
-            Opcode::RecvWriteImm,
-            WcStatus::Success,
-            rec.total as u32,
-            Some(rec.imm),
-        ));
-        self.msgs_received += 1;
-        Ok(())
+        }
+        self.deliver(Opcode::RecvWriteImm, rec.total, Some(rec.imm), report, emit)
     }
 
     /// Takes a direct record: copies the whole message from the peer's memory into the
@@ -899,7 +902,7 @@ impl Flow {
         // The receive's range was bounds-checked against its region, which the work request
         // holds; a bad address of the peer's fails the copy, not this process.
         direct::copy_from(pid, addr, dst, rec.total).map_err(|_| ReceiveError::Protocol)?;
-        self.deliver(rec.total, None, report, emit);
+        self.deliver(Opcode::Recv, rec.total, None, report, emit)?;
         Ok(())
     }
 
