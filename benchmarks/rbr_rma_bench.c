@@ -191,14 +191,15 @@ static int await_byte(struct side *s, uint32_t size, uint8_t v)
 }
 
 /* One write of the ping-pong: our last byte carries `v`. Completions are
- * taken now and then so the send queue never fills. */
-static int ping(struct side *s, uint32_t size, uint8_t v)
+ * taken now and then so the send queue never fills; the last write of a run
+ * (`last`) is signaled, so that draining afterwards has a completion to see. */
+static int ping(struct side *s, uint32_t size, uint8_t v, int last)
 {
     rbr_completion wc[BATCH];
     size_t n;
 
     ((uint8_t *)rbr_mr_addr(s->local))[size - 1] = v;
-    if (post_op(s, 0, size, 0))
+    if (post_op(s, 0, size, last))
         return -1;
     if (s->posted - s->done >= 32 && poll_cq(s, wc, &n))
         return -1;
@@ -248,7 +249,7 @@ static int serve(struct side *s)
         if (m.test == T_WLAT) {
             for (uint64_t i = 0; i < m.count; i++)
                 if (await_byte(s, m.size, (uint8_t)(i % 255 + 1)) ||
-                    ping(s, m.size, (uint8_t)(i % 255 + 1)))
+                    ping(s, m.size, (uint8_t)(i % 255 + 1), i + 1 == m.count))
                     return -1;
             if (drain(s))
                 return -1;
@@ -271,7 +272,7 @@ static int run_wlat(struct side *s, uint32_t size, uint64_t total,
         uint8_t v = (uint8_t)(i % 255 + 1);
         uint64_t t0 = ex_now_ns();
 
-        if (ping(s, size, v) || await_byte(s, size, v))
+        if (ping(s, size, v, i + 1 == total) || await_byte(s, size, v))
             return -1;
         rtt[i] = ex_now_ns() - t0;
     }
