@@ -64,3 +64,46 @@ fn expose_and_close_cycles_leak_nothing() {
         (fds, maps, ours)
     );
 }
+
+/// A region its owner drops is unmapped by the peer that mapped it soon after (the owner's
+/// withdrawal notice), not only when the connection ends.
+#[test]
+fn a_dropped_region_is_unmapped_by_the_peer_while_the_connection_lives() {
+    use common::*;
+    use rdmabridge::{Access, ConnOptions, Context, SendFlags, Sge, WcStatus};
+    let _alone = ALONE.lock().unwrap_or_else(|p| p.into_inner());
+
+    let ctx = Context::new().unwrap();
+    let o = ConnOptions::default();
+    let (c, ccq, s, _scq) = pair(&Net::Shm, &ctx, &o, &o);
+    let local = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    let sgl = [Sge {
+        mr: &local,
+        offset: 0,
+        len: 64,
+    }];
+    let before = our_map_count();
+    for round in 0..3 {
+        let tmr = ctx
+            .alloc_mr(1 << 20, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .unwrap();
+        let r = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
+        c.post_write(&sgl, &r, 0, round, SendFlags::SIGNALED)
+            .unwrap();
+        assert_eq!(next(&ccq).status, WcStatus::Success);
+        assert_eq!(
+            our_map_count(),
+            before + 2,
+            "the owner's mapping and the peer's"
+        );
+        drop(tmr);
+        let t = std::time::Instant::now();
+        while our_map_count() != before {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(5),
+                "round {round}: the peer still maps the dropped region"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}

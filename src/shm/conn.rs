@@ -233,7 +233,7 @@ impl Conn {
         let caller_polls = cq.options().progress == Progress::Caller;
         let driver = ctx.driver.get().map_err(Error::Thread)?;
         let seg = Arc::new(seg);
-        let exports = Arc::new(Exports::new(seg.clone(), side, peer_proc));
+        let exports = Arc::new(Exports::new(seg.clone(), side, peer_proc, sock.as_raw_fd()));
         let flow = Flow::new(
             seg,
             side,

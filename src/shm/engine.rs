@@ -226,6 +226,14 @@ impl Engine {
     }
 }
 
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // The socket closes with the engine, however it ended: the connection's regions stop
+        // being reachable and its withdrawal notices stop using the socket before that.
+        self.sh.exports.close();
+    }
+}
+
 impl Handler for Engine {
     fn run(&mut self, ready: &Ready) -> Next {
         let end = match self.ending {

@@ -27,7 +27,9 @@
 //! two cannot miss each other), before the region's memory goes. The wait is bounded: it ends
 //! at once when the peer's process has exited, and after [`REVOKE_WAIT`] in any case (a peer
 //! that holds `busy` up that long is not following the protocol). A connection that ends
-//! withdraws all its regions the same way.
+//! withdraws all its regions the same way. After a withdrawal the owner also sends the peer a
+//! notice on the socket, so that it unmaps the region at once rather than at its next access
+//! or the connection's end.
 
 use std::collections::HashMap;
 use std::io;
@@ -47,6 +49,11 @@ use crate::sys::cvt;
 
 /// Offer packet: a region the sender lets its peer reach.
 pub(crate) const OFFER: u8 = 3;
+/// Withdrawal notice: the region in a slot is gone, and the peer may unmap it. Only a hint
+/// for the peer's housekeeping (what stops accesses is the export table, see [`Export`]).
+pub(crate) const REVOKED: u8 = 4;
+/// Bytes of a withdrawal notice: type, 3 zero bytes, slot (u32), key (u64).
+const REVOKED_LEN: usize = 16;
 /// Bytes of an offer packet.
 const OFFER_LEN: usize = 40;
 /// Offer kinds: caller memory (reached through the kernel), or a memfd that comes along.
@@ -98,16 +105,27 @@ struct ExportState {
     used: Vec<bool>,
     /// The connection ended: nothing more is exposed.
     closed: bool,
+    /// The connection's socket, for withdrawal notices; `None` once its teardown began (the
+    /// socket closes after that).
+    sock: Option<RawFd>,
 }
 
 impl Exports {
-    pub(crate) fn new(seg: Arc<Segment>, side: usize, peer_proc: libc::pid_t) -> Exports {
+    /// The exports of the connection whose segment is `seg`, of which this is side `side`,
+    /// whose peer is process `peer_proc` and whose socket is `sock` (see [`Exports::close`]).
+    pub(crate) fn new(
+        seg: Arc<Segment>,
+        side: usize,
+        peer_proc: libc::pid_t,
+        sock: RawFd,
+    ) -> Exports {
         Exports {
             seg,
             side,
             peer_proc,
             state: Mutex::new(ExportState {
                 used: vec![false; EXPORT_SLOTS],
+                sock: Some(sock),
                 ..Default::default()
             }),
         }
@@ -211,10 +229,11 @@ impl Exports {
     }
 
     /// The connection ended: every region is withdrawn, and no access of the peer to any of
-    /// them is in progress when this returns.
+    /// them is in progress when this returns. Called before the connection's socket closes.
     pub(crate) fn close(&self) {
         let mut st = self.lock();
         st.closed = true;
+        st.sock = None;
         let slots: Vec<usize> = st.by_mr.drain().map(|(_, (_, slot))| slot).collect();
         for slot in slots {
             self.withdraw(slot);
@@ -234,9 +253,27 @@ impl Exports {
 impl Exposure for Exports {
     fn revoke(&self, mr_id: u64) {
         let mut st = self.lock();
-        if let Some((_, slot)) = st.by_mr.remove(&mr_id) {
+        if let Some((key, slot)) = st.by_mr.remove(&mr_id) {
             self.withdraw(slot);
             st.used[slot] = false;
+            if let Some(sock) = st.sock {
+                let mut pkt = [0u8; REVOKED_LEN];
+                pkt[0] = REVOKED;
+                pkt[4..8].copy_from_slice(&(slot as u32).to_le_bytes());
+                pkt[8..16].copy_from_slice(&key.to_le_bytes());
+                // SAFETY: sends a live local buffer of its length on the connection's socket,
+                // open while `sock` is set (the state's lock orders this before the close).
+                // Not waiting: a full socket only delays the peer's unmapping to its next
+                // access or the connection's end; MSG_NOSIGNAL turns a gone peer into EPIPE.
+                unsafe {
+                    libc::send(
+                        sock,
+                        pkt.as_ptr().cast(),
+                        pkt.len(),
+                        libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                    )
+                };
+            }
         }
     }
 }
@@ -545,6 +582,17 @@ impl Inbox {
                                 // A slot offered again carries a new region: the old one is gone.
                                 self.imports.retain(|_, i| i.slot != imp.slot);
                                 self.imports.insert(imp.key, Arc::new(imp));
+                            }
+                        }
+                        REVOKED if pkt.len() == REVOKED_LEN => {
+                            let slot = u32::from_le_bytes(pkt[4..8].try_into().expect("4"));
+                            let key = u64::from_le_bytes(pkt[8..16].try_into().expect("8"));
+                            if self
+                                .imports
+                                .get(&key)
+                                .is_some_and(|i| i.slot == slot as usize)
+                            {
+                                self.imports.remove(&key);
                             }
                         }
                         // Anything else is not ours to understand; its descriptors close.
