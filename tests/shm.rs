@@ -1011,4 +1011,109 @@ mod onesided {
             }
         });
     }
+
+    /// A peer that cannot reach this process's memory (another user: the kernel's ptrace
+    /// rules) is refused caller memory at pack time, with the reason, and reaches a region
+    /// the library allocated (mapped) all the same. Needs root, as the project's test command
+    /// runs (the peer runs as `nobody`).
+    #[test]
+    fn a_peer_that_cannot_reach_this_process_gets_allocated_regions_only() {
+        use std::os::unix::process::CommandExt;
+        use std::process::Stdio;
+        // SAFETY: geteuid cannot fail.
+        assert_eq!(
+            unsafe { libc::geteuid() },
+            0,
+            "this test runs as root (see README)"
+        );
+        let addr = unique_addr("otheruser");
+        let ctx = Context::with_options(rdmabridge::ContextOptions {
+            shm_allow_any_uid: true,
+        })
+        .unwrap();
+        let l = ctx.listen(&addr, 4).unwrap();
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "onesided::other_user_child",
+                "--test-threads=1",
+            ])
+            .env("RBR_TEST_TARGET_ADDR", &addr)
+            .uid(65534)
+            .gid(65534)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let cq = CompletionQueue::new().unwrap();
+        let s = l
+            .get_request(Some(Duration::from_secs(10)))
+            .unwrap()
+            .accept(&cq, &ConnOptions::default())
+            .unwrap();
+        let mut backing = vec![0u8; 4096];
+        let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+        // SAFETY: `backing` outlives the region.
+        let cma = unsafe { ctx.register_mr(backing.as_mut_ptr(), 4096, access).unwrap() };
+        let e = s.pack_region(&cma).unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+        assert!(e.to_string().contains("ptrace"), "{e}");
+        let tmr = ctx.alloc_mr(4096, access).unwrap();
+        let msg = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        msg.write(0, &s.pack_region(&tmr).unwrap()).unwrap();
+        s.post_recv(&msg, 32, 32, 1).unwrap();
+        s.post_send(&msg, 0, 32, 2, SendFlags::SIGNALED).unwrap();
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            let d = next(&cq);
+            assert_eq!(d.status, WcStatus::Success, "{d:?}");
+            got.push(d.opcode);
+        }
+        let mut data = vec![0u8; 4096];
+        tmr.read(0, &mut data).unwrap();
+        assert!(
+            data == pattern(5, 4096),
+            "the peer's write is in the region"
+        );
+        drop(s);
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        drop(cma);
+        drop(backing);
+    }
+
+    #[test]
+    #[ignore = "run as another user by a_peer_that_cannot_reach_this_process_gets_allocated_regions_only"]
+    fn other_user_child() {
+        let addr = std::env::var("RBR_TEST_TARGET_ADDR").unwrap();
+        let ctx = Context::with_options(rdmabridge::ContextOptions {
+            shm_allow_any_uid: true,
+        })
+        .unwrap();
+        let cq = CompletionQueue::new().unwrap();
+        let c = ctx.connect(&addr, &cq, &ConnOptions::default()).unwrap();
+        let msg = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        c.post_recv(&msg, 0, 32, 1).unwrap();
+        assert_eq!(next(&cq).opcode, Opcode::Recv);
+        let mut desc = [0u8; 32];
+        msg.read(0, &mut desc).unwrap();
+        let r = c.unpack_remote(&desc).unwrap();
+        let local = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+        local.write(0, &pattern(5, 4096)).unwrap();
+        let sgl = [Sge {
+            mr: &local,
+            offset: 0,
+            len: 4096,
+        }];
+        c.post_write(&sgl, &r, 0, 2, SendFlags::SIGNALED).unwrap();
+        assert_eq!(next(&cq).status, WcStatus::Success);
+        c.post_send_inline(b"done", 3, SendFlags::SIGNALED).unwrap();
+        while next(&cq).opcode != Opcode::Disconnected {}
+    }
 }
