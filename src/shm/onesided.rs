@@ -814,3 +814,62 @@ fn process(pid: libc::pid_t, wr: &RdmaRequest<'_>) -> io::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_withdrawal_waits_for_the_access_in_progress() {
+        let busy = AtomicU64::new(1);
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                busy.fetch_sub(1, Ordering::Release);
+            });
+            wait_idle(&busy, std::process::id() as libc::pid_t);
+        });
+        assert_eq!(busy.load(Ordering::SeqCst), 0);
+        assert!(t.elapsed() >= Duration::from_millis(50));
+    }
+
+    #[test]
+    fn a_withdrawal_stops_waiting_for_a_peer_that_exited() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as libc::pid_t;
+        // An access the peer will never finish: it is killed in the middle of it.
+        let busy = AtomicU64::new(1);
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                child.kill().unwrap();
+            });
+            wait_idle(&busy, pid);
+        });
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_secs(2),
+            "released {took:?} after the start (the bound is {REVOKE_WAIT:?})"
+        );
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn keys_are_random_and_never_zero() {
+        let keys: Vec<u64> = (0..64).map(|_| random_key().unwrap()).collect();
+        let mut sorted = keys.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), keys.len());
+        assert!(!keys.contains(&0));
+        assert!(
+            keys.windows(2).all(|w| w[1].wrapping_sub(w[0]) != 1),
+            "not a counter"
+        );
+    }
+}
