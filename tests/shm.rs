@@ -961,18 +961,33 @@ mod onesided {
 
     /// A send's completion comes before the completion of the answer the peer sent after
     /// taking it (a write with immediate data here, or a message), as over verbs: a ping-pong
-    /// that waits for each in turn never sees them the other way round.
+    /// that waits for each in turn never sees them the other way round. Two contexts, so that
+    /// each side has its own library thread (with progress threads, or while a side sleeps in
+    /// its wait, that thread hands it the message).
     #[test]
     fn a_send_completes_before_the_answer_to_it() {
-        let ctx = Context::new().unwrap();
-        let (c, ccq, s, scq) = setup(&ctx);
-        let tmr = ctx.alloc_mr(64, RW).unwrap();
-        let remote = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
-        let (sbuf, cbuf) = (
-            ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap(),
-            ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap(),
+        let (sctx, cctx) = (Context::new().unwrap(), Context::new().unwrap());
+        let addr = unique_addr("order");
+        let l = sctx.listen(&addr, 4).unwrap();
+        let (ccq, scq) = (
+            CompletionQueue::new().unwrap(),
+            CompletionQueue::new().unwrap(),
         );
-        const ROUNDS: u64 = 2000;
+        let o = ConnOptions::default();
+        let (c, s) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| {
+                l.get_request(Some(Duration::from_secs(10)))
+                    .unwrap()
+                    .accept(&scq, &o)
+                    .unwrap()
+            });
+            (cctx.connect(&addr, &ccq, &o).unwrap(), h.join().unwrap())
+        });
+        let tmr = sctx.alloc_mr(64, RW).unwrap();
+        let remote = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
+        let sbuf = sctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        let cbuf = cctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        const ROUNDS: u64 = 5000;
         std::thread::scope(|sc| {
             sc.spawn(|| {
                 for r in 0..ROUNDS {

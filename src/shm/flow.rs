@@ -153,6 +153,9 @@ pub(crate) struct Flow {
     recvs: VecDeque<RecvWr>,
     filling: bool,
     filled: usize,
+    /// The completion of the message whose last record is being taken, emitted once the
+    /// record is consumed (see `receive`).
+    delivered: Option<Completion>,
     /// Messages started (credits used), receives posted, messages received.
     msgs_started: u64,
     recvs_posted: u64,
@@ -215,6 +218,7 @@ impl Flow {
             recvs: VecDeque::with_capacity(recv_depth as usize),
             filling: false,
             filled: 0,
+            delivered: None,
             msgs_started: 0,
             recvs_posted: 0,
             msgs_received: 0,
@@ -750,6 +754,12 @@ impl Flow {
         while let Some(rec) = self.rx.peek()? {
             self.take_record(&rec, report, emit)?;
             self.rx.consume(&rec);
+            // A message's completion goes out only once its record is consumed: the peer's
+            // send is then taken (our cursor moved) before any thread can see the message and
+            // answer it, so the peer completes its send before it sees the answer.
+            if let Some(c) = self.delivered.take() {
+                emit(c);
+            }
             moved = true;
         }
         Ok(moved)
@@ -804,7 +814,8 @@ impl Flow {
     }
 
     /// The front receive holds a whole message of `total` bytes (or was consumed by a write
-    /// with immediate data: `opcode`): it completes.
+    /// with immediate data: `opcode`): it completes (its completion goes out once the record
+    /// is consumed, see `receive`).
     ///
     /// First come the completions of our sends the peer took before it finished this message:
     /// a program that waits for its send's completion and then for the answer to it sees them
@@ -822,7 +833,8 @@ impl Flow {
             self.complete_sends(report, emit)?;
         }
         let wr = self.recvs.pop_front().expect("a receive is posted");
-        emit(report.record(wr.wr_id, opcode, WcStatus::Success, total as u32, imm));
+        self.delivered =
+            Some(report.record(wr.wr_id, opcode, WcStatus::Success, total as u32, imm));
         self.filling = false;
         self.msgs_received += 1;
         Ok(())
