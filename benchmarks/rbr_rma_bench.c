@@ -481,6 +481,7 @@ out:
     rbr_mr_destroy(s.local);
     rbr_mr_destroy(s.ctl_in);
     rbr_cq_destroy(s.cq);
+    rbr_request_destroy(req);
     rbr_listener_destroy(l);
     rbr_ctx_destroy(ctx);
     return rc;

@@ -107,6 +107,7 @@ out:
     rbr_conn_destroy(conn);
     rbr_mr_destroy(board);
     rbr_mr_destroy(sig);
+    rbr_request_destroy(req);
     rbr_listener_destroy(l);
     return rc;
 }

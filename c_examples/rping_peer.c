@@ -289,6 +289,7 @@ out:
     rbr_conn_destroy(conn);
     rbr_mr_destroy(buf);
     rbr_mr_destroy(msg);
+    rbr_request_destroy(req);
     rbr_listener_destroy(l);
     return rc;
 }

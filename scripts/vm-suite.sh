@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs inside the soft-RoCE VM (scripts/vm-test.sh boots it): every verbs test, in one boot.
 #   1. the Rust suite over verbs (tests/verbs.rs, run with --ignored), in both progress modes
-#   2. the C examples talking to each other over verbs, every message verified
+#   2. the C examples talking to each other over verbs, every message verified (and the
+#      one-sided example: RDMA writes signaled by writes with immediate)
 #   3. the C examples against the stock librdmacm peers: our server serving rdma_client, our
 #      client talking to rdma_server, and rbr_rping_peer in either role of rping against the
 #      stock rping (one-sided reads and writes of each other's buffers, every ping verified)
@@ -89,7 +90,9 @@ step "rust suite over verbs, RBR_PROGRESS=thread" env RBR_PROGRESS=thread "$verb
   disconnect_flushes_and_reports_on_both_sides idle_connection_stays_up_and_reports_nothing \
   peer_killed_mid_stream_is_reported_within_one_second \
   receive_too_small_fails_both_sides_with_length_errors slot_is_free_once_its_completion_is_seen \
-  slow_receiver_holds_sender_back_and_loses_nothing
+  slow_receiver_holds_sender_back_and_loses_nothing \
+  bad_remote_accesses_fail_with_remote_access_and_touch_nothing \
+  compare_and_swap_makes_a_working_lock
 for size in 1 4096 1048576; do
   n=2000; [ "$size" -ge 1048576 ] && n=200
   step "C examples over verbs, $n x $size B" \
@@ -98,6 +101,9 @@ done
 step "C examples over verbs, progress threads, 2000 x 4096 B" \
   c_examples/run_pair.sh "$build/rbr_server" "$build/rbr_client" -a "rdma://$ip:7490" -n 2000 -s 4096 -v -p thread
 step "C epoll server, 20 clients x 100 x 4096 B at once over verbs" epoll_burst
+step "C one-sided example over verbs: 100 rounds of 8 RDMA writes of 4096 B, each signaled by a write with immediate" \
+  c_examples/run_pair.sh "$build/rbr_rdma_write" "$build/rbr_rdma_write" -a "rdma://$ip:7495" \
+  -n 100 -z 4096 -- -c -- -s
 step "C server with the stock rdma_client" stock_client
 step "C client with the stock rdma_server" stock_server
 step "C rping peer with the stock rping, both roles, verified pings" \
