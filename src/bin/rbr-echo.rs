@@ -213,7 +213,7 @@ fn client(addr: &str, count: u64, size: usize) -> Result<(), String> {
                 verify(&rmr, slot * size, &c, echoed, size)?;
                 echoed += 1;
                 conn.post_recv(&rmr, slot * size, size, slot as u64)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(post_failed)?;
             }
             _ => send_done += 1,
         }
@@ -241,7 +241,7 @@ fn flood(addr: &str, size: usize) -> Result<(), String> {
     let mr = slot_mr(&ctx, WINDOW, size)?;
     for s in 0..WINDOW {
         conn.post_recv(&mr, s * size, size, s as u64)
-            .map_err(|e| e.to_string())?;
+            .map_err(post_failed)?;
     }
     let mut k = 0u64;
     loop {
