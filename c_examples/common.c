@@ -381,3 +381,14 @@ rbr_status ex_cq_create(const struct ex_cq_opts *o, rbr_cq **cq)
         opts.spin_us = (uint32_t)o->spin_us;
     return rbr_cq_create_ex(&opts, cq);
 }
+
+int ex_expect(rbr_cq *cq, int32_t timeout_ms, uint32_t opcode, rbr_completion *c)
+{
+    if (ex_check(ex_wait_one(cq, c, timeout_ms), "waiting for a completion"))
+        return -1;
+    if (c->opcode != opcode || c->status != RBR_WC_SUCCESS) {
+        ex_report_completion("unexpected", c);
+        return -1;
+    }
+    return 0;
+}

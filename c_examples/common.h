@@ -65,6 +65,10 @@ uint64_t ex_now_ns(void);
 rbr_status ex_wait_completions(rbr_cq *cq, rbr_completion *out, size_t max,
                                size_t *n, int32_t timeout_ms);
 
+/* Waits up to timeout_ms for the next completion into *c, which must be a
+ * success of `opcode`; returns 0, or -1 after saying what came instead. */
+int ex_expect(rbr_cq *cq, int32_t timeout_ms, uint32_t opcode, rbr_completion *c);
+
 /* ex_wait_completions for exactly one completion. */
 rbr_status ex_wait_one(rbr_cq *cq, rbr_completion *out, int32_t timeout_ms);
 

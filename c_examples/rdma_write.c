@@ -33,18 +33,6 @@ struct opts {
     uint64_t size;
 };
 
-/* Waits for the next completion, which must be a success of `opcode`. */
-static int expect(rbr_cq *cq, uint32_t opcode, rbr_completion *c)
-{
-    if (ex_check(ex_wait_one(cq, c, WAIT_MS), "waiting for a completion"))
-        return -1;
-    if (c->opcode != opcode || c->status != RBR_WC_SUCCESS) {
-        ex_report_completion("unexpected", c);
-        return -1;
-    }
-    return 0;
-}
-
 /* The message in slot `i` of round `r`. */
 static uint64_t msg_no(uint64_t r, int i) { return r * SLOTS + (uint64_t)i; }
 
@@ -78,11 +66,11 @@ static int run_server(const struct opts *o, rbr_ctx *ctx, rbr_cq *cq)
         EX_CHECK(rbr_conn_pack_region(conn, board, desc)) ||
         EX_CHECK(rbr_conn_post_send_inline(conn, desc, sizeof desc, 1,
                                            RBR_SEND_SIGNALED)) ||
-        expect(cq, RBR_OP_SEND, &c))
+        ex_expect(cq, WAIT_MS, RBR_OP_SEND, &c))
         goto out;
     for (uint64_t r = 0; r < o->rounds; r++) {
         uint8_t *slots = rbr_mr_addr(board);
-        if (expect(cq, RBR_OP_RECV_WRITE_IMM, &c))
+        if (ex_expect(cq, WAIT_MS, RBR_OP_RECV_WRITE_IMM, &c))
             goto out;
         if (!(c.flags & RBR_WC_WITH_IMM) || c.imm_data != (uint32_t)r) {
             ex_error("round %llu: signal carries %u", (unsigned long long)r,
@@ -96,7 +84,7 @@ static int run_server(const struct opts *o, rbr_ctx *ctx, rbr_cq *cq)
         if (EX_CHECK(rbr_conn_post_recv(conn, sig, 0, 64, r + 1)) ||
             EX_CHECK(rbr_conn_post_send_inline(conn, "k", 1, 2,
                                                RBR_SEND_SIGNALED)) ||
-            expect(cq, RBR_OP_SEND, &c))
+            ex_expect(cq, WAIT_MS, RBR_OP_SEND, &c))
             goto out;
     }
     printf("server: %llu rounds of %d writes of %llu B verified\n",
@@ -126,7 +114,7 @@ static int run_client(const struct opts *o, rbr_ctx *ctx, rbr_cq *cq)
         goto out;
     /* 1. The server's descriptor arrives as an ordinary message. */
     if (EX_CHECK(rbr_conn_post_recv(conn, in, 0, 64, 0)) ||
-        expect(cq, RBR_OP_RECV, &c) ||
+        ex_expect(cq, WAIT_MS, RBR_OP_RECV, &c) ||
         EX_CHECK(rbr_conn_unpack_remote(conn, rbr_mr_addr(in), c.byte_len,
                                         &board)))
         goto out;

@@ -146,18 +146,6 @@ out:
     return rc;
 }
 
-/* Waits for the next completion, which must be a success of `opcode`. */
-static int expect(rbr_cq *cq, uint32_t opcode, rbr_completion *c)
-{
-    if (ex_check(ex_wait_one(cq, c, WAIT_MS), "waiting for a completion"))
-        return -1;
-    if (c->opcode != opcode || c->status != RBR_WC_SUCCESS) {
-        ex_report_completion("unexpected", c);
-        return -1;
-    }
-    return 0;
-}
-
 /* Waits for the peer's next 16-byte record in `msg` (then reposts the
  * receive, so the peer's next record finds it), or for the end of the
  * connection when `end_ok`: returns 1 then. */
@@ -257,7 +245,7 @@ static int run_server(const struct opts *o, rbr_ctx *ctx, rbr_cq *cq,
                                               &remote)) ||
             EX_CHECK(rbr_conn_post_read(conn, &seg, 1, &remote, 0, 1000 + n,
                                         RBR_SEND_SIGNALED)) ||
-            expect(cq, RBR_OP_READ, &c) ||
+            ex_expect(cq, WAIT_MS, RBR_OP_READ, &c) ||
             check_ping(data, peer.size, n, "the ping read from the client"))
             goto out;
         if (o->verbose)
@@ -277,7 +265,7 @@ static int run_server(const struct opts *o, rbr_ctx *ctx, rbr_cq *cq,
                                               &remote)) ||
             EX_CHECK(rbr_conn_post_write(conn, &seg, 1, &remote, 0, 2000 + n,
                                          RBR_SEND_SIGNALED)) ||
-            expect(cq, RBR_OP_WRITE, &c) || send_record(conn, &go_ahead))
+            ex_expect(cq, WAIT_MS, RBR_OP_WRITE, &c) || send_record(conn, &go_ahead))
             goto out;
     }
     /* With -C the client disconnects after the last ping. */
