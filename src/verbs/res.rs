@@ -62,11 +62,6 @@ impl Registrations {
         len: usize,
         access: Access,
     ) -> Result<u32> {
-        if let Some(&(at, lkey, _)) = self.first.get()
-            && at == Arc::as_ptr(pd) as usize
-        {
-            return Ok(lkey);
-        }
         self.keys(pd, addr, len, access).map(|(lkey, _)| lkey)
     }
 
@@ -79,11 +74,6 @@ impl Registrations {
         len: usize,
         access: Access,
     ) -> Result<u32> {
-        if let Some(&(at, _, rkey)) = self.first.get()
-            && at == Arc::as_ptr(pd) as usize
-        {
-            return Ok(rkey);
-        }
         self.keys(pd, addr, len, access).map(|(_, rkey)| rkey)
     }
 
@@ -91,6 +81,12 @@ impl Registrations {
     /// (with the access flags the region was made with: what its remote key allows is what a
     /// peer may do).
     fn keys(&self, pd: &Arc<Pd>, addr: *mut u8, len: usize, access: Access) -> Result<(u32, u32)> {
+        // The first registration's keys, without the lock.
+        if let Some(&(at, lkey, rkey)) = self.first.get()
+            && at == Arc::as_ptr(pd) as usize
+        {
+            return Ok((lkey, rkey));
+        }
         let mut regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((_, mr)) = regs.iter().find(|(p, _)| Arc::ptr_eq(p, pd)) {
             // SAFETY: registrations stay live until `self` is dropped.
