@@ -31,26 +31,35 @@ step() { # NAME COMMAND...
   if "$@"; then echo "=== $name: ok"; passed=$((passed + 1)); else echo "=== $name: FAILED ($?)"; failed=$((failed + 1)); fi
 }
 
-stock_client() { # our server, stock rdma_client
+stock_client() { # our server, stock rdma_client; RBR_LOG names the client's address
   local port=7471
   local log=/tmp/stock_client.log
-  timeout 60 "$build/rbr_server" -P -a "rdma://$ip:$port" -n 1 -s 16 >"$log" 2>&1 & local s=$!
+  RBR_LOG=info timeout 60 "$build/rbr_server" -P -a "rdma://$ip:$port" -n 1 -s 16 >"$log" 2>&1 & local s=$!
   for _ in $(seq 100); do grep -q '^listening on' "$log" && break; sleep 0.2; done
   timeout 30 rdma_client -s "$ip" -p "$port"; local c=$?
   wait "$s"; local r=$?
   cat "$log"
   echo "rdma_client exit $c, rbr_server exit $r"
-  [ "$c" -eq 0 ] && [ "$r" -eq 0 ]
+  local named=0
+  grep -Eq "info: connection [0-9]+ from $ip:[0-9]+ accepted \(Verbs\)" "$log" &&
+    grep -Eq "connection [0-9]+ with $ip:[0-9]+ disconnected" "$log" && named=1
+  [ "$named" -eq 1 ] || echo "the server's log does not name the client's address"
+  [ "$c" -eq 0 ] && [ "$r" -eq 0 ] && [ "$named" -eq 1 ]
 }
 
-stock_server() { # stock rdma_server, our client
+stock_server() { # stock rdma_server, our client; RBR_LOG names the server's address
   local port=7472
+  local log=/tmp/stock_server.log
   timeout 60 rdma_server -p "$port" & local s=$!
   sleep 2
-  timeout 30 "$build/rbr_client" -P -a "rdma://$ip:$port" -n 1 -s 16; local c=$?
+  RBR_LOG=info timeout 30 "$build/rbr_client" -P -a "rdma://$ip:$port" -n 1 -s 16 2>"$log"; local c=$?
   wait "$s"; local r=$?
+  cat "$log"
   echo "rbr_client exit $c, rdma_server exit $r"
-  [ "$c" -eq 0 ] && [ "$r" -eq 0 ]
+  local named=0
+  grep -Eq "connection [0-9]+ with $ip:$port disconnected" "$log" && named=1
+  [ "$named" -eq 1 ] || echo "the client's log does not name the server's address"
+  [ "$c" -eq 0 ] && [ "$r" -eq 0 ] && [ "$named" -eq 1 ]
 }
 
 epoll_burst() { # the epoll server (one thread, two descriptors) and a burst of verbs clients

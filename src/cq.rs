@@ -745,6 +745,8 @@ pub(crate) struct Reporter {
     pub(crate) cq: Arc<CompletionQueue>,
     pub(crate) conn_id: u64,
     pub(crate) context: usize,
+    /// The peer, as messages name it.
+    pub(crate) peer: String,
 }
 
 impl Reporter {
@@ -761,10 +763,16 @@ impl Reporter {
             match status {
                 WcStatus::Success => crate::log::log!(
                     Info,
-                    "connection {} disconnected (orderly close)",
-                    self.conn_id
+                    "connection {} with {} disconnected (orderly close)",
+                    self.conn_id,
+                    self.peer
                 ),
-                s => crate::log::log!(Warn, "connection {} disconnected: {s:?}", self.conn_id),
+                s => crate::log::log!(
+                    Warn,
+                    "connection {} with {} disconnected: {s:?}",
+                    self.conn_id,
+                    self.peer
+                ),
             }
         }
         self.cq

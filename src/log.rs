@@ -1,6 +1,7 @@
 //! Messages on stderr for a person finding out what happened: `RBR_LOG=error|warn|info|debug`
 //! (each level includes those before it). Unset or `off`: the library prints nothing.
-//! Connection events and failures name the address; nothing is logged per message.
+//! Connection events and failures name the peer (its address over verbs, its process over
+//! shm); nothing is logged per message.
 
 use std::io::Write;
 use std::sync::OnceLock;

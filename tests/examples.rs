@@ -84,17 +84,22 @@ fn rbr_log_tells_connection_events_and_is_silent_by_default() {
         .spawn()
         .expect("server runs");
     let deadline = Instant::now() + Duration::from_secs(10);
-    let client = loop {
-        let out = Command::new(example("client"))
+    let (client, client_pid) = loop {
+        let child = Command::new(example("client"))
             .args([&addr, "3"])
             .env("RBR_LOG", "info")
-            .output()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
             .expect("client runs");
+        let pid = child.id();
+        let out = child.wait_with_output().expect("client output");
         if out.status.success() || Instant::now() > deadline {
-            break out;
+            break (out, pid);
         }
         std::thread::sleep(Duration::from_millis(50));
     };
+    let server_pid = server.id();
     let _ = server.kill();
     let server_out = server.wait_with_output().expect("server output");
     assert!(client.status.success());
@@ -103,9 +108,12 @@ fn rbr_log_tells_connection_events_and_is_silent_by_default() {
         stderr.contains(&format!("] info: connection 1 to {addr} established (Shm)")),
         "{stderr}"
     );
-    // The client closed in order (its drop waits for the connection's last record).
+    // The client closed in order (its drop waits for the connection's last record), and the
+    // message names the peer: the server's process.
     assert!(
-        stderr.contains("] info: connection 1 disconnected (orderly close)"),
+        stderr.contains(&format!(
+            "] info: connection 1 with process {server_pid} disconnected (orderly close)"
+        )),
         "{stderr}"
     );
     let stderr = String::from_utf8_lossy(&server_out.stderr);
@@ -113,8 +121,11 @@ fn rbr_log_tells_connection_events_and_is_silent_by_default() {
         stderr.contains(&format!("] info: listening on {addr}")),
         "{stderr}"
     );
+    // The server names the client that it accepted.
     assert!(
-        stderr.contains("] info: connection 1 accepted (Shm)"),
+        stderr.contains(&format!(
+            "] info: connection 1 from process {client_pid} accepted (Shm)"
+        )),
         "{stderr}"
     );
 }

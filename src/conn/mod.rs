@@ -230,15 +230,16 @@ impl ConnRequest {
     /// Accepts the request; the connection's completions go to `cq`.
     pub fn accept(self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
         opts.validate()?;
+        let peer = self.imp.peer();
         let r = self.imp.accept(cq.clone(), opts);
         match &r {
             Ok(c) => log!(
                 Info,
-                "connection {} accepted ({:?})",
+                "connection {} from {peer} accepted ({:?})",
                 c.id(),
                 c.info().transport
             ),
-            Err(e) => log!(Warn, "accepting a connection failed: {e}"),
+            Err(e) => log!(Warn, "accepting a connection from {peer} failed: {e}"),
         }
         r
     }
@@ -246,7 +247,13 @@ impl ConnRequest {
     /// Rejects the request, sending `private_data` (at most [`PRIVATE_DATA_MAX`] bytes).
     pub fn reject(self, private_data: &[u8]) -> Result<()> {
         check_private_data(private_data)?;
-        self.imp.reject(private_data)
+        let peer = self.imp.peer();
+        let r = self.imp.reject(private_data);
+        match &r {
+            Ok(()) => log!(Info, "request from {peer} rejected"),
+            Err(e) => log!(Warn, "rejecting the request from {peer} failed: {e}"),
+        }
+        r
     }
 }
 
@@ -535,6 +542,8 @@ pub(crate) mod seam {
     /// A transport's unanswered connection request. Dropping it rejects it.
     pub(crate) trait RequestSeam: Send + Sync + std::fmt::Debug {
         fn private_data(&self) -> &[u8];
+        /// Who asked, for messages: an address, or a process on this host.
+        fn peer(&self) -> String;
         /// `opts` were validated.
         fn accept(
             self: Box<Self>,
@@ -597,6 +606,10 @@ macro_rules! transport_seam {
             impl RequestSeam for $request {
                 fn private_data(&self) -> &[u8] {
                     <$request>::private_data(self)
+                }
+
+                fn peer(&self) -> String {
+                    <$request>::peer(self)
                 }
 
                 fn accept(

@@ -205,6 +205,11 @@ impl std::fmt::Debug for Conn {
     }
 }
 
+/// How messages name the peer process.
+pub(crate) fn process_name(pid: libc::pid_t) -> String {
+    format!("process {pid}")
+}
+
 impl Conn {
     /// Starts the connection over an established handshake socket and segment.
     pub(crate) fn start(
@@ -249,6 +254,7 @@ impl Conn {
                 cq,
                 conn_id: info.id,
                 context: opts.context,
+                peer: process_name(peer_proc),
             },
             ctx,
             flow: Mutex::new(flow),

@@ -609,6 +609,11 @@ impl Request {
         &self.private_data
     }
 
+    /// The requesting process, for messages.
+    pub(crate) fn peer(&self) -> String {
+        super::conn::process_name(self.peer.0)
+    }
+
     pub(crate) fn accept(mut self, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Conn> {
         let sock = self
             .sock

@@ -178,6 +178,29 @@ impl CmId {
         Ok(())
     }
 
+    /// The peer's address: the one resolved for a client's id, the requester's for an id
+    /// from a connection request. `None` before there is one, or for a family other than IP.
+    pub(crate) fn peer_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: the id is live; its route's destination is a sockaddr_storage-sized union
+        // that librdmacm fills (zeroed, family 0, until then).
+        let sa = unsafe { sys::rdma_get_peer_addr(&*self.0) };
+        match i32::from(sa.sa_family) {
+            libc::AF_INET => {
+                // SAFETY: the family says the storage holds a sockaddr_in, which it has room for.
+                let sin = unsafe { &*(sa as *const libc::sockaddr).cast::<libc::sockaddr_in>() };
+                let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                Some(SocketAddr::new(ip.into(), u16::from_be(sin.sin_port)))
+            }
+            libc::AF_INET6 => {
+                // SAFETY: as above, for a sockaddr_in6.
+                let sin6 = unsafe { &*(sa as *const libc::sockaddr).cast::<libc::sockaddr_in6>() };
+                let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                Some(SocketAddr::new(ip.into(), u16::from_be(sin6.sin6_port)))
+            }
+            _ => None,
+        }
+    }
+
     /// The device context the id is bound to (set once an address is resolved or bound).
     pub(crate) fn verbs(&self) -> *mut sys::ibv_context {
         // SAFETY: the id is live.

@@ -237,6 +237,11 @@ impl Resources {
             .expect("the id lives until the connection is destroyed")
     }
 
+    /// The peer's address, for messages.
+    pub(super) fn peer(&self) -> String {
+        peer_name(self.id())
+    }
+
     fn ch(&self) -> &EventChannel {
         self.ch
             .as_ref()
@@ -417,6 +422,12 @@ pub(crate) struct Request {
     ctx: Arc<ContextInner>,
 }
 
+/// How messages name the peer of `id`.
+fn peer_name(id: &CmId) -> String {
+    id.peer_addr()
+        .map_or_else(|| "an address of unknown family".into(), |a| a.to_string())
+}
+
 impl std::fmt::Debug for Request {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("verbs::Request")
@@ -424,6 +435,11 @@ impl std::fmt::Debug for Request {
 }
 
 impl Request {
+    /// The requester's address, for messages.
+    pub(crate) fn peer(&self) -> String {
+        self.id.as_ref().map_or_else(String::new, peer_name)
+    }
+
     pub(crate) fn private_data(&self) -> &[u8] {
         &self.private_data
     }

@@ -390,6 +390,7 @@ impl Conn {
                 cq,
                 conn_id: info.id,
                 context: opts.context,
+                peer: res.peer(),
             },
             ctx: ctx.clone(),
             pd: res.pd.clone(),
