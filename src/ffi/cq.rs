@@ -38,9 +38,9 @@ pub const RBR_OP_RECV_WRITE_IMM: u32 = 7;
 /// the error that failed the connection. How soon a vanished peer is noticed: shm at once (its
 /// socket closes); verbs, for a lost host or link, within about keepalive_ms (1 s, for an idle
 /// connection) + (retry_count + 1) x 4.096 us x 2^ack_timeout: about 3 s with the default
-/// options (seen: 2.0 s on soft-RoCE). The host whose own link (RDMA port) goes down fails its
-/// connections within (retry_count + 1) x 4.096 us x 2^ack_timeout of the port's going down
-/// (seen: 1.9 s), keepalive or not.
+/// options. The host whose own link (RDMA port) goes down fails its connections within
+/// (retry_count + 1) x 4.096 us x 2^ack_timeout of the port's going down, keepalive or not.
+/// (The times measured are in the README, "Verbs specifics".)
 pub const RBR_OP_DISCONNECTED: u32 = 16;
 
 /// Completion status: success.
@@ -129,10 +129,10 @@ impl From<Completion> for rbr_completion {
 pub const RBR_PROGRESS_DEFAULT: u32 = 0;
 /// Progress (the default): the thread that calls `rbr_cq_poll` or `rbr_cq_wait` takes verbs
 /// completions straight from the device, with no thread hand-off and no system call while it
-/// polls. It is the default because it measured faster than RBR_PROGRESS_THREAD, side by side
-/// with perftest on soft-RoCE: 2 B one-way latency 1.6x ib_send_lat (progress threads: 15.6x),
-/// 64 KiB streaming 0.8x ib_send_bw (0.6x); README, "Progress". Connection events, keepalives
-/// and teardown still run on a library thread, one per context for all its connections. Over shm a post writes its message
+/// polls. It is the default because it measured faster than RBR_PROGRESS_THREAD in latency
+/// and streaming, side by side with perftest (the figures are in the README, "Progress").
+/// Connection events, keepalives and teardown still run on a library thread, one per context
+/// for all its connections. Over shm a post writes its message
 /// straight into the shared ring when the peer has a receive posted and the ring has room, and
 /// the poller takes incoming messages straight into the posted receives: messages move when
 /// either side posts, polls or waits (a thread that sleeps in `rbr_cq_wait` or on `rbr_cq_fd`
