@@ -9,6 +9,8 @@ echo "== cargo fmt --check"
 cargo fmt --check
 echo "== cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
+echo "== cargo doc --no-deps, warnings denied"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 echo "== header freshness"
 RDMABRIDGE_UPDATE_HEADER=1 cargo build --release --quiet
 git diff --exit-code -- include/rdmabridge.h || {
