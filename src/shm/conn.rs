@@ -5,7 +5,7 @@
 //! [`Progress::Thread`]), and tears the connection down.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::conn::{
@@ -48,6 +48,8 @@ pub(crate) struct Shared {
     /// The reader of the connection's socket and the peer's regions it learned of. Taken
     /// after the flow's lock when both are held.
     pub(crate) inbox: Mutex<Inbox>,
+    /// How many imports the inbox forgot so far (its [`Inbox::forgotten`]).
+    pub(crate) imports_forgotten: Arc<AtomicU64>,
     /// Polls in a row that moved nothing (see `settle`).
     idle_polls: AtomicU32,
 }
@@ -248,6 +250,7 @@ impl Conn {
             peer_board,
             peer_pid,
         );
+        let inbox = Inbox::default();
         let sh = Arc::new(Shared {
             info,
             report: Reporter {
@@ -264,7 +267,8 @@ impl Conn {
             slot: slot.as_ref().map(|r| r.slot()),
             idle_polls: AtomicU32::new(0),
             exports,
-            inbox: Mutex::new(Inbox::default()),
+            imports_forgotten: inbox.forgotten(),
+            inbox: Mutex::new(inbox),
         });
         // Before the background work starts, so that its teardown's removal always comes after.
         if slot.is_some() {
@@ -363,9 +367,13 @@ impl Conn {
         let mut flow = self.sh.lock();
         flow.claim_send()?;
         let key = wr.remote.key;
-        let import = {
+        // Acquire: pairs with the inbox's count of what it forgot.
+        let seen = self.sh.imports_forgotten.load(Ordering::Acquire);
+        let seen = if flow.import.get(key, seen).is_some() {
+            seen
+        } else {
             let mut inbox = self.sh.lock_inbox();
-            match inbox.get(key) {
+            let import = match inbox.get(key) {
                 Some(i) => Some(i),
                 None => {
                     // The offer may still be in the socket: read what it holds.
@@ -375,10 +383,14 @@ impl Conn {
                     }
                     inbox.get(key)
                 }
-            }
+            };
+            // Read under the inbox's lock: whatever it forgets later changes the count.
+            let seen = self.sh.imports_forgotten.load(Ordering::Acquire);
+            flow.import.set(seen, import);
+            seen
         };
         let peer_side = 1 - flow.side();
-        let result = match &import {
+        let result = match flow.import.get(key, seen) {
             Some(imp) => onesided::run(imp, &wr, flow.seg(), peer_side, flow.peer_pid()),
             None => Err(onesided::Refused::Denied),
         };
@@ -396,6 +408,7 @@ impl Conn {
             Err(refused) => {
                 if refused == onesided::Refused::Withdrawn {
                     self.sh.lock_inbox().forget(key);
+                    flow.import.set(0, None);
                 }
                 flow.finish_onesided(report, wr.wr_id, opcode, WcStatus::RemoteAccess, true);
                 flow.fail_access();
@@ -404,7 +417,6 @@ impl Conn {
         };
         let busy = flow.busy();
         drop(flow);
-        drop(import);
         if failed {
             // The background work tears the connection down.
             self.sh.wake.wake();

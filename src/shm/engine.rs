@@ -40,6 +40,8 @@ pub(crate) struct Engine {
     /// The connection is ending for this reason: the peer has been told and the rest of the
     /// teardown waits for the connection's lock.
     ending: Option<End>,
+    /// The inbox's count of forgotten imports when the posters' cache was last cleaned.
+    forgotten_seen: u64,
 }
 
 /// How often a turn tries the connection's lock before it gives up and comes back later.
@@ -67,6 +69,7 @@ impl Engine {
             idle_since: None,
             slept: false,
             ending: None,
+            forgotten_seen: 0,
         }
     }
 
@@ -89,6 +92,7 @@ impl Engine {
         if self.sh.wake.stop_asked() {
             return Err(End::Local);
         }
+        self.clean_import_cache();
         if !self.drives() {
             return self.assist();
         }
@@ -122,6 +126,21 @@ impl Engine {
         } else {
             Next::Wait(Some(Instant::now() + MAX_SLEEP))
         })
+    }
+
+    /// Drops the posters' cached import once the inbox forgot it (the peer withdrew the
+    /// region), so that its mapping goes now rather than at the next one-sided operation.
+    /// When a poster holds the lock, a later turn (each comes within [`MAX_SLEEP`]) tries again.
+    fn clean_import_cache(&mut self) {
+        // Acquire: pairs with the inbox's count.
+        let forgotten = self.sh.imports_forgotten.load(Ordering::Acquire);
+        if forgotten == self.forgotten_seen {
+            return;
+        }
+        if let Some(mut flow) = try_lock(&self.sh) {
+            flow.import.drop_stale(forgotten);
+            self.forgotten_seen = forgotten;
+        }
     }
 
     /// What a turn that moves data does when a thread of the program holds the connection's
@@ -215,6 +234,7 @@ impl Engine {
         };
         let cq = &self.sh.report.cq;
         let status = flow.close(end, &self.sh.report, &mut |c| cq.push(c));
+        flow.import.set(0, None);
         drop(flow);
         // Nothing is reachable through the connection any more, either way.
         self.sh.exports.close();

@@ -23,6 +23,7 @@ use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::direct;
 use crate::shm::notice::Board;
+use crate::shm::onesided::ImportCache;
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{
     FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES, Segment,
@@ -173,6 +174,8 @@ pub(crate) struct Flow {
     pub(crate) closed: bool,
     /// Why the connection must end, as found by whoever drove it; its driver tears it down.
     pub(crate) failed: Option<End>,
+    /// The peer's region the last one-sided operation reached (see `onesided.rs`).
+    pub(crate) import: ImportCache,
 }
 
 impl Flow {
@@ -229,6 +232,7 @@ impl Flow {
             peer_reads_us: false,
             closed: false,
             failed: None,
+            import: ImportCache::default(),
         }
     }
 

@@ -523,6 +523,43 @@ pub(crate) struct Inbox {
     pub(crate) eof: bool,
     pub(crate) broken: bool,
     imports: HashMap<u64, Arc<Import>>,
+    /// Counts the imports forgotten (withdrawn, replaced, or all at the end), so that a
+    /// poster's cached import (see [`ImportCache`]) can tell, without this lock, that it may
+    /// be stale.
+    forgotten: Arc<AtomicU64>,
+}
+
+/// The import a connection's last one-sided operation used, kept under the connection's
+/// flow lock so that the next operation with the same key skips the inbox's lock, its map
+/// and a reference count. Only a shortcut: every access still checks the key against the
+/// peer's export table (`run`), so a stale entry cannot reach a withdrawn region; it is
+/// dropped as soon as the inbox forgets anything, so that the mapping goes with the region.
+#[derive(Default)]
+pub(crate) struct ImportCache {
+    entry: Option<(u64, Arc<Import>)>,
+}
+
+impl ImportCache {
+    /// The cached import for `key`, if the inbox forgot nothing since it was taken (`seen`: the
+    /// inbox's count now).
+    pub(crate) fn get(&self, key: u64, seen: u64) -> Option<&Import> {
+        match &self.entry {
+            Some((g, imp)) if *g == seen && imp.key == key => Some(imp),
+            _ => None,
+        }
+    }
+
+    /// Caches `imp` (or nothing), taken from the inbox when its count was `seen`.
+    pub(crate) fn set(&mut self, seen: u64, imp: Option<Arc<Import>>) {
+        self.entry = imp.map(|i| (seen, i));
+    }
+
+    /// Drops the entry if the inbox forgot anything since it was taken.
+    pub(crate) fn drop_stale(&mut self, seen: u64) {
+        if self.entry.as_ref().is_some_and(|(g, _)| *g != seen) {
+            self.entry = None;
+        }
+    }
 }
 
 impl Inbox {
@@ -580,7 +617,11 @@ impl Inbox {
                         OFFER if fds.len() <= 1 && mh.msg_flags & libc::MSG_TRUNC == 0 => {
                             if let Some(imp) = Import::from_offer(pkt, fds.pop()) {
                                 // A slot offered again carries a new region: the old one is gone.
+                                let had = self.imports.len();
                                 self.imports.retain(|_, i| i.slot != imp.slot);
+                                if self.imports.len() != had {
+                                    self.note_forgotten();
+                                }
                                 self.imports.insert(imp.key, Arc::new(imp));
                             }
                         }
@@ -593,6 +634,7 @@ impl Inbox {
                                 .is_some_and(|i| i.slot == slot as usize)
                             {
                                 self.imports.remove(&key);
+                                self.note_forgotten();
                             }
                         }
                         // Anything else is not ours to understand; its descriptors close.
@@ -628,12 +670,26 @@ impl Inbox {
     /// Forgets the import with `key` (the peer withdrew it); its mapping goes with its last
     /// holder.
     pub(crate) fn forget(&mut self, key: u64) {
-        self.imports.remove(&key);
+        if self.imports.remove(&key).is_some() {
+            self.note_forgotten();
+        }
     }
 
     /// Forgets every import (the connection ended).
     pub(crate) fn clear(&mut self) {
         self.imports.clear();
+        self.note_forgotten();
+    }
+
+    /// The count of forgetting, shared with the connection's posters (see [`ImportCache`]).
+    pub(crate) fn forgotten(&self) -> Arc<AtomicU64> {
+        self.forgotten.clone()
+    }
+
+    fn note_forgotten(&self) {
+        // Release: the map's change comes before the count a poster compares (a poster that
+        // misses the change still has its access refused by the export table's key).
+        self.forgotten.fetch_add(1, Ordering::Release);
     }
 }
 
