@@ -223,6 +223,18 @@ impl Shared {
                 if matches!(op, RdmaOp::Write { .. } | RdmaOp::Read) {
                     wr.wr.rdma = sys::rdma_t { remote_addr, rkey };
                 }
+                // A write that fits the granted inline size goes inline, as sends do: the
+                // device copies the bytes during the post and need not fetch them later.
+                let len: u64 = sges[..nsge as usize]
+                    .iter()
+                    .map(|s| u64::from(s.length))
+                    .sum();
+                if matches!(op, RdmaOp::Write { .. })
+                    && len > 0
+                    && len <= u64::from(self.info.max_inline)
+                {
+                    f |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
+                }
             }
         }
         // The device reports unsignaled work to nobody, so its slot is freed only by a later
