@@ -76,7 +76,8 @@ rbr() { # MODE SPIN SIZE COUNT
     >/tmp/rbr-server.log 2>&1 &
   local s=$!
   local i
-  for i in $(seq 100); do grep -q '^listening on' /tmp/rbr-server.log && break; sleep 0.1; done
+  # Up to 60 s: under emulation on a loaded host a server's first device open can take long.
+  for i in $(seq 600); do grep -q '^listening on' /tmp/rbr-server.log && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
   timeout 300 "$build/rbr_client" "${opts[@]}" -a "$addr" -n "$count" -s "$size" -w 32 \
     >/tmp/rbr-client.log 2>&1
   local c=$?
@@ -133,7 +134,8 @@ rma() { # TEST SIZE COUNT
   timeout 300 "$build/rbr_rma_bench" -r server -a "$addr" >/tmp/rma-server.log 2>&1 &
   local s=$!
   local i
-  for i in $(seq 100); do grep -q '^listening on' /tmp/rma-server.log && break; sleep 0.1; done
+  # Up to 60 s: under emulation on a loaded host a server's first device open can take long.
+  for i in $(seq 600); do grep -q '^listening on' /tmp/rma-server.log && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
   timeout 300 "$build/rbr_rma_bench" -r client -a "$addr" -t "$test" -s "$size" -n "$count" \
     -b "$((count * size))" -w 32 >/tmp/rma-client.log 2>&1
   local c=$?
