@@ -13,6 +13,9 @@
  * scripts/matrix-covers-header.sh (a ctest test) fails when a function the
  * header declares is not called here, so a new export cannot be left out.
  *
+ * Over verbs (-a rdma://IP:PORT, in the soft-RoCE VM: scripts/vm-suite.sh) it
+ * also listens on PORT+1 and finds nobody on PORT+2.
+ *
  * usage: bad_matrix [-a ADDR] [-v]     (default shm://rbr-bad-matrix-PID)
  */
 #define _POSIX_C_SOURCE 200809L
@@ -200,6 +203,19 @@ static int all_bytes(const void *p, size_t n, unsigned char v)
     return 1;
 }
 
+/*
+ * Another address beside `addr`, numbered k: NAME-k for shm://NAME, the port
+ * plus k for HOST:PORT.
+ */
+static void other_addr(const char *addr, int k, char *out, size_t cap)
+{
+    const char *colon = strrchr(addr, ':');
+    if (strncmp(addr, "shm://", 6) == 0 || colon == NULL)
+        snprintf(out, cap, "%s-%d", addr, k);
+    else
+        snprintf(out, cap, "%.*s:%ld", (int)(colon - addr), addr, strtol(colon + 1, NULL, 10) + k);
+}
+
 /* ---------------------------------------------------------------- globals */
 
 static void matrix_globals(void)
@@ -374,7 +390,7 @@ static void matrix_listener(rbr_ctx *ctx, rbr_listener *live, const char *addr)
     CASE(rbr_listen(ctx, addr, 4, &l), RBR_ERR_ADDR_IN_USE, "rbr_listen address in use");
     UNTOUCHED(l == SENT_L, "rbr_listen wrote its out-parameter on failure");
     /* A backlog out of range is taken as the nearest one allowed (1 .. the system's limit). */
-    snprintf(longname, sizeof longname, "%s-backlog", addr);
+    other_addr(addr, 1, longname, sizeof longname);
     CASE(rbr_listen(ctx, longname, 0, &l), RBR_OK, "rbr_listen backlog 0 (taken as 1)");
     rbr_listener_destroy(l);
     CASE(rbr_listen(ctx, longname, UINT32_MAX, &l), RBR_OK,
@@ -547,7 +563,7 @@ static void matrix_connect(rbr_ctx *ctx, const char *addr, rbr_cq *cq)
     bad.private_data_len = 1;
     CASE(rbr_connect(ctx, addr, cq, &bad, &conn), RBR_ERR_NULL,
          "rbr_connect private data NULL, length 1");
-    snprintf(nobody, sizeof nobody, "%s-nobody", addr);
+    other_addr(addr, 2, nobody, sizeof nobody);
     CASE(rbr_connect(ctx, nobody, cq, &o, &conn), RBR_ERR_REFUSED, "rbr_connect nobody listens");
     UNTOUCHED(conn == SENT_CONN, "rbr_connect wrote its out-parameter on failure");
 }
