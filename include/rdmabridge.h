@@ -10,6 +10,12 @@
  *   rbr_last_error() gives this thread's detailed message for the last failure.
  * - Out-parameters come last and are written only on success (RBR_EMPTY says which it writes).
  * - Bad input returns a status and changes nothing. No call ever blocks without a timeout.
+ *   The statuses: NULL where a pointer is required, RBR_ERR_NULL; an unknown flag, enum value
+ *   or struct_size, a zero or oversized length or count, RBR_ERR_INVALID; an offset and length
+ *   outside a region, RBR_ERR_RANGE; a region without the access an operation needs,
+ *   RBR_ERR_ACCESS; any post on a connection that is down (closed by either side, or failed),
+ *   RBR_ERR_DISCONNECTED; a post on a full queue, RBR_ERR_QUEUE_FULL. Arguments are checked
+ *   before the connection's state. docs/faults.md lists every case tried and its test.
  * - Every *_destroy function accepts NULL and does nothing with it.
  * - rbr_last_error() is not cleared by a successful call: read it right after a call failed.
  *
@@ -703,7 +709,8 @@ extern "C" {
 rbr_status rbr_ctx_create(struct rbr_ctx **out);
 
 /**
- * Creates a context with `opts` (NULL = defaults) into `*out`.
+ * Creates a context with `opts` (NULL = defaults) into `*out`. An unknown flag or a
+ * `struct_size` no struct has is RBR_ERR_INVALID.
  *
  * # Safety
  * `opts` is NULL or points at a readable `rbr_ctx_options`; `out` must be writable.
@@ -754,8 +761,9 @@ const char *rbr_version(void);
  * Registers caller memory `addr[0..len]` with `access` (`RBR_ACCESS_*`) into `*out`.
  * The memory stays the caller's: it must remain valid until the region is destroyed and
  * every work request posted with it has completed. `access` 0 is allowed and enough to send
- * from; receiving into a region needs RBR_ACCESS_LOCAL_WRITE. A range that wraps past the end
- * of the address space is RBR_ERR_INVALID. The region belongs to `ctx`: only connections of
+ * from; receiving into a region needs RBR_ACCESS_LOCAL_WRITE. RBR_ERR_INVALID: `len` 0, a
+ * range that wraps past the end of the address space, an unknown access bit, or
+ * RBR_ACCESS_REMOTE_WRITE or RBR_ACCESS_REMOTE_ATOMIC without RBR_ACCESS_LOCAL_WRITE. The region belongs to `ctx`: only connections of
  * that context may post it. Over verbs the region is registered with a device when a
  * connection on that device first posts it, not here; a memory-lock limit too low for it
  * (RLIMIT_MEMLOCK, `ulimit -l`) then fails that post with RBR_ERR_NO_MEMORY, and
@@ -854,14 +862,15 @@ rbr_status rbr_cq_poll(struct rbr_cq *cq, struct rbr_completion *out, size_t max
 
 /**
  * Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
- * -1 waits forever. Polls first (for the queue's `spin_us`, or with RBR_PROGRESS_CALLER longer
+ * -1 waits forever; below -1 is RBR_ERR_INVALID. Polls first (for the queue's `spin_us`, or with RBR_PROGRESS_CALLER longer
  * while completions keep coming soon after waits start: see rbr_cq_options), then sleeps.
  * Takes nothing from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
  *
  * # Safety
  * `cq` must be a live queue.
  */
-rbr_status rbr_cq_wait(struct rbr_cq *cq, int32_t timeout_ms);
+rbr_status rbr_cq_wait(struct rbr_cq *cq,
+                       int32_t timeout_ms);
 
 /**
  * Writes into `*fd` a descriptor for epoll/poll/select that is readable exactly while
@@ -881,7 +890,8 @@ rbr_status rbr_cq_fd(const struct rbr_cq *cq, int32_t *fd);
  * Listens on `addr` (`shm://NAME`, `rdma://HOST:PORT` or `HOST:PORT`; see "Limits" above)
  * with room for `backlog` requests not yet taken; writes the listener into `*out`.
  * RBR_ERR_ADDR_IN_USE when another listener has the address; RBR_ERR_ADDRESS when it is
- * malformed.
+ * malformed; RBR_ERR_INVALID when it is not UTF-8. A `backlog` out of range is taken as the
+ * nearest allowed (0 as 1; above the system's limit, the limit).
  *
  * # Safety
  * `ctx` live; `addr` a NUL-terminated string; `out` writable.
@@ -923,6 +933,7 @@ rbr_status rbr_listener_fd(const struct rbr_listener *l, int32_t *fd);
  * `rbr_connect` keeps trying (shm) or waits (verbs: the RDMA CM drops them) and fails with
  * RBR_ERR_TIMEOUT when its own timeout ends, unless room is made before that (seen on
  * soft-RoCE with a backlog of 1: the requests beyond it got no answer and timed out).
+ * A timeout below -1 is RBR_ERR_INVALID.
  *
  * # Safety
  * `l` live; `out` writable.
@@ -1005,8 +1016,11 @@ rbr_status rbr_connect(struct rbr_ctx *ctx,
 
 /**
  * Posts a send of `mr[offset..offset+len]`. The bytes must not change until the send
- * completes. `flags`: `RBR_SEND_SIGNALED`. RBR_ERR_QUEUE_FULL when the send queue is full;
- * RBR_ERR_DISCONNECTED once the connection is down. Nothing is posted on any error.
+ * completes. `flags`: `RBR_SEND_SIGNALED` (any other bit is RBR_ERR_INVALID).
+ * RBR_ERR_RANGE when the range is not inside the region; RBR_ERR_INVALID when `len` is over
+ * 4 GiB - 1 or the region belongs to another context. RBR_ERR_QUEUE_FULL when the send queue
+ * is full; RBR_ERR_DISCONNECTED once the connection is down (closed by either side, or
+ * failed). Nothing is posted on any error.
  *
  * # Safety
  * `conn`, `mr` live.
@@ -1020,7 +1034,8 @@ rbr_status rbr_conn_post_send(struct rbr_conn *conn,
 
 /**
  * Posts a send of `buf[0..len]`, copied before this returns, so `buf` may be reused at once.
- * `len` may be at most the connection's granted `max_inline`.
+ * `len` may be at most the connection's granted `max_inline` (RBR_ERR_INVALID beyond it).
+ * Flags and the other errors as for `rbr_conn_post_send`.
  *
  * # Safety
  * `conn` live; `buf` readable for `len` bytes (NULL allowed when `len` is 0).
@@ -1034,7 +1049,9 @@ rbr_status rbr_conn_post_send_inline(struct rbr_conn *conn,
 /**
  * Posts a receive into `mr[offset..offset+len]` (the region needs RBR_ACCESS_LOCAL_WRITE).
  * Messages fill receives in the order they were posted; a message longer than its receive
- * completes it with RBR_WC_LOCAL_LENGTH and fails the connection.
+ * completes it with RBR_WC_LOCAL_LENGTH and fails the connection. RBR_ERR_ACCESS when the
+ * region lacks RBR_ACCESS_LOCAL_WRITE; RBR_ERR_QUEUE_FULL when the receive queue is full;
+ * the other errors as for `rbr_conn_post_send`.
  *
  * # Safety
  * `conn`, `mr` live.
@@ -1058,6 +1075,7 @@ rbr_status rbr_conn_private_data(const struct rbr_conn *conn, void *buf, size_t 
 
 /**
  * Fills `*info` (whose `struct_size` the caller sets) with what the connection was granted.
+ * A `struct_size` smaller than any version of the struct is RBR_ERR_INVALID.
  *
  * # Safety
  * `conn` live; `info` readable and writable.
@@ -1096,7 +1114,8 @@ void rbr_conn_destroy(struct rbr_conn *conn);
  * Lets the peer of `conn` reach `mr` with one-sided operations, as far as the region's
  * RBR_ACCESS_REMOTE_* bits allow, and writes the descriptor to send it into `desc`
  * (RBR_REMOTE_DESC_LEN bytes). The region stays reachable until it is destroyed. A region
- * without RBR_ACCESS_REMOTE_* bits is RBR_ERR_INVALID.
+ * without RBR_ACCESS_REMOTE_* bits is RBR_ERR_ACCESS; a region of another context,
+ * RBR_ERR_INVALID.
  *
  * Over shm a region from `rbr_mr_alloc` is mapped by the peer, which then writes, reads and
  * runs atomics on it with no system call; caller memory (`rbr_mr_register`) is reached with
@@ -1127,6 +1146,7 @@ rbr_status rbr_conn_unpack_remote(const struct rbr_conn *conn,
 /**
  * Fills `*out` from raw fields, for peers that send address, length and key in their own
  * format (a plain librdmacm peer such as rping sends its buffer's address, rkey and length).
+ * A range that wraps past the end of the address space is RBR_ERR_INVALID.
  *
  * # Safety
  * `conn` live; `out` writable.
@@ -1146,6 +1166,10 @@ rbr_status rbr_conn_remote_from_raw(const struct rbr_conn *conn,
  * not give, a range outside its region, or a region without the access completes the write
  * with RBR_WC_REMOTE_ACCESS, touches no byte of the peer's memory, and fails the connection,
  * as over verbs. `flags`: RBR_SEND_SIGNALED. RBR_ERR_QUEUE_FULL when the send queue is full.
+ * Refused at once (nothing posted): `nsge` above RBR_SGE_MAX, a segment with a NULL `mr`
+ * (RBR_ERR_NULL), of another context, or over 4 GiB - 1 in all, a `remote` unpacked on another
+ * connection, a `remote_offset` that wraps, an unknown flag (RBR_ERR_INVALID); a segment
+ * outside its region (RBR_ERR_RANGE); a connection that is down (RBR_ERR_DISCONNECTED).
  *
  * # Safety
  * `conn`, `remote` live; `sgl` readable for `nsge` entries whose `mr` are live (NULL allowed
@@ -1199,6 +1223,11 @@ rbr_status rbr_conn_post_read(struct rbr_conn *conn,
  * `mr[offset..offset+8]` (8-byte aligned, RBR_ACCESS_LOCAL_WRITE) in host byte order; the
  * operation completes with RBR_OP_FETCH_ADD. Atomic against every other atomic on the word,
  * from any connection, and over shm against the owner's own atomic instructions too.
+ * Refused at once (nothing posted): an offset or `remote_offset` not 8-byte aligned or
+ * wrapping, `mr` of another context, a `remote` unpacked on another connection, an unknown
+ * flag (RBR_ERR_INVALID); `mr[offset..offset+8]` outside the region (RBR_ERR_RANGE); `mr`
+ * without RBR_ACCESS_LOCAL_WRITE (RBR_ERR_ACCESS); a full send queue (RBR_ERR_QUEUE_FULL); a
+ * connection that is down (RBR_ERR_DISCONNECTED).
  *
  * # Safety
  * `conn`, `mr`, `remote` live.

@@ -7,6 +7,8 @@ packages=(
   # build: rdma-sys runs bindgen, which needs libclang and clang's own headers (stddef.h)
   build-essential pkg-config cmake libibverbs-dev librdmacm-dev ibverbs-providers
   libclang1-14 libclang-common-14-dev
+  # test: memcheck on the C examples (scripts/valgrind.sh)
+  valgrind
 )
 
 bash "$(dirname "$0")/install-packages.sh" setup "${packages[@]}"

@@ -27,6 +27,8 @@ echo "== C examples (Debug: ASan + UBSan) under ctest"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build -j2
 ctest --test-dir build --output-on-failure
+echo "== valgrind memcheck on the C examples (short run)"
+bash scripts/valgrind.sh build-release
 echo "== CMake alone builds, installs and is found (find_package, pkg-config, add_subdirectory, FetchContent)"
 bash scripts/consumer-test.sh build-consumer
 echo "== benchmarks at tiny sizes (proves the side-by-side pipeline works; figures are not checked)"

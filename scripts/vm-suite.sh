@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs inside the soft-RoCE VM (scripts/vm-test.sh boots it): every verbs test, in one boot.
 #   1. the Rust suite over verbs (tests/verbs.rs, run with --ignored), in both progress modes
-#   2. the C examples talking to each other over verbs, every message verified (and the
+#      (with the fault tests of tests/common/faults.rs: a server process killed and restarted)
+#   2. the C bad-input matrix over verbs (c_examples/bad_matrix.c), and the C examples talking to each other over verbs, every message verified (and the
 #      one-sided example: RDMA writes signaled by writes with immediate)
 #   3. the C examples against the stock librdmacm peers: our server serving rdma_client, our
 #      client talking to rdma_server, and rbr_rping_peer in either role of rping against the
@@ -102,6 +103,8 @@ step "rust suite over verbs, RBR_PROGRESS=thread" env RBR_PROGRESS=thread "$verb
   slow_receiver_holds_sender_back_and_loses_nothing \
   bad_remote_accesses_fail_with_remote_access_and_touch_nothing \
   compare_and_swap_makes_a_working_lock
+# Every function of the header against bad input, over verbs (ports 7497 to 7499).
+step "C bad-input matrix over verbs" timeout 300 "$build/rbr_bad_matrix" -a "rdma://$ip:7497"
 for size in 1 4096 1048576; do
   n=2000; [ "$size" -ge 1048576 ] && n=200
   step "C examples over verbs, $n x $size B" \

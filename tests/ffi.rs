@@ -645,3 +645,254 @@ fn every_export_runs_inside_the_panic_boundary() {
     );
     assert!(exports >= 40, "only {exports} exports found");
 }
+
+/// The functions `null_arguments_return_rbr_err_null_and_write_nothing` does not reach, each
+/// with NULL in every pointer it requires, in turn (the others valid): RBR_ERR_NULL, and no
+/// out-parameter written. (c_examples/bad_matrix.c walks the same matrix, and more, from C.)
+#[test]
+fn every_other_export_refuses_null_and_writes_nothing() {
+    use rdmabridge::ffi::rdma::*;
+    // SAFETY: every pointer passed is NULL or valid; the functions must reject the NULLs
+    // before they use any other argument.
+    unsafe {
+        let mut ctx = null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let mut cq = null_mut();
+        assert_eq!(rbr_cq_create(&mut cq), RBR_OK);
+        let mut mr = null_mut();
+        assert_eq!(
+            rbr_mr_alloc(ctx, 64, RBR_ACCESS_LOCAL_WRITE, &mut mr),
+            RBR_OK
+        );
+
+        let dangling = std::ptr::dangling_mut::<rbr_ctx>();
+        let mut out_ctx = dangling;
+        let copts = rbr_ctx_options {
+            struct_size: std::mem::size_of::<rbr_ctx_options>() as u32,
+            flags: 0,
+        };
+        assert_eq!(rbr_ctx_create_ex(&copts, null_mut()), RBR_ERR_NULL);
+        assert_eq!(
+            rbr_ctx_create_ex(
+                &rbr_ctx_options {
+                    flags: 0x8000_0000,
+                    ..copts
+                },
+                &mut out_ctx
+            ),
+            RBR_ERR_INVALID
+        );
+        assert_eq!(out_ctx, dangling, "written on failure");
+
+        let mut out_mr = std::ptr::dangling_mut::<rbr_mr>();
+        assert_eq!(rbr_mr_alloc(null_mut(), 64, 0, &mut out_mr), RBR_ERR_NULL);
+        assert_eq!(rbr_mr_alloc(ctx, 64, 0, null_mut()), RBR_ERR_NULL);
+        assert_eq!(out_mr, std::ptr::dangling_mut(), "written on failure");
+
+        let mut fd = -77;
+        assert_eq!(rbr_cq_fd(null(), &mut fd), RBR_ERR_NULL);
+        assert_eq!(rbr_cq_fd(cq, null_mut()), RBR_ERR_NULL);
+        assert_eq!(rbr_listener_fd(null(), &mut fd), RBR_ERR_NULL);
+        assert_eq!(fd, -77, "written on failure");
+        let mut n = 0x5a5a_usize;
+        assert_eq!(rbr_cq_poll(null_mut(), null_mut(), 1, &mut n), RBR_ERR_NULL);
+        assert_eq!(rbr_cq_poll(cq, null_mut(), 1, null_mut()), RBR_ERR_NULL);
+        assert_eq!(n, 0x5a5a, "written on failure");
+
+        let mut req = std::ptr::dangling_mut::<rbr_request>();
+        assert_eq!(
+            rbr_listener_get_request(null_mut(), 0, &mut req),
+            RBR_ERR_NULL
+        );
+        assert_eq!(req, std::ptr::dangling_mut(), "written on failure");
+        assert_eq!(
+            rbr_request_private_data(null(), null_mut(), 0, &mut n),
+            RBR_ERR_NULL
+        );
+        let mut conn = std::ptr::dangling_mut::<rbr_conn>();
+        assert_eq!(
+            rbr_request_accept(null_mut(), cq, null(), &mut conn),
+            RBR_ERR_NULL
+        );
+        assert_eq!(rbr_request_reject(null_mut(), null(), 0), RBR_ERR_NULL);
+        assert_eq!(conn, std::ptr::dangling_mut(), "written on failure");
+        assert_eq!(
+            rbr_last_reject_data(null_mut(), 0, null_mut()),
+            RBR_ERR_NULL
+        );
+        assert_eq!(rbr_last_reject_data(null_mut(), 4, &mut n), RBR_ERR_NULL);
+        assert_eq!(n, 0x5a5a, "written on failure");
+
+        // Every connection function, on a NULL connection.
+        assert_eq!(
+            rbr_conn_post_send_inline(null_mut(), null(), 0, 1, 0),
+            RBR_ERR_NULL
+        );
+        assert_eq!(
+            rbr_conn_private_data(null(), null_mut(), 0, &mut n),
+            RBR_ERR_NULL
+        );
+        let mut info = std::mem::zeroed::<rbr_conn_info>();
+        assert_eq!(rbr_conn_get_info(null(), &mut info), RBR_ERR_NULL);
+        assert_eq!(info.struct_size, 0, "written on failure");
+        assert_eq!(rbr_conn_disconnect(null_mut()), RBR_ERR_NULL);
+        let mut desc = [0x5au8; RBR_REMOTE_DESC_LEN];
+        assert_eq!(
+            rbr_conn_pack_region(null_mut(), mr, desc.as_mut_ptr()),
+            RBR_ERR_NULL
+        );
+        assert_eq!(desc, [0x5a; RBR_REMOTE_DESC_LEN], "written on failure");
+        let mut rem = std::mem::zeroed::<rbr_remote>();
+        rem.addr = 0x5a;
+        assert_eq!(
+            rbr_conn_unpack_remote(null(), desc.as_ptr().cast(), desc.len(), &mut rem),
+            RBR_ERR_NULL
+        );
+        assert_eq!(
+            rbr_conn_remote_from_raw(null(), 1, 2, 3, &mut rem),
+            RBR_ERR_NULL
+        );
+        assert_eq!(rem.addr, 0x5a, "written on failure");
+        let sge = rbr_sge {
+            mr,
+            offset: 0,
+            len: 8,
+        };
+        assert_eq!(
+            rbr_conn_post_write(null_mut(), &sge, 1, &rem, 0, 1, 0),
+            RBR_ERR_NULL
+        );
+        assert_eq!(
+            rbr_conn_post_write_imm(null_mut(), &sge, 1, &rem, 0, 7, 1, 0),
+            RBR_ERR_NULL
+        );
+        assert_eq!(
+            rbr_conn_post_read(null_mut(), &sge, 1, &rem, 0, 1, 0),
+            RBR_ERR_NULL
+        );
+        assert_eq!(
+            rbr_conn_post_fetch_add(null_mut(), mr, 0, &rem, 0, 1, 1, 0),
+            RBR_ERR_NULL
+        );
+        assert_eq!(
+            rbr_conn_post_cmp_swap(null_mut(), mr, 0, &rem, 0, 1, 2, 1, 0),
+            RBR_ERR_NULL
+        );
+        rbr_mr_destroy(mr);
+        rbr_cq_destroy(cq);
+        rbr_ctx_destroy(ctx);
+    }
+}
+
+/// Posts on a connection that is closed, through the C functions: every kind of post is
+/// RBR_ERR_DISCONNECTED (after its arguments pass), nothing reaches the completion queue
+/// after the disconnect record, and disconnecting again is a no-op.
+#[test]
+fn every_post_on_a_closed_connection_is_disconnected() {
+    use rdmabridge::ffi::rdma::*;
+    // SAFETY: all pointers are valid handles or live locals; the handles cross threads as
+    // integers, each used by one thread at a time.
+    unsafe {
+        let mut ctx = null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let (mut scq, mut ccq) = (null_mut(), null_mut());
+        assert_eq!(rbr_cq_create(&mut scq), RBR_OK);
+        assert_eq!(rbr_cq_create(&mut ccq), RBR_OK);
+        let addr = std::ffi::CString::new(unique_addr("ffi-closed")).unwrap();
+        let mut l = null_mut();
+        assert_eq!(rbr_listen(ctx, addr.as_ptr(), 4, &mut l), RBR_OK);
+        let (l_u, scq_u) = (l as usize, scq as usize);
+        let server = std::thread::spawn(move || {
+            let mut r = null_mut();
+            assert_eq!(
+                rbr_listener_get_request(l_u as *mut rbr_listener, 10_000, &mut r),
+                RBR_OK
+            );
+            let mut s = null_mut();
+            assert_eq!(
+                rbr_request_accept(r, scq_u as *mut rbr_cq, null(), &mut s),
+                RBR_OK
+            );
+            rbr_request_destroy(r);
+            s as usize
+        });
+        let mut c = null_mut();
+        assert_eq!(rbr_connect(ctx, addr.as_ptr(), ccq, null(), &mut c), RBR_OK);
+        let s = server.join().unwrap() as *mut rbr_conn;
+        let mut tmr = null_mut();
+        let all = RBR_ACCESS_LOCAL_WRITE
+            | RBR_ACCESS_REMOTE_WRITE
+            | RBR_ACCESS_REMOTE_READ
+            | RBR_ACCESS_REMOTE_ATOMIC;
+        assert_eq!(rbr_mr_alloc(ctx, 4096, all, &mut tmr), RBR_OK);
+        let mut desc = [0u8; RBR_REMOTE_DESC_LEN];
+        assert_eq!(rbr_conn_pack_region(s, tmr, desc.as_mut_ptr()), RBR_OK);
+        let mut rem = std::mem::zeroed::<rbr_remote>();
+        assert_eq!(
+            rbr_conn_unpack_remote(c, desc.as_ptr().cast(), desc.len(), &mut rem),
+            RBR_OK
+        );
+        let mut mr = null_mut();
+        assert_eq!(
+            rbr_mr_alloc(ctx, 64, RBR_ACCESS_LOCAL_WRITE, &mut mr),
+            RBR_OK
+        );
+
+        assert_eq!(rbr_conn_disconnect(c), RBR_OK);
+        let mut rec = std::mem::zeroed::<rbr_completion>();
+        let mut n = 0usize;
+        loop {
+            assert_eq!(rbr_cq_wait(ccq, 10_000), RBR_OK, "no disconnect record");
+            assert_eq!(rbr_cq_poll(ccq, &mut rec, 1, &mut n), RBR_OK);
+            if rec.opcode == RBR_OP_DISCONNECTED {
+                break;
+            }
+        }
+        let sge = rbr_sge {
+            mr,
+            offset: 0,
+            len: 8,
+        };
+        for (what, st) in [
+            ("send", rbr_conn_post_send(c, mr, 0, 8, 1, 0)),
+            (
+                "send_inline",
+                rbr_conn_post_send_inline(c, b"x".as_ptr().cast(), 1, 1, 0),
+            ),
+            ("recv", rbr_conn_post_recv(c, mr, 0, 8, 1)),
+            ("write", rbr_conn_post_write(c, &sge, 1, &rem, 0, 1, 0)),
+            (
+                "write_imm",
+                rbr_conn_post_write_imm(c, &sge, 1, &rem, 0, 7, 1, 0),
+            ),
+            ("read", rbr_conn_post_read(c, &sge, 1, &rem, 0, 1, 0)),
+            (
+                "fetch_add",
+                rbr_conn_post_fetch_add(c, mr, 0, &rem, 0, 1, 1, 0),
+            ),
+            (
+                "cmp_swap",
+                rbr_conn_post_cmp_swap(c, mr, 0, &rem, 0, 1, 2, 1, 0),
+            ),
+        ] {
+            assert_eq!(
+                st, RBR_ERR_DISCONNECTED,
+                "post_{what} on a closed connection"
+            );
+        }
+        assert_eq!(rbr_conn_disconnect(c), RBR_OK, "disconnecting again");
+        assert_eq!(
+            rbr_cq_poll(ccq, &mut rec, 1, &mut n),
+            RBR_EMPTY,
+            "a record after the end"
+        );
+        rbr_conn_destroy(c);
+        rbr_conn_destroy(s);
+        rbr_mr_destroy(mr);
+        rbr_mr_destroy(tmr);
+        rbr_listener_destroy(l);
+        rbr_cq_destroy(ccq);
+        rbr_cq_destroy(scq);
+        rbr_ctx_destroy(ctx);
+    }
+}

@@ -1125,3 +1125,18 @@ mod onesided {
         while next(&cq).opcode != Opcode::Disconnected {}
     }
 }
+
+/// A server process SIGKILLed and started again on the same address while clients reconnect
+/// (tests/common/faults.rs).
+#[test]
+fn server_restarted_while_clients_reconnect() {
+    common::faults::server_restarted_while_clients_reconnect(&Net::Shm, "faults_echo_server_child");
+}
+
+/// The server process of `server_restarted_while_clients_reconnect` (does nothing unless that
+/// test starts it).
+#[test]
+#[ignore = "the child process of server_restarted_while_clients_reconnect"]
+fn faults_echo_server_child() {
+    common::faults::echo_server_child();
+}

@@ -633,3 +633,22 @@ fn a_key_wider_than_32_bits_is_invalid_and_posts_nothing() {
     target.read(0, &mut got).unwrap();
     assert_eq!(got, [7; 64]);
 }
+
+/// A server process SIGKILLed and started again on the same address while clients reconnect
+/// (tests/common/faults.rs).
+#[test]
+#[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+fn server_restarted_while_clients_reconnect() {
+    common::faults::server_restarted_while_clients_reconnect(
+        &Net::verbs_from_env(),
+        "faults_echo_server_child",
+    );
+}
+
+/// The server process of `server_restarted_while_clients_reconnect` (does nothing unless that
+/// test starts it).
+#[test]
+#[ignore = "the child process of server_restarted_while_clients_reconnect"]
+fn faults_echo_server_child() {
+    common::faults::echo_server_child();
+}

@@ -198,8 +198,11 @@ pub unsafe extern "C" fn rbr_connect(
 }
 
 /// Posts a send of `mr[offset..offset+len]`. The bytes must not change until the send
-/// completes. `flags`: `RBR_SEND_SIGNALED`. RBR_ERR_QUEUE_FULL when the send queue is full;
-/// RBR_ERR_DISCONNECTED once the connection is down. Nothing is posted on any error.
+/// completes. `flags`: `RBR_SEND_SIGNALED` (any other bit is RBR_ERR_INVALID).
+/// RBR_ERR_RANGE when the range is not inside the region; RBR_ERR_INVALID when `len` is over
+/// 4 GiB - 1 or the region belongs to another context. RBR_ERR_QUEUE_FULL when the send queue
+/// is full; RBR_ERR_DISCONNECTED once the connection is down (closed by either side, or
+/// failed). Nothing is posted on any error.
 ///
 /// # Safety
 /// `conn`, `mr` live.
@@ -223,7 +226,8 @@ pub unsafe extern "C" fn rbr_conn_post_send(
 }
 
 /// Posts a send of `buf[0..len]`, copied before this returns, so `buf` may be reused at once.
-/// `len` may be at most the connection's granted `max_inline`.
+/// `len` may be at most the connection's granted `max_inline` (RBR_ERR_INVALID beyond it).
+/// Flags and the other errors as for `rbr_conn_post_send`.
 ///
 /// # Safety
 /// `conn` live; `buf` readable for `len` bytes (NULL allowed when `len` is 0).
@@ -247,7 +251,9 @@ pub unsafe extern "C" fn rbr_conn_post_send_inline(
 
 /// Posts a receive into `mr[offset..offset+len]` (the region needs RBR_ACCESS_LOCAL_WRITE).
 /// Messages fill receives in the order they were posted; a message longer than its receive
-/// completes it with RBR_WC_LOCAL_LENGTH and fails the connection.
+/// completes it with RBR_WC_LOCAL_LENGTH and fails the connection. RBR_ERR_ACCESS when the
+/// region lacks RBR_ACCESS_LOCAL_WRITE; RBR_ERR_QUEUE_FULL when the receive queue is full;
+/// the other errors as for `rbr_conn_post_send`.
 ///
 /// # Safety
 /// `conn`, `mr` live.
@@ -289,6 +295,7 @@ pub unsafe extern "C" fn rbr_conn_private_data(
 }
 
 /// Fills `*info` (whose `struct_size` the caller sets) with what the connection was granted.
+/// A `struct_size` smaller than any version of the struct is RBR_ERR_INVALID.
 ///
 /// # Safety
 /// `conn` live; `info` readable and writable.

@@ -300,7 +300,7 @@ pub unsafe extern "C" fn rbr_cq_poll(
 }
 
 /// Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
-/// -1 waits forever. Polls first (for the queue's `spin_us`, or with RBR_PROGRESS_CALLER longer
+/// -1 waits forever; below -1 is RBR_ERR_INVALID. Polls first (for the queue's `spin_us`, or with RBR_PROGRESS_CALLER longer
 /// while completions keep coming soon after waits start: see rbr_cq_options), then sleeps.
 /// Takes nothing from the queue (what it finds in a device stays queued for `rbr_cq_poll`).
 ///

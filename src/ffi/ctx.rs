@@ -34,7 +34,8 @@ pub unsafe extern "C" fn rbr_ctx_create(out: *mut *mut rbr_ctx) -> rbr_status {
     })
 }
 
-/// Creates a context with `opts` (NULL = defaults) into `*out`.
+/// Creates a context with `opts` (NULL = defaults) into `*out`. An unknown flag or a
+/// `struct_size` no struct has is RBR_ERR_INVALID.
 ///
 /// # Safety
 /// `opts` is NULL or points at a readable `rbr_ctx_options`; `out` must be writable.

@@ -30,7 +30,8 @@ pub struct rbr_request {
 /// Listens on `addr` (`shm://NAME`, `rdma://HOST:PORT` or `HOST:PORT`; see "Limits" above)
 /// with room for `backlog` requests not yet taken; writes the listener into `*out`.
 /// RBR_ERR_ADDR_IN_USE when another listener has the address; RBR_ERR_ADDRESS when it is
-/// malformed.
+/// malformed; RBR_ERR_INVALID when it is not UTF-8. A `backlog` out of range is taken as the
+/// nearest allowed (0 as 1; above the system's limit, the limit).
 ///
 /// # Safety
 /// `ctx` live; `addr` a NUL-terminated string; `out` writable.
@@ -100,6 +101,7 @@ pub unsafe extern "C" fn rbr_listener_fd(l: *const rbr_listener, fd: *mut i32) -
 /// `rbr_connect` keeps trying (shm) or waits (verbs: the RDMA CM drops them) and fails with
 /// RBR_ERR_TIMEOUT when its own timeout ends, unless room is made before that (seen on
 /// soft-RoCE with a backlog of 1: the requests beyond it got no answer and timed out).
+/// A timeout below -1 is RBR_ERR_INVALID.
 ///
 /// # Safety
 /// `l` live; `out` writable.

@@ -38,8 +38,9 @@ fn finish(r: crate::Result<Arc<MemoryRegion>>, out: *mut *mut rbr_mr) -> rbr_sta
 /// Registers caller memory `addr[0..len]` with `access` (`RBR_ACCESS_*`) into `*out`.
 /// The memory stays the caller's: it must remain valid until the region is destroyed and
 /// every work request posted with it has completed. `access` 0 is allowed and enough to send
-/// from; receiving into a region needs RBR_ACCESS_LOCAL_WRITE. A range that wraps past the end
-/// of the address space is RBR_ERR_INVALID. The region belongs to `ctx`: only connections of
+/// from; receiving into a region needs RBR_ACCESS_LOCAL_WRITE. RBR_ERR_INVALID: `len` 0, a
+/// range that wraps past the end of the address space, an unknown access bit, or
+/// RBR_ACCESS_REMOTE_WRITE or RBR_ACCESS_REMOTE_ATOMIC without RBR_ACCESS_LOCAL_WRITE. The region belongs to `ctx`: only connections of
 /// that context may post it. Over verbs the region is registered with a device when a
 /// connection on that device first posts it, not here; a memory-lock limit too low for it
 /// (RLIMIT_MEMLOCK, `ulimit -l`) then fails that post with RBR_ERR_NO_MEMORY, and

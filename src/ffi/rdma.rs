@@ -87,7 +87,8 @@ impl From<&rbr_remote> for RemoteRegion {
 /// Lets the peer of `conn` reach `mr` with one-sided operations, as far as the region's
 /// RBR_ACCESS_REMOTE_* bits allow, and writes the descriptor to send it into `desc`
 /// (RBR_REMOTE_DESC_LEN bytes). The region stays reachable until it is destroyed. A region
-/// without RBR_ACCESS_REMOTE_* bits is RBR_ERR_INVALID.
+/// without RBR_ACCESS_REMOTE_* bits is RBR_ERR_ACCESS; a region of another context,
+/// RBR_ERR_INVALID.
 ///
 /// Over shm a region from `rbr_mr_alloc` is mapped by the peer, which then writes, reads and
 /// runs atomics on it with no system call; caller memory (`rbr_mr_register`) is reached with
@@ -153,6 +154,7 @@ pub unsafe extern "C" fn rbr_conn_unpack_remote(
 
 /// Fills `*out` from raw fields, for peers that send address, length and key in their own
 /// format (a plain librdmacm peer such as rping sends its buffer's address, rkey and length).
+/// A range that wraps past the end of the address space is RBR_ERR_INVALID.
 ///
 /// # Safety
 /// `conn` live; `out` writable.
@@ -252,6 +254,10 @@ unsafe fn post_transfer(
 /// not give, a range outside its region, or a region without the access completes the write
 /// with RBR_WC_REMOTE_ACCESS, touches no byte of the peer's memory, and fails the connection,
 /// as over verbs. `flags`: RBR_SEND_SIGNALED. RBR_ERR_QUEUE_FULL when the send queue is full.
+/// Refused at once (nothing posted): `nsge` above RBR_SGE_MAX, a segment with a NULL `mr`
+/// (RBR_ERR_NULL), of another context, or over 4 GiB - 1 in all, a `remote` unpacked on another
+/// connection, a `remote_offset` that wraps, an unknown flag (RBR_ERR_INVALID); a segment
+/// outside its region (RBR_ERR_RANGE); a connection that is down (RBR_ERR_DISCONNECTED).
 ///
 /// # Safety
 /// `conn`, `remote` live; `sgl` readable for `nsge` entries whose `mr` are live (NULL allowed
@@ -366,6 +372,11 @@ unsafe fn post_atomic(
 /// `mr[offset..offset+8]` (8-byte aligned, RBR_ACCESS_LOCAL_WRITE) in host byte order; the
 /// operation completes with RBR_OP_FETCH_ADD. Atomic against every other atomic on the word,
 /// from any connection, and over shm against the owner's own atomic instructions too.
+/// Refused at once (nothing posted): an offset or `remote_offset` not 8-byte aligned or
+/// wrapping, `mr` of another context, a `remote` unpacked on another connection, an unknown
+/// flag (RBR_ERR_INVALID); `mr[offset..offset+8]` outside the region (RBR_ERR_RANGE); `mr`
+/// without RBR_ACCESS_LOCAL_WRITE (RBR_ERR_ACCESS); a full send queue (RBR_ERR_QUEUE_FULL); a
+/// connection that is down (RBR_ERR_DISCONNECTED).
 ///
 /// # Safety
 /// `conn`, `mr`, `remote` live.
