@@ -66,6 +66,7 @@ mod log;
 mod mr;
 mod panic;
 mod shm;
+mod sync;
 mod sys;
 mod verbs;
 
