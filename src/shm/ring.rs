@@ -551,14 +551,15 @@ mod tests {
 /// Model checks of the ring protocol: the real [`Producer`] and [`Consumer`] over memory whose
 /// every access `loom` sees (run with `RUSTFLAGS="--cfg loom" cargo test --lib loom`).
 #[cfg(all(test, loom))]
-mod loom_model {
+pub(crate) mod loom_model {
     use super::*;
     use loom::cell::UnsafeCell;
     use loom::sync::Arc;
     use loom::sync::atomic::AtomicU64 as ModelU64;
     use std::collections::VecDeque;
 
-    const CAP: usize = 256;
+    /// The size of the model's rings.
+    pub(crate) const CAP: usize = 256;
 
     /// A ring in the model's memory. Each ALIGN-sized slot's first word - where a record's
     /// stamp may go - is an atomic, holding the last stamp stored there or the bytes last
@@ -574,8 +575,21 @@ mod loom_model {
         sent: std::sync::Mutex<(VecDeque<u8>, VecDeque<usize>)>,
     }
 
+    /// A ring's memory in the model (shared by its two ends).
     #[derive(Clone)]
-    struct Mem(Arc<Model>);
+    pub(crate) struct Mem(Arc<Model>);
+
+    impl Mem {
+        /// A new ring of [`CAP`] bytes.
+        pub(crate) fn new() -> Mem {
+            Mem(Arc::new(Model {
+                head: ModelU64::new(0),
+                stamps: (0..CAP / ALIGN).map(|_| ModelU64::new(0)).collect(),
+                words: (0..CAP / 8).map(|_| UnsafeCell::new([0; 8])).collect(),
+                sent: Default::default(),
+            }))
+        }
+    }
 
     impl Memory for Mem {
         unsafe fn load_stamp(&self, off: usize, order: Ordering) -> u64 {
@@ -642,7 +656,7 @@ mod loom_model {
     }
 
     /// A record's payload, read through the model.
-    fn payload(mem: &Mem, rec: &Record) -> Vec<u8> {
+    pub(crate) fn payload(mem: &Mem, rec: &Record) -> Vec<u8> {
         let mut v = vec![0u8; rec.len];
         // SAFETY: the record is stamped and its payload in bounds (checked by `peek`).
         unsafe { mem.copy_out(rec.payload as usize, v.as_mut_ptr(), rec.len) };
@@ -666,7 +680,7 @@ mod loom_model {
     fn model(f: impl Fn() + Sync + Send + 'static) {
         let mut b = loom::model::Builder::new();
         if std::env::var_os("LOOM_MAX_PREEMPTIONS").is_none() {
-            b.preemption_bound = Some(2);
+            b.preemption_bound = Some(3);
         }
         b.check(f);
     }
@@ -681,12 +695,7 @@ mod loom_model {
     fn loom_ring_delivers_every_record_once_in_order_and_whole() {
         const LENS: [usize; 4] = [40, 24, 56, 8];
         model(|| {
-            let mem = Mem(Arc::new(Model {
-                head: ModelU64::new(0),
-                stamps: (0..CAP / ALIGN).map(|_| ModelU64::new(0)).collect(),
-                words: (0..CAP / 8).map(|_| UnsafeCell::new([0; 8])).collect(),
-                sent: Default::default(),
-            }));
+            let mem = Mem::new();
             let mut tx = Producer::over(mem.clone(), CAP);
             let producer = loom::thread::spawn(move || {
                 for len in LENS {
