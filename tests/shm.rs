@@ -37,6 +37,8 @@ suite_over_shm!(
     idle_connection_stays_up_and_reports_nothing,
     sleepers_wake_for_late_completions_in_both_progress_modes,
     two_threads_polling_one_queue_take_each_completion_once,
+    threads_posting_on_one_connection_deliver_each_message_once,
+    destroying_a_connection_wakes_threads_waiting_on_its_queue,
     orderly_close_with_receives_posted_is_always_success,
     event_loop_accepts_a_burst_without_losing_a_peer,
     late_receive_send_waits_and_completes,

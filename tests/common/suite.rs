@@ -1058,3 +1058,224 @@ fn unsignaled_sends_at_depth(net: &Net, ctx: &Context, depth: u32) {
     assert!(ccq.poll().is_none());
     drop((c, s));
 }
+
+/// In both progress modes, four threads post sends on one connection at once (each polling the
+/// sender's queue, shared by all four, whenever the send queue is full), and three threads poll
+/// the receiver's queue and repost receives on the other connection at once: every message
+/// arrives exactly once, intact, each sender's in its posting order, and every send completes
+/// exactly once.
+pub fn threads_posting_on_one_connection_deliver_each_message_once(net: &Net) {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+    const SENDERS: u64 = 4;
+    const PER: u64 = 600;
+    const TOTAL: u64 = SENDERS * PER;
+    const SLOTS: usize = 64;
+    for progress in [Progress::Caller, Progress::Thread] {
+        let ctx = Context::new().unwrap();
+        let cq_opts = CqOptions {
+            progress,
+            ..Default::default()
+        };
+        let opts = ConnOptions {
+            recv_queue_depth: SLOTS as u32,
+            send_queue_depth: 32,
+            ..Default::default()
+        };
+        let (c, ccq, s, scq) = pair_with(net, &ctx, &opts, &opts, cq_opts);
+        let mr = ctx.alloc_mr(SLOTS * 16, Access::LOCAL_WRITE).unwrap();
+        for i in 0..SLOTS {
+            s.post_recv(&mr, i * 16, 16, i as u64).unwrap();
+        }
+        let seen = Mutex::new(vec![0u32; TOTAL as usize]);
+        let sent = Mutex::new(vec![0u32; TOTAL as usize]);
+        let (received, completed) = (AtomicU64::new(0), AtomicU64::new(0));
+        let deadline = Instant::now() + Duration::from_secs(120);
+        // A send completion taken by any of the senders.
+        let take_send = |r: rdmabridge::Completion| {
+            assert_eq!(
+                (r.opcode, r.status),
+                (Opcode::Send, WcStatus::Success),
+                "{progress:?}"
+            );
+            sent.lock().unwrap()[r.wr_id as usize] += 1;
+            completed.fetch_add(1, SeqCst);
+        };
+        std::thread::scope(|t| {
+            for _ in 0..3 {
+                let (s, scq, mr, seen, received) = (&s, &scq, &mr, &seen, &received);
+                t.spawn(move || {
+                    let mut last = [None::<u64>; SENDERS as usize];
+                    while received.load(SeqCst) < TOTAL {
+                        assert!(Instant::now() < deadline, "{progress:?}: receivers stalled");
+                        let Some(r) = scq.poll() else {
+                            scq.wait(Some(Duration::from_millis(20))).unwrap();
+                            continue;
+                        };
+                        assert_eq!(
+                            (r.opcode, r.status, r.byte_len),
+                            (Opcode::Recv, WcStatus::Success, 16),
+                            "{progress:?}"
+                        );
+                        let slot = r.wr_id as usize;
+                        let mut b = [0u8; 16];
+                        mr.read(slot * 16, &mut b).unwrap();
+                        let who = u64::from_le_bytes(b[..8].try_into().unwrap());
+                        let k = u64::from_le_bytes(b[8..].try_into().unwrap());
+                        assert!(who < SENDERS && k < PER, "{progress:?}: garbled {b:?}");
+                        // This thread's share of each sender's messages is in posting order.
+                        let l = &mut last[who as usize];
+                        assert!(l.is_none_or(|l| l < k), "{progress:?}: {k} after {l:?}");
+                        *l = Some(k);
+                        seen.lock().unwrap()[(who * PER + k) as usize] += 1;
+                        // Repost before counting, so no sender waits on a receive that the
+                        // end of the test would leave unposted.
+                        s.post_recv(mr, slot * 16, 16, slot as u64).unwrap();
+                        received.fetch_add(1, SeqCst);
+                    }
+                });
+            }
+            for who in 0..SENDERS {
+                let (c, ccq, take_send, completed) = (&c, &ccq, &take_send, &completed);
+                t.spawn(move || {
+                    for k in 0..PER {
+                        let mut msg = [0u8; 16];
+                        msg[..8].copy_from_slice(&who.to_le_bytes());
+                        msg[8..].copy_from_slice(&k.to_le_bytes());
+                        loop {
+                            assert!(Instant::now() < deadline, "{progress:?}: senders stalled");
+                            match c.post_send_inline(&msg, who * PER + k, SendFlags::SIGNALED) {
+                                Ok(()) => break,
+                                Err(Error::QueueFull(_)) => match ccq.poll() {
+                                    Some(r) => take_send(r),
+                                    None => std::thread::yield_now(),
+                                },
+                                Err(e) => panic!("{progress:?}: post_send: {e}"),
+                            }
+                        }
+                    }
+                    while completed.load(SeqCst) < TOTAL {
+                        assert!(Instant::now() < deadline, "{progress:?}: sends stalled");
+                        match ccq.poll() {
+                            Some(r) => take_send(r),
+                            None => {
+                                ccq.wait(Some(Duration::from_millis(20))).unwrap();
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        assert!(
+            seen.lock().unwrap().iter().all(|&n| n == 1),
+            "{progress:?}: a message was lost or delivered twice"
+        );
+        assert!(
+            sent.lock().unwrap().iter().all(|&n| n == 1),
+            "{progress:?}: a send completion was lost or taken twice"
+        );
+        assert_eq!((scq.poll(), ccq.poll()), (None, None));
+    }
+}
+
+/// In both progress modes, one thread sleeps in `wait` and another on the queue's descriptor,
+/// with two receives posted, while the main thread destroys - the waiters' connection, its
+/// peer, or everything the main thread holds (connection, context and its handle of the
+/// queue): both waiters return within 5 s, the queue then holds the flushed receives and the
+/// disconnect record, last, and the destroyed connection has let go of the queue.
+pub fn destroying_a_connection_wakes_threads_waiting_on_its_queue(net: &Net) {
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Destroy {
+        Own,
+        Peer,
+        Everything,
+    }
+    for progress in [Progress::Caller, Progress::Thread] {
+        for what in [Destroy::Own, Destroy::Peer, Destroy::Everything] {
+            let case = format!("{progress:?}, {what:?}");
+            let ctx = Context::new().unwrap();
+            let cq_opts = CqOptions {
+                progress,
+                ..Default::default()
+            };
+            let copts = ConnOptions::default();
+            let (c, ccq, s, scq) = pair_with(net, &ctx, &copts, &copts, cq_opts);
+            let mr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+            s.post_recv(&mr, 0, 8, 1).unwrap();
+            s.post_recv(&mr, 8, 8, 2).unwrap();
+            let fd = scq.fd();
+            let waiters_q = scq.clone();
+            let (mut c, mut s, mut ctx, mut scq) = (Some(c), Some(s), Some(ctx), Some(scq));
+            std::thread::scope(|t| {
+                let q = &waiters_q;
+                let waiter = t.spawn(move || {
+                    let t0 = Instant::now();
+                    let r = q.wait(Some(Duration::from_secs(30)));
+                    (r.map_err(|e| e.to_string()), t0.elapsed())
+                });
+                let fd_waiter = t.spawn(move || {
+                    let t0 = Instant::now();
+                    (
+                        fd_readable_within(fd, Duration::from_secs(30)),
+                        t0.elapsed(),
+                    )
+                });
+                // Let both fall asleep.
+                std::thread::sleep(Duration::from_millis(200));
+                assert!(!waiter.is_finished() && !fd_waiter.is_finished(), "{case}");
+                match what {
+                    Destroy::Own => drop(s.take()),
+                    Destroy::Peer => drop(c.take()),
+                    Destroy::Everything => {
+                        drop(s.take());
+                        drop(ctx.take());
+                        drop(scq.take());
+                    }
+                }
+                let (r, took) = waiter.join().unwrap();
+                assert_eq!(r, Ok(true), "{case}: wait");
+                assert!(took < Duration::from_secs(5), "{case}: wait took {took:?}");
+                let (readable, took) = fd_waiter.join().unwrap();
+                assert!(readable, "{case}: descriptor");
+                assert!(took < Duration::from_secs(5), "{case}: poll took {took:?}");
+            });
+            let mut seen = Vec::new();
+            loop {
+                let e = next(&waiters_q);
+                seen.push((e.opcode, e.status, e.wr_id));
+                if e.opcode == Opcode::Disconnected {
+                    break;
+                }
+            }
+            seen.sort_by_key(|x| x.2);
+            assert_eq!(seen.len(), 3, "{case}: {seen:?}");
+            assert_eq!(seen[0].0, Opcode::Disconnected, "{case}");
+            assert_eq!(
+                &seen[1..],
+                &[
+                    (Opcode::Recv, WcStatus::Flushed, 1),
+                    (Opcode::Recv, WcStatus::Flushed, 2)
+                ],
+                "{case}"
+            );
+            assert_eq!(
+                waiters_q.poll(),
+                None,
+                "{case}: nothing after the disconnect"
+            );
+            // The waiters' side goes too; then nothing but this handle holds the queue.
+            drop(s.take());
+            drop(scq.take());
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while std::sync::Arc::strong_count(&waiters_q) > 1 {
+                assert!(
+                    Instant::now() < deadline,
+                    "{case}: the queue is still held {} times",
+                    std::sync::Arc::strong_count(&waiters_q) - 1
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            drop((c, ccq));
+        }
+    }
+}
