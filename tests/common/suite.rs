@@ -231,7 +231,7 @@ pub fn slow_receiver_holds_sender_back_and_loses_nothing(net: &Net) {
     let n = 300usize;
     let smr = ctx.alloc_mr(n * 100, Access::LOCAL_WRITE).unwrap();
     for k in 0..n {
-        smr.write(k * 100, &pattern(k as u64, 100)).unwrap();
+        unsafe { smr.write(k * 100, &pattern(k as u64, 100)) }.unwrap();
         c.post_send(&smr, k * 100, 100, k as u64, SendFlags::SIGNALED)
             .unwrap();
     }
@@ -255,7 +255,7 @@ pub fn slow_receiver_holds_sender_back_and_loses_nothing(net: &Net) {
             (r.opcode, r.status, r.wr_id, r.byte_len),
             (Opcode::Recv, WcStatus::Success, k as u64, 100)
         );
-        rmr.read(0, &mut buf).unwrap();
+        unsafe { rmr.read(0, &mut buf) }.unwrap();
         assert_eq!(buf, pattern(k as u64, 100), "message {k}");
         // Wait for the matching send completion before the next receive (waiting drives the
         // sender's progress, as polling does).
@@ -358,7 +358,7 @@ pub fn bad_posts_return_clear_errors_and_post_nothing(net: &Net) {
     let b = next(&scq);
     assert_eq!((a.wr_id, a.byte_len, b.wr_id, b.byte_len), (1, 7, 2, 4));
     let mut got = [0u8; 7];
-    mr.read(0, &mut got).unwrap();
+    unsafe { mr.read(0, &mut got) }.unwrap();
     assert_eq!(&got, b"inline!");
     assert_eq!(next(&ccq).wr_id, 10);
     std::thread::sleep(Duration::from_millis(50));
@@ -504,7 +504,7 @@ pub fn connect_close_cycles_leak_nothing(net: &Net) {
         let (c, ccq, s, scq) = pair(net, ctx, &ConnOptions::default(), &ConnOptions::default());
         let mr = ctx.alloc_mr(8192, Access::LOCAL_WRITE).unwrap();
         s.post_recv(&mr, 4096, 4096, 7).unwrap();
-        mr.write(0, &pattern(3, 4096)).unwrap();
+        unsafe { mr.write(0, &pattern(3, 4096)) }.unwrap();
         c.post_send(&mr, 0, 4096, 9, SendFlags::SIGNALED).unwrap();
         let r = next(&scq);
         assert_eq!(
@@ -561,7 +561,7 @@ pub fn idle_connection_stays_up_and_reports_nothing(net: &Net) {
 
 fn read_u64(mr: &rdmabridge::MemoryRegion, offset: usize) -> u64 {
     let mut b = [0u8; 8];
-    mr.read(offset, &mut b).unwrap();
+    unsafe { mr.read(offset, &mut b) }.unwrap();
     u64::from_le_bytes(b)
 }
 
@@ -925,7 +925,7 @@ pub fn late_receive_send_waits_and_completes(net: &Net) {
         let opts = ConnOptions::default();
         let (c, ccq, s, scq) = pair_with(net, &ctx, &opts, &opts, cq_opts);
         let smr = ctx.alloc_mr(BIG, Access::LOCAL_WRITE).unwrap();
-        smr.write(0, &pattern(7, BIG)).unwrap();
+        unsafe { smr.write(0, &pattern(7, BIG)) }.unwrap();
         let rmr = ctx.alloc_mr(BIG + 64, Access::LOCAL_WRITE).unwrap();
         let t0 = Instant::now();
         c.post_send_inline(&[0xa5, 0x5a], 1, SendFlags::SIGNALED)
@@ -968,9 +968,9 @@ pub fn late_receive_send_waits_and_completes(net: &Net) {
             );
         }
         let mut got = vec![0u8; BIG];
-        rmr.read(0, &mut got[..2]).unwrap();
+        unsafe { rmr.read(0, &mut got[..2]) }.unwrap();
         assert_eq!(got[..2], [0xa5, 0x5a], "{progress:?}");
-        rmr.read(64, &mut got).unwrap();
+        unsafe { rmr.read(64, &mut got) }.unwrap();
         assert!(
             got == pattern(7, BIG),
             "{progress:?}: 64 KiB message differs"
@@ -1016,7 +1016,7 @@ fn unsignaled_sends_at_depth(net: &Net, ctx: &Context, depth: u32) {
         s.post_recv(&smr, k * SIZE, SIZE, k as u64).unwrap();
     }
     for k in 0..=N {
-        cmr.write(k * SIZE, &pattern(k as u64, SIZE)).unwrap();
+        unsafe { cmr.write(k * SIZE, &pattern(k as u64, SIZE)) }.unwrap();
         let flags = if k == N {
             SendFlags::SIGNALED
         } else {
@@ -1052,7 +1052,7 @@ fn unsignaled_sends_at_depth(net: &Net, ctx: &Context, depth: u32) {
             "message {k}"
         );
         let mut got = vec![0u8; SIZE];
-        smr.read(k * SIZE, &mut got).unwrap();
+        unsafe { smr.read(k * SIZE, &mut got) }.unwrap();
         assert_eq!(got, pattern(k as u64, SIZE), "message {k}");
     }
     assert!(ccq.poll().is_none());
@@ -1119,7 +1119,7 @@ pub fn threads_posting_on_one_connection_deliver_each_message_once(net: &Net) {
                         );
                         let slot = r.wr_id as usize;
                         let mut b = [0u8; 16];
-                        mr.read(slot * 16, &mut b).unwrap();
+                        unsafe { mr.read(slot * 16, &mut b) }.unwrap();
                         let who = u64::from_le_bytes(b[..8].try_into().unwrap());
                         let k = u64::from_le_bytes(b[8..].try_into().unwrap());
                         assert!(who < SENDERS && k < PER, "{progress:?}: garbled {b:?}");
