@@ -39,6 +39,7 @@ suite_over_shm!(
     two_threads_polling_one_queue_take_each_completion_once,
     threads_posting_on_one_connection_deliver_each_message_once,
     destroying_a_connection_wakes_threads_waiting_on_its_queue,
+    c_destroying_a_connection_wakes_a_thread_in_rbr_cq_wait,
     orderly_close_with_receives_posted_is_always_success,
     event_loop_accepts_a_burst_without_losing_a_peer,
     late_receive_send_waits_and_completes,

@@ -1279,3 +1279,99 @@ pub fn destroying_a_connection_wakes_threads_waiting_on_its_queue(net: &Net) {
         }
     }
 }
+
+/// The same through the C surface, which allows destroying a connection while another thread
+/// waits on its queue (only the queue itself must not be destroyed under a waiter): a thread
+/// in `rbr_cq_wait` with two receives posted returns RBR_OK within 5 s of
+/// `rbr_conn_destroy`, and finds the flushed receives and RBR_OP_DISCONNECTED, last.
+pub fn c_destroying_a_connection_wakes_a_thread_in_rbr_cq_wait(net: &Net) {
+    use rdmabridge::ffi::conn::*;
+    use rdmabridge::ffi::cq::*;
+    use rdmabridge::ffi::ctx::*;
+    use rdmabridge::ffi::error::*;
+    use rdmabridge::ffi::listener::*;
+    use rdmabridge::ffi::mr::*;
+    use std::ptr::null_mut;
+    // SAFETY: every pointer is a live handle from the calls below or a live local; each
+    // handle is destroyed once, when no other call on it is under way (the waiter only
+    // uses the queue, which outlives it).
+    unsafe {
+        let mut ctx = null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let (mut scq, mut ccq) = (null_mut(), null_mut());
+        assert_eq!(rbr_cq_create(&mut scq), RBR_OK);
+        assert_eq!(rbr_cq_create(&mut ccq), RBR_OK);
+        let addr = std::ffi::CString::new(net.addr("c-destroy")).unwrap();
+        let mut l = null_mut();
+        assert_eq!(rbr_listen(ctx, addr.as_ptr(), 4, &mut l), RBR_OK);
+        let mut opts = std::mem::zeroed();
+        rbr_conn_options_init(&mut opts);
+        let (l_u, scq_u, opts_u) = (l as usize, scq as usize, &raw const opts as usize);
+        let server = std::thread::spawn(move || {
+            let mut r = null_mut();
+            assert_eq!(
+                rbr_listener_get_request(l_u as *mut _, 10_000, &mut r),
+                RBR_OK
+            );
+            let mut conn = null_mut();
+            assert_eq!(
+                rbr_request_accept(r, scq_u as *mut _, opts_u as *const _, &mut conn),
+                RBR_OK
+            );
+            rbr_request_destroy(r);
+            conn as usize
+        });
+        let mut client = null_mut();
+        assert_eq!(
+            rbr_connect(ctx, addr.as_ptr(), ccq, &opts, &mut client),
+            RBR_OK
+        );
+        let server = server.join().unwrap() as *mut rbr_conn;
+        let mut mr = null_mut();
+        assert_eq!(
+            rbr_mr_alloc(ctx, 64, RBR_ACCESS_LOCAL_WRITE, &mut mr),
+            RBR_OK
+        );
+        assert_eq!(rbr_conn_post_recv(server, mr, 0, 8, 1), RBR_OK);
+        assert_eq!(rbr_conn_post_recv(server, mr, 8, 8, 2), RBR_OK);
+        let waiter = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            (rbr_cq_wait(scq_u as *mut _, 30_000), t0.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!waiter.is_finished(), "the waiter sleeps");
+        rbr_conn_destroy(server);
+        let (st, took) = waiter.join().unwrap();
+        assert_eq!(st, RBR_OK, "rbr_cq_wait");
+        assert!(took < Duration::from_secs(5), "rbr_cq_wait took {took:?}");
+        let mut seen = Vec::new();
+        while seen
+            .last()
+            .is_none_or(|&(op, _, _)| op != RBR_OP_DISCONNECTED)
+        {
+            let mut c = std::mem::zeroed::<rbr_completion>();
+            let mut n = 0;
+            match rbr_cq_poll(scq, &mut c, 1, &mut n) {
+                RBR_OK => seen.push((c.opcode, c.status, c.wr_id)),
+                st => {
+                    assert_eq!(st, RBR_EMPTY);
+                    assert_eq!(rbr_cq_wait(scq, 10_000), RBR_OK, "records after {seen:?}");
+                }
+            }
+        }
+        assert_eq!(
+            seen,
+            [
+                (RBR_OP_RECV, RBR_WC_FLUSHED, 1),
+                (RBR_OP_RECV, RBR_WC_FLUSHED, 2),
+                (RBR_OP_DISCONNECTED, RBR_WC_SUCCESS, 0)
+            ]
+        );
+        rbr_conn_destroy(client);
+        rbr_mr_destroy(mr);
+        rbr_listener_destroy(l);
+        rbr_cq_destroy(scq);
+        rbr_cq_destroy(ccq);
+        rbr_ctx_destroy(ctx);
+    }
+}
