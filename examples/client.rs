@@ -32,7 +32,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let start = Instant::now();
     for i in 0..count {
         let msg = format!("message {i} from client {}", conn.id());
-        mr.write(0, msg.as_bytes())?;
+        // SAFETY: the previous message's send has completed (below): no work request uses
+        // the send half.
+        unsafe { mr.write(0, msg.as_bytes()) }?;
         conn.post_recv(&mr, 4096, 4096, i)?;
         conn.post_send(&mr, 0, msg.len(), i, SendFlags::SIGNALED)?;
         // The send's completion and the echo come in either order.
@@ -46,7 +48,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 Opcode::Send => sent = true,
                 Opcode::Recv => {
                     let mut back = vec![0; c.byte_len as usize];
-                    mr.read(4096, &mut back)?;
+                    // SAFETY: the receive into the second half has completed, and no other is
+                    // posted there.
+                    unsafe { mr.read(4096, &mut back) }?;
                     if back != msg.as_bytes() {
                         return Err(format!("echo {i} differs").into());
                     }

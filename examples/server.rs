@@ -59,8 +59,13 @@ fn main() -> rdmabridge::Result<()> {
                 let len = c.byte_len as usize;
                 // Copy the message to the slot's send half, echo it, and repost the receive.
                 let mut msg = vec![0; len];
-                client.mr.read(slot * MAX, &mut msg)?;
-                client.mr.write((SLOTS + slot) * MAX, &msg)?;
+                // SAFETY: the slot's receive has completed and is reposted only below; the
+                // slot's previous echo was taken by the client before it sent this message
+                // (it sends one at a time and waits for each echo), so no work request reads
+                // the send half any more.
+                unsafe { client.mr.read(slot * MAX, &mut msg) }?;
+                // SAFETY: as above.
+                unsafe { client.mr.write((SLOTS + slot) * MAX, &msg) }?;
                 client.conn.post_send(
                     &client.mr,
                     (SLOTS + slot) * MAX,

@@ -23,6 +23,9 @@ echo "== cargo test without the verbs feature (shm only: what a machine without 
 cargo test --release --no-default-features --quiet
 echo "== the shm suite again with progress threads (RBR_PROGRESS=thread)"
 RBR_PROGRESS=thread cargo test --release --test shm
+echo "== model checks (loom): shm ring, completion-queue readiness, doorbells"
+# Its own target dir: --cfg loom rebuilds every crate, which would otherwise throw away the build above.
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/loom" cargo test --release --lib loom
 echo "== C examples (Debug: ASan + UBSan) under ctest"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build -j2

@@ -3,7 +3,7 @@
 //! [`Progress::Caller`] the pollers also take verbs completions straight from the devices.
 
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -12,6 +12,9 @@ use crossbeam_queue::SegQueue;
 use crate::error::{Error, Result};
 use crate::shm::notice::{Board, SLOTS};
 use crate::sys::{self, EventFd};
+
+mod ready;
+use ready::Readiness;
 
 /// What a completion reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,18 +180,8 @@ pub(crate) trait Source: Send + Sync {
 /// connection arrive in the order its work finished.
 pub struct CompletionQueue {
     queue: SegQueue<Completion>,
-    /// Count of completions pushed or about to be pushed, never below the queue's length:
-    /// producers add before they push, consumers subtract after they pop.
-    pending: AtomicUsize,
-    /// Whether `efd` is readable. Only changed under the lock, so the descriptor's state and
-    /// `pending` can't disagree once both sides are done (no lost or stale wake-up).
-    armed: Mutex<bool>,
-    efd: EventFd,
-    /// Threads asleep on `efd`, plus one once `fd` has been handed out. While zero, nobody looks
-    /// at `efd`, so queueing and taking skip its system calls; whoever starts looking brings it
-    /// up to date first.
-    watchers: AtomicUsize,
-    exported: AtomicBool,
+    /// The descriptor, readable exactly while `queue` holds completions.
+    ready: Readiness,
     opts: CqOptions,
     /// Connections whose completions callers take from the device or the rings
     /// ([`Progress::Caller`]).
@@ -237,11 +230,7 @@ impl CompletionQueue {
         }
         Ok(Arc::new(CompletionQueue {
             queue: SegQueue::new(),
-            pending: AtomicUsize::new(0),
-            armed: Mutex::new(false),
-            efd: EventFd::new().map_err(Error::CompletionQueue)?,
-            watchers: AtomicUsize::new(0),
-            exported: AtomicBool::new(false),
+            ready: Readiness::new(EventFd::new().map_err(Error::CompletionQueue)?),
             opts,
             sources: Mutex::new(Sources::default()),
             nsources: AtomicUsize::new(0),
@@ -260,23 +249,11 @@ impl CompletionQueue {
     }
 
     pub(crate) fn push(&self, c: Completion) {
-        // SeqCst: the increment and the `watchers` load below pair with a new watcher's
-        // increment and its look at `pending` (one of the two sees the other).
-        let before = self.pending.fetch_add(1, Ordering::SeqCst);
-        self.queue.push(c);
-        if before == 0 && self.watchers.load(Ordering::SeqCst) > 0 {
-            self.update_fd();
-        }
+        self.ready.push(|| self.queue.push(c));
     }
 
     fn pop(&self) -> Option<Completion> {
-        let c = self.queue.pop()?;
-        if self.pending.fetch_sub(1, Ordering::SeqCst) == 1
-            && self.watchers.load(Ordering::SeqCst) > 0
-        {
-            self.update_fd();
-        }
-        Some(c)
+        self.ready.pop(|| self.queue.pop())
     }
 
     /// Takes the oldest completion, if any. Never blocks.
@@ -308,9 +285,8 @@ impl CompletionQueue {
     }
 
     fn pop_into(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
-        // `pending` is never below the queue's length, so zero means empty: one load, where
-        // asking the queue itself costs a fence.
-        if self.pending.load(Ordering::Acquire) == 0 {
+        // One load, where asking the queue itself costs a fence.
+        if self.ready.none_pending() {
             return 0;
         }
         let mut n = 0;
@@ -529,7 +505,7 @@ impl CompletionQueue {
     /// Whether a thread sleeps on, or somebody watches, the descriptor: then the devices must
     /// announce every completion, since nobody may be polling.
     pub(crate) fn watched(&self) -> bool {
-        self.watchers.load(Ordering::SeqCst) > 0
+        self.ready.watched()
     }
 
     /// Number of completions queued right now (not counting any still in a device).
@@ -569,9 +545,7 @@ impl CompletionQueue {
             std::hint::spin_loop();
         }
         loop {
-            self.watchers.fetch_add(1, Ordering::SeqCst);
-            let r = self.sleep(deadline);
-            self.watchers.fetch_sub(1, Ordering::SeqCst);
+            let r = self.ready.watching(|| self.sleep(deadline));
             match r {
                 // The descriptor was stale (nobody watched it while the queue drained): it is
                 // up to date now, so sleep again.
@@ -636,14 +610,19 @@ impl CompletionQueue {
         self.long_waits.store(0, Ordering::Relaxed);
     }
 
+    /// Sleeps until the descriptor is readable, as a watcher (see [`Readiness::watching`]).
     fn sleep(&self, deadline: Option<Instant>) -> Result<bool> {
-        self.update_fd();
+        self.ready.update();
         self.arm_sources();
         if self.fill_from_sources(true) > 0 {
             return Ok(true);
         }
-        sys::poll_one(self.efd.raw(), libc::POLLIN, sys::remaining(deadline))
-            .map_err(Error::CompletionQueue)
+        sys::poll_one(
+            self.ready.signal().raw(),
+            libc::POLLIN,
+            sys::remaining(deadline),
+        )
+        .map_err(Error::CompletionQueue)
     }
 
     /// A descriptor for epoll/poll/select: readable exactly while completions are queued
@@ -652,31 +631,13 @@ impl CompletionQueue {
     /// with [`Progress::Thread`]); a program that only polls should not ask for it. Owned by the
     /// queue; do not read, write or close it.
     pub fn fd(&self) -> RawFd {
-        if !self.exported.swap(true, Ordering::SeqCst) {
-            self.watchers.fetch_add(1, Ordering::SeqCst);
-            self.update_fd();
+        if self.ready.export() {
             // From now on the devices announce every completion: ask for the next one, then
             // queue whatever came before the request.
             self.arm_sources();
             self.fill_from_sources(true);
         }
-        self.efd.raw()
-    }
-
-    /// Brings the descriptor's readability in line with `pending`. Runs only on the 0 <-> 1
-    /// transitions while someone watches, so the lock is off the steady-state path.
-    fn update_fd(&self) {
-        let mut armed = self.armed.lock().unwrap_or_else(|p| p.into_inner());
-        // SeqCst: see every increment and decrement published before the lock was taken.
-        let want = self.pending.load(Ordering::SeqCst) > 0;
-        if want != *armed {
-            if want {
-                self.efd.signal();
-            } else {
-                self.efd.clear();
-            }
-            *armed = want;
-        }
+        self.ready.signal().raw()
     }
 }
 
@@ -799,7 +760,9 @@ impl Reporter {
     }
 }
 
-#[cfg(test)]
+// Not in `loom` builds, where the queue's readiness is made of loom's atomics, which only work
+// inside a model.
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 

@@ -14,7 +14,8 @@
 //! let conn = ctx.connect("shm://demo", &cq, &ConnOptions::default())?;
 //! let mr = ctx.alloc_mr(4096, Access::LOCAL_WRITE)?;
 //! conn.post_recv(&mr, 2048, 2048, 2)?;
-//! mr.write(0, b"hello")?;
+//! // SAFETY: no work request or peer uses these bytes yet.
+//! unsafe { mr.write(0, b"hello")? };
 //! conn.post_send(&mr, 0, 5, 1, SendFlags::SIGNALED)?;
 //! while cq.wait(Some(Duration::from_secs(5)))? {
 //!     let c = cq.poll().expect("wait said a completion is queued");
@@ -39,7 +40,10 @@
 //!
 //! # Thread safety
 //! [`Context`], [`CompletionQueue`], [`MemoryRegion`], [`Listener`] and [`Connection`] are
-//! `Send + Sync`: any thread may post, poll or wait at any time.
+//! `Send + Sync`: any thread may post, poll or wait at any time. A region's bytes are the
+//! exception: the library and the peer access them while work is posted, so copying them in
+//! and out ([`MemoryRegion::write`], [`MemoryRegion::read`]) is `unsafe`, with the rule of
+//! any RDMA buffer - hands off while work that uses them is outstanding.
 //!
 //! # Resource cleanup
 //! Everything is released on drop. Dropping a [`Connection`] disconnects it, completes every
@@ -66,6 +70,7 @@ mod log;
 mod mr;
 mod panic;
 mod shm;
+mod sync;
 mod sys;
 mod verbs;
 

@@ -79,8 +79,8 @@ pub(crate) trait Exposure: Send + Sync {
 }
 
 // SAFETY: the region is plain memory; the struct only hands out its address and copies bytes in
-// and out with explicit bounds checks. Concurrent access to the bytes themselves is the caller's
-// contract, as with any RDMA buffer.
+// and out with explicit bounds checks, in `unsafe` methods whose contract rules out concurrent
+// access to the bytes themselves, as with any RDMA buffer.
 unsafe impl Send for MemoryRegion {}
 // SAFETY: see `Send`; no method mutates the struct through `&self`.
 unsafe impl Sync for MemoryRegion {}
@@ -161,21 +161,48 @@ impl MemoryRegion {
         self.id
     }
 
-    /// Copies `data` into the region at `offset`.
+    /// Copies `data` into the region at `offset`. Fails with [`Error::Range`] (changing
+    /// nothing) when the bytes do not lie inside the region.
     ///
-    /// Do not call while a posted receive or one-sided operation may be writing these bytes.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+    /// Unsafe because the library and the peer read and write a region's bytes behind this
+    /// handle's back, from other threads and processes, while work is posted: a copy that
+    /// overlaps them is a data race, which Rust leaves undefined (and whose bytes would be
+    /// torn anyway). Nothing here can tell which bytes are in flight without a lock on every
+    /// post and completion, and a peer's one-sided accesses are not seen at all, so the
+    /// caller keeps to the same rule as for any RDMA buffer (as the `unsafe` posting of
+    /// rust-ibverbs has its callers do). Posting with a region stays safe: the region, held
+    /// alive by every work request, is what keeps the memory valid.
+    ///
+    /// # Safety
+    /// While the copy runs, nothing else reads or writes `offset..offset + data.len()` of the
+    /// region: no work request that uses these bytes is outstanding - a send, write or atomic
+    /// from them, a receive, read or atomic into them (the bytes belong to the caller again
+    /// once its completion is polled) - no peer reads or writes them with one-sided
+    /// operations (agree on that with it, for instance by messages), and no other thread
+    /// reads or writes them, through this handle or another.
+    pub unsafe fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
         let dst = self.slice_ptr(offset, data.len())?;
         // SAFETY: `slice_ptr` checked that offset..offset+len lies inside the region, which is
-        // valid memory for as long as `self` lives; `data` cannot overlap it mutably.
+        // valid memory for as long as `self` lives; `data` cannot overlap it mutably; nobody
+        // else accesses these bytes meanwhile (the caller's contract).
         unsafe { std::ptr::copy(data.as_ptr(), dst, data.len()) };
         Ok(())
     }
 
-    /// Copies `out.len()` bytes from the region at `offset` into `out`.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+    /// Copies `out.len()` bytes from the region at `offset` into `out`. Fails with
+    /// [`Error::Range`] (changing nothing) when the bytes do not lie inside the region.
+    ///
+    /// Unsafe for the reason [`write`](Self::write) is.
+    ///
+    /// # Safety
+    /// While the copy runs, nothing writes `offset..offset + out.len()` of the region: no
+    /// receive, read or atomic into these bytes is outstanding (they belong to the caller
+    /// once its completion is polled), no peer writes them with one-sided operations, and no
+    /// other thread writes them.
+    pub unsafe fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         let src = self.slice_ptr(offset, out.len())?;
-        // SAFETY: bounds checked by `slice_ptr`; `out` is an exclusive borrow of caller memory.
+        // SAFETY: bounds checked by `slice_ptr`; `out` is an exclusive borrow of caller memory;
+        // nobody writes these bytes meanwhile (the caller's contract).
         unsafe { std::ptr::copy(src, out.as_mut_ptr(), out.len()) };
         Ok(())
     }

@@ -118,7 +118,7 @@ fn exchange(
             (to.id(), Opcode::Recv, WcStatus::Success, k, 8)
         );
         let mut got = [0u8; 8];
-        mr.read(0, &mut got).unwrap();
+        unsafe { mr.read(0, &mut got) }.unwrap();
         assert_eq!(u64::from_le_bytes(got), word, "pair {k}");
         let sc = next(from_cq);
         assert_eq!(

@@ -37,6 +37,9 @@ suite_over_shm!(
     idle_connection_stays_up_and_reports_nothing,
     sleepers_wake_for_late_completions_in_both_progress_modes,
     two_threads_polling_one_queue_take_each_completion_once,
+    threads_posting_on_one_connection_deliver_each_message_once,
+    destroying_a_connection_wakes_threads_waiting_on_its_queue,
+    c_destroying_a_connection_wakes_a_thread_in_rbr_cq_wait,
     orderly_close_with_receives_posted_is_always_success,
     event_loop_accepts_a_burst_without_losing_a_peer,
     late_receive_send_waits_and_completes,
@@ -363,7 +366,7 @@ fn busy_poller_gets_every_message_across_idle_gaps() {
             let conn = index[&wc.conn_id];
             let slot = wc.wr_id as usize;
             let mut b = [0u8; 8];
-            mr.read(slot * 8, &mut b).unwrap();
+            unsafe { mr.read(slot * 8, &mut b) }.unwrap();
             let k = u64::from_le_bytes(b);
             assert_eq!(
                 (k as usize * 7) % CONNS,
@@ -533,7 +536,7 @@ mod onesided {
         let remote = c.unpack_remote(&desc).unwrap();
         let src = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
         let data = pattern(3, 4096);
-        src.write(0, &data).unwrap();
+        unsafe { src.write(0, &data) }.unwrap();
         let sgl = [
             Sge {
                 mr: &src,
@@ -576,7 +579,7 @@ mod onesided {
             };
             let remote = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
             let src = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
-            src.write(0, &[0xab; 64]).unwrap();
+            unsafe { src.write(0, &[0xab; 64]) }.unwrap();
             let sgl = [Sge {
                 mr: &src,
                 offset: 0,
@@ -586,13 +589,13 @@ mod onesided {
                 .unwrap();
             assert_eq!(next(&ccq).status, WcStatus::Success);
             let mut got = [0u8; 64];
-            tmr.read(0, &mut got).unwrap();
+            unsafe { tmr.read(0, &mut got) }.unwrap();
             assert_eq!(got, [0xab; 64]);
             drop(tmr);
             if caller_memory {
                 backing[..64].fill(0);
             }
-            src.write(0, &[0xcd; 64]).unwrap();
+            unsafe { src.write(0, &[0xcd; 64]) }.unwrap();
             c.post_write(&sgl, &remote, 0, 2, SendFlags::SIGNALED)
                 .unwrap();
             let done = next(&ccq);
@@ -627,7 +630,7 @@ mod onesided {
         );
         let local = ctx.alloc_mr(1 << 20, Access::LOCAL_WRITE).unwrap();
         let data = pattern(9, 1 << 20);
-        local.write(0, &data).unwrap();
+        unsafe { local.write(0, &data) }.unwrap();
         let all = [Sge {
             mr: &local,
             offset: 0,
@@ -637,10 +640,10 @@ mod onesided {
             .unwrap();
         assert_eq!(next(&ccq).opcode, Opcode::Write);
         let mut got = vec![0u8; 1 << 20];
-        tmr.read(0, &mut got).unwrap();
+        unsafe { tmr.read(0, &mut got) }.unwrap();
         assert!(got == data);
         // Read it back into the other half of a zeroed region, scattered.
-        local.write(0, &vec![0u8; 1 << 20]).unwrap();
+        unsafe { local.write(0, &vec![0u8; 1 << 20]) }.unwrap();
         let halves = [
             Sge {
                 mr: &local,
@@ -660,12 +663,12 @@ mod onesided {
             (done.opcode, done.status),
             (Opcode::Read, WcStatus::Success)
         );
-        local.read(512 << 10, &mut got[..256 << 10]).unwrap();
+        unsafe { local.read(512 << 10, &mut got[..256 << 10]) }.unwrap();
         assert!(got[..256 << 10] == data[..256 << 10]);
-        local.read(0, &mut got[..256 << 10]).unwrap();
+        unsafe { local.read(0, &mut got[..256 << 10]) }.unwrap();
         assert!(got[..256 << 10] == data[256 << 10..512 << 10]);
         // Atomics.
-        tmr.write(64, &5u64.to_ne_bytes()).unwrap();
+        unsafe { tmr.write(64, &5u64.to_ne_bytes()) }.unwrap();
         c.post_fetch_add(&local, 8, &remote, 64, 10, 3, SendFlags::SIGNALED)
             .unwrap();
         assert_eq!(next(&ccq).opcode, Opcode::FetchAdd);
@@ -674,14 +677,14 @@ mod onesided {
         assert_eq!(next(&ccq).opcode, Opcode::CmpSwap);
         let word = |mr: &MemoryRegion, off| {
             let mut b = [0u8; 8];
-            mr.read(off, &mut b).unwrap();
+            unsafe { mr.read(off, &mut b) }.unwrap();
             u64::from_ne_bytes(b)
         };
         assert_eq!((word(&local, 8), word(&local, 16)), (5, 15));
         assert_eq!(word(&tmr, 64), 99);
         // Write with immediate: consumes a receive, whose buffer stays untouched.
         let rbuf = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
-        rbuf.write(0, &[7; 64]).unwrap();
+        unsafe { rbuf.write(0, &[7; 64]) }.unwrap();
         s.post_recv(&rbuf, 0, 64, 50).unwrap();
         c.post_write_imm(&all[..], &remote, 0, 0xfeed, 5, SendFlags::SIGNALED)
             .unwrap();
@@ -702,18 +705,18 @@ mod onesided {
             (5, Opcode::Write, WcStatus::Success)
         );
         let mut r = [0u8; 64];
-        rbuf.read(0, &mut r).unwrap();
+        unsafe { rbuf.read(0, &mut r) }.unwrap();
         assert_eq!(r, [7; 64]);
         // A wrong key fails and changes nothing.
         let bad = c
             .remote_from_raw(remote.addr(), remote.len(), remote.key() ^ 1)
             .unwrap();
-        tmr.read(0, &mut got).unwrap();
+        unsafe { tmr.read(0, &mut got) }.unwrap();
         let before = got.clone();
         c.post_write(&all, &bad, 0, 6, SendFlags::SIGNALED).unwrap();
         let e = next(&ccq);
         assert_eq!((e.wr_id, e.status), (6, WcStatus::RemoteAccess));
-        tmr.read(0, &mut got).unwrap();
+        unsafe { tmr.read(0, &mut got) }.unwrap();
         assert!(got == before);
         until_disconnected(&ccq);
         until_disconnected(&scq);
@@ -783,7 +786,7 @@ mod onesided {
                         (i, Opcode::FetchAdd, WcStatus::Success)
                     );
                     let mut b = [0u8; 8];
-                    local.read(0, &mut b).unwrap();
+                    unsafe { local.read(0, &mut b) }.unwrap();
                     seen.push(u64::from_ne_bytes(b));
                 }
                 seen
@@ -798,7 +801,7 @@ mod onesided {
             assert_eq!(all.len() as u64, 2 * N, "{progress:?}");
             assert_eq!(*all.last().unwrap(), 2 * N - 1);
             let mut w = [0u8; 8];
-            tmr.read(128, &mut w).unwrap();
+            unsafe { tmr.read(128, &mut w) }.unwrap();
             assert_eq!(u64::from_ne_bytes(w), 2 * N);
         }
     }
@@ -837,11 +840,11 @@ mod onesided {
         c.post_recv(&msg, 0, 64, 100).unwrap();
         assert_eq!(next(&cq).opcode, Opcode::Recv);
         let mut desc = [0u8; 64];
-        msg.read(0, &mut desc).unwrap();
+        unsafe { msg.read(0, &mut desc) }.unwrap();
         let a = c.unpack_remote(&desc[..32]).unwrap();
         let b = c.unpack_remote(&desc[32..]).unwrap();
         let local = ctx.alloc_mr(1 << 16, Access::LOCAL_WRITE).unwrap();
-        local.write(0, &pattern(1, 1 << 16)).unwrap();
+        unsafe { local.write(0, &pattern(1, 1 << 16)) }.unwrap();
         let halves = [
             Sge {
                 mr: &local,
@@ -860,14 +863,14 @@ mod onesided {
         c.post_fetch_add(&word, 0, &a, (1 << 16) - 8, 5, 2, SendFlags(0))
             .unwrap();
         let small = ctx.alloc_mr(1 << 14, Access::LOCAL_WRITE).unwrap();
-        small.write(0, &pattern(2, 1 << 14)).unwrap();
+        unsafe { small.write(0, &pattern(2, 1 << 14)) }.unwrap();
         let whole = [Sge {
             mr: &small,
             offset: 0,
             len: 1 << 14,
         }];
         c.post_write(&whole, &b, 0, 3, SendFlags::SIGNALED).unwrap();
-        small.write(0, &[0; 1 << 14]).unwrap();
+        unsafe { small.write(0, &[0; 1 << 14]) }.unwrap();
         c.post_read(&whole, &b, 0, 4, SendFlags::SIGNALED).unwrap();
         c.post_recv(&msg, 0, 64, 101).unwrap();
         c.post_write_imm(&[], &a, 0, 1, 5, SendFlags::SIGNALED)
@@ -892,11 +895,11 @@ mod onesided {
         );
         assert!(got.contains(&(101, Opcode::Recv)));
         let mut back = vec![0u8; 1 << 14];
-        small.read(0, &mut back).unwrap();
+        unsafe { small.read(0, &mut back) }.unwrap();
         assert!(back == pattern(2, 1 << 14), "read back through the kernel");
         // The owner dropped region b (its message said so): writing it fails, and the owner
         // checks that its memory did not change.
-        small.write(0, &pattern(3, 1 << 14)).unwrap();
+        unsafe { small.write(0, &pattern(3, 1 << 14)) }.unwrap();
         c.post_write(&whole, &b, 0, 6, SendFlags::SIGNALED).unwrap();
         let d = next(&cq);
         assert_eq!((d.wr_id, d.status), (6, WcStatus::RemoteAccess));
@@ -928,8 +931,8 @@ mod onesided {
                 .unwrap()
         };
         let msg = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
-        msg.write(0, &s.pack_region(&a).unwrap()).unwrap();
-        msg.write(32, &s.pack_region(&b).unwrap()).unwrap();
+        unsafe { msg.write(0, &s.pack_region(&a).unwrap()) }.unwrap();
+        unsafe { msg.write(32, &s.pack_region(&b).unwrap()) }.unwrap();
         let rbuf = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
         s.post_recv(&rbuf, 0, 64, 1).unwrap();
         s.post_send(&msg, 0, 64, 2, SendFlags::SIGNALED).unwrap();
@@ -943,7 +946,7 @@ mod onesided {
         }
         assert_eq!(imm, Some((1, Some(1), 0)));
         let mut got = vec![0u8; 1 << 16];
-        a.read(0, &mut got).unwrap();
+        unsafe { a.read(0, &mut got) }.unwrap();
         let mut want = pattern(1, 1 << 16);
         let last = u64::from_ne_bytes(want[(1 << 16) - 8..].try_into().unwrap());
         want[(1 << 16) - 8..].copy_from_slice(&(last + 5).to_ne_bytes());
@@ -1069,7 +1072,7 @@ mod onesided {
         assert!(e.to_string().contains("ptrace"), "{e}");
         let tmr = ctx.alloc_mr(4096, access).unwrap();
         let msg = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
-        msg.write(0, &s.pack_region(&tmr).unwrap()).unwrap();
+        unsafe { msg.write(0, &s.pack_region(&tmr).unwrap()) }.unwrap();
         s.post_recv(&msg, 32, 32, 1).unwrap();
         s.post_send(&msg, 0, 32, 2, SendFlags::SIGNALED).unwrap();
         let mut got = Vec::new();
@@ -1079,7 +1082,7 @@ mod onesided {
             got.push(d.opcode);
         }
         let mut data = vec![0u8; 4096];
-        tmr.read(0, &mut data).unwrap();
+        unsafe { tmr.read(0, &mut data) }.unwrap();
         assert!(
             data == pattern(5, 4096),
             "the peer's write is in the region"
@@ -1110,10 +1113,10 @@ mod onesided {
         c.post_recv(&msg, 0, 32, 1).unwrap();
         assert_eq!(next(&cq).opcode, Opcode::Recv);
         let mut desc = [0u8; 32];
-        msg.read(0, &mut desc).unwrap();
+        unsafe { msg.read(0, &mut desc) }.unwrap();
         let r = c.unpack_remote(&desc).unwrap();
         let local = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
-        local.write(0, &pattern(5, 4096)).unwrap();
+        unsafe { local.write(0, &pattern(5, 4096)) }.unwrap();
         let sgl = [Sge {
             mr: &local,
             offset: 0,

@@ -34,6 +34,9 @@ suite_over_verbs!(
     idle_connection_stays_up_and_reports_nothing,
     sleepers_wake_for_late_completions_in_both_progress_modes,
     two_threads_polling_one_queue_take_each_completion_once,
+    threads_posting_on_one_connection_deliver_each_message_once,
+    destroying_a_connection_wakes_threads_waiting_on_its_queue,
+    c_destroying_a_connection_wakes_a_thread_in_rbr_cq_wait,
     connect_close_cycles_leak_nothing,
     orderly_close_with_receives_posted_is_always_success,
     event_loop_accepts_a_burst_without_losing_a_peer,
@@ -354,7 +357,7 @@ fn hand_over_region(
     let r = common::next(user_cq);
     assert_eq!((r.opcode, r.status), (Opcode::Recv, WcStatus::Success));
     let mut got = vec![0u8; r.byte_len as usize];
-    buf.read(0, &mut got).unwrap();
+    unsafe { buf.read(0, &mut got) }.unwrap();
     user.unpack_remote(&got).unwrap()
 }
 
@@ -382,7 +385,7 @@ fn write_with_immediate_waits_for_a_receive_in_order_with_sends() {
         .unwrap();
     let remote = hand_over_region(&ctx, &s, &scq, &c, &ccq, &target);
     let src = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
-    src.write(0, &pattern(1, 4096)).unwrap();
+    unsafe { src.write(0, &pattern(1, 4096)) }.unwrap();
     let sig = SendFlags::SIGNALED;
     c.post_send(&src, 0, 100, 1, sig).unwrap();
     let seg = |offset, len| Sge {
@@ -408,7 +411,7 @@ fn write_with_immediate_waits_for_a_receive_in_order_with_sends() {
         "the plain write did not pass the held send and write with immediate"
     );
     let mut got = vec![0u8; 500];
-    target.read(4096, &mut got).unwrap();
+    unsafe { target.read(4096, &mut got) }.unwrap();
     assert_eq!(got, pattern(1, 4096)[1000..1500]);
     // Keepalives and credit looks go on; neither side reports anything.
     std::thread::sleep(Duration::from_millis(300));
@@ -421,7 +424,7 @@ fn write_with_immediate_waits_for_a_receive_in_order_with_sends() {
         "the library's own traffic reached the target"
     );
     let rbuf = ctx.alloc_mr(256, Access::LOCAL_WRITE).unwrap();
-    rbuf.write(0, &[0x5a; 256]).unwrap();
+    unsafe { rbuf.write(0, &[0x5a; 256]) }.unwrap();
     s.post_recv(&rbuf, 0, 128, 10).unwrap();
     s.post_recv(&rbuf, 128, 128, 11).unwrap();
     let r = next(&scq);
@@ -441,14 +444,14 @@ fn write_with_immediate_waits_for_a_receive_in_order_with_sends() {
         )
     );
     let mut got = vec![0u8; 500];
-    target.read(0, &mut got).unwrap();
+    unsafe { target.read(0, &mut got) }.unwrap();
     assert_eq!(
         got,
         pattern(1, 4096)[100..600],
         "bytes of the write with immediate"
     );
     let mut untouched = vec![0u8; 128];
-    rbuf.read(128, &mut untouched).unwrap();
+    unsafe { rbuf.read(128, &mut untouched) }.unwrap();
     assert_eq!(
         untouched,
         vec![0x5a; 128],
@@ -587,7 +590,7 @@ fn unsignaled_one_sided_operations_never_fill_the_send_queue() {
     );
     assert!(ccq.poll().is_none());
     let mut word = [0u8; 8];
-    target.read(0, &mut word).unwrap();
+    unsafe { target.read(0, &mut word) }.unwrap();
     // The last fetch-and-add completed before the last read did (the send queue completes in
     // order), so the word holds them all.
     assert_eq!(u64::from_ne_bytes(word), adds);
@@ -612,7 +615,7 @@ fn a_key_wider_than_32_bits_is_invalid_and_posts_nothing() {
         .remote_from_raw(good.addr(), good.len(), good.key() | 1 << 32)
         .unwrap();
     let local = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
-    local.write(0, &[7; 64]).unwrap();
+    unsafe { local.write(0, &[7; 64]) }.unwrap();
     let sge = [Sge {
         mr: &local,
         offset: 0,
@@ -630,7 +633,7 @@ fn a_key_wider_than_32_bits_is_invalid_and_posts_nothing() {
         (Opcode::Write, WcStatus::Success, 2)
     );
     let mut got = [0u8; 64];
-    target.read(0, &mut got).unwrap();
+    unsafe { target.read(0, &mut got) }.unwrap();
     assert_eq!(got, [7; 64]);
 }
 

@@ -16,18 +16,18 @@
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::Arc;
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::Ordering;
 
 use crate::cq::{Completion, Opcode, Reporter, WcStatus};
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
-use crate::shm::direct;
 use crate::shm::notice::Board;
 use crate::shm::onesided::ImportCache;
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{
     FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES, Segment,
 };
+use crate::shm::{bell, direct};
 
 /// Doorbell packet: "look at the rings".
 pub(crate) const WAKE: u8 = 1;
@@ -932,22 +932,16 @@ impl Flow {
     /// only when the peer asked for it - and with `mark`, marks its notice board.
     fn notify_peer(&self, mark: bool) {
         let peer = self.seg.ctrl(1 - self.side);
-        // SeqCst fence: our ring/credit stores above are ordered before reading the peer's
-        // notice board and `sleeping`, pairing with its clearing of the board, and its store of
-        // `sleeping`, before its re-check of the rings (Dekker).
-        fence(Ordering::SeqCst);
-        if mark
-            && peer.want_mark.load(Ordering::SeqCst) == 1
-            && let Some((board, slot)) = &self.peer_board
-        {
-            board.mark(*slot);
-        }
-        if peer.sleeping.load(Ordering::SeqCst) == 1
-            && peer
-                .sleeping
-                .compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-        {
+        // After the fence that orders our ring/credit stores before it (see `bell`).
+        let mark_board = || {
+            if mark
+                && peer.want_mark.load(Ordering::SeqCst) == 1
+                && let Some((board, slot)) = &self.peer_board
+            {
+                board.mark(*slot);
+            }
+        };
+        if bell::must_ring(peer.sleeping, mark_board) {
             send_packet(self.sock, WAKE);
         }
     }
@@ -1045,13 +1039,9 @@ impl Flow {
     }
 }
 
-/// Sets one of this side's request flags for the peer. The SeqCst fence orders the store
-/// before the caller's re-check of the rings, pairing with the peer's fence before it reads the
-/// flag in `notify_peer` (Dekker): either the peer sees the request or the caller sees what the
-/// peer wrote.
+/// Sets one of this side's request flags for the peer (see [`bell::announce`]).
 fn announce(flag: &std::sync::atomic::AtomicU32, on: bool) {
-    flag.store(u32::from(on), Ordering::SeqCst);
-    fence(Ordering::SeqCst);
+    bell::announce(flag, on);
 }
 
 /// Sends one packet on the handshake socket without waiting.

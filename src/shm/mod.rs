@@ -10,6 +10,7 @@
 //! watches for the peer leaving and moves data only while nobody else does (`engine.rs`), for
 //! all its connections on one thread.
 
+mod bell;
 mod conn;
 mod direct;
 mod engine;

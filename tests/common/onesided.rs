@@ -38,7 +38,7 @@ fn hand_over(
     expect_ok(from_cq, Opcode::Send, 901);
     let c = expect_ok(to_cq, Opcode::Recv, 900);
     let mut got = vec![0u8; c.byte_len as usize];
-    buf.read(0, &mut got).unwrap();
+    unsafe { buf.read(0, &mut got) }.unwrap();
     got
 }
 
@@ -77,7 +77,7 @@ fn thirds(mr: &Arc<MemoryRegion>, base: usize, len: usize) -> Vec<Sge<'_>> {
 
 fn bytes(mr: &MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
-    mr.read(offset, &mut v).unwrap();
+    unsafe { mr.read(offset, &mut v) }.unwrap();
     v
 }
 
@@ -104,13 +104,13 @@ pub fn one_sided_operations_move_verified_data_at_all_sizes(net: &Net) {
     let local = ctx.alloc_mr(max + 64, Access::LOCAL_WRITE).unwrap();
     let remote = remote_of(&ctx, &client, &ccq, &server, &scq, &target);
     let recv_buf = ctx.alloc_mr(16, Access::LOCAL_WRITE).unwrap();
-    recv_buf.write(0, &[0xee; 16]).unwrap();
+    unsafe { recv_buf.write(0, &[0xee; 16]) }.unwrap();
     let mut wr = 0;
     for size in [1usize, 7, 4096, 65536 + 5, 1 << 20, max] {
         // Unaligned on both ends, except at the largest size.
         let (loff, roff) = if size == max { (0, 0) } else { (3, 61) };
         let data = pattern(size as u64, size);
-        local.write(loff, &data).unwrap();
+        unsafe { local.write(loff, &data) }.unwrap();
         wr += 1;
         client
             .post_write(&thirds(&local, loff, size), &remote, roff as u64, wr, SIG)
@@ -118,7 +118,7 @@ pub fn one_sided_operations_move_verified_data_at_all_sizes(net: &Net) {
         expect_ok(&ccq, Opcode::Write, wr);
         assert!(bytes(&target, roff, size) == data, "write of {size} B");
 
-        local.write(loff, &vec![0u8; size]).unwrap();
+        unsafe { local.write(loff, &vec![0u8; size]) }.unwrap();
         wr += 1;
         client
             .post_read(&thirds(&local, loff, size), &remote, roff as u64, wr, SIG)
@@ -127,7 +127,7 @@ pub fn one_sided_operations_move_verified_data_at_all_sizes(net: &Net) {
         assert!(bytes(&local, loff, size) == data, "read of {size} B");
 
         let data2 = pattern(size as u64 + 1000, size);
-        local.write(loff, &data2).unwrap();
+        unsafe { local.write(loff, &data2) }.unwrap();
         server.post_recv(&recv_buf, 0, 16, 5000 + wr).unwrap();
         wr += 1;
         let imm = 0xabc0_0000 | size as u32 & 0xffff;
@@ -164,7 +164,7 @@ pub fn one_sided_operations_move_verified_data_at_all_sizes(net: &Net) {
     let cremote = remote_of(&ctx, &client, &ccq, &server, &scq, &creg);
     for size in [1usize, 4096, 1 << 20] {
         let data = pattern(size as u64 + 7, size);
-        local.write(0, &data).unwrap();
+        unsafe { local.write(0, &data) }.unwrap();
         let seg = [Sge {
             mr: &local,
             offset: 0,
@@ -177,7 +177,7 @@ pub fn one_sided_operations_move_verified_data_at_all_sizes(net: &Net) {
             bytes(&creg, 0, size) == data,
             "write of {size} B into caller memory"
         );
-        local.write(0, &vec![0u8; size]).unwrap();
+        unsafe { local.write(0, &vec![0u8; size]) }.unwrap();
         wr += 1;
         client.post_read(&seg, &cremote, 0, wr, SIG).unwrap();
         expect_ok(&ccq, Opcode::Read, wr);
@@ -250,7 +250,7 @@ pub fn one_sided_operations_move_verified_data_at_all_sizes(net: &Net) {
         Err(Error::InvalidArgument(_))
     ));
     wr += 1;
-    local.write(0, b"still up").unwrap();
+    unsafe { local.write(0, b"still up") }.unwrap();
     client
         .post_write(&one(&local), &remote, 0, wr, SIG)
         .unwrap();
@@ -298,7 +298,7 @@ pub fn fetch_and_add_from_two_connections_sums_exactly(net: &Net) {
                         let k = expect_ok(ccq, Opcode::FetchAdd, done).wr_id;
                         let slot = (k % window as u64) as usize;
                         let mut b = [0u8; 8];
-                        res.read(slot * 8, &mut b).unwrap();
+                        unsafe { res.read(slot * 8, &mut b) }.unwrap();
                         got.push(u64::from_ne_bytes(b));
                         done += 1;
                     }
@@ -375,7 +375,7 @@ pub fn compare_and_swap_makes_a_working_lock(net: &Net) {
                     c.post_read(&seg, remote, 8, wr, SIG).unwrap();
                     expect_ok(ccq, Opcode::Read, wr);
                     let n = u64::from_ne_bytes(bytes(&local, 8, 8).try_into().unwrap());
-                    local.write(8, &(n + 1).to_ne_bytes()).unwrap();
+                    unsafe { local.write(8, &(n + 1).to_ne_bytes()) }.unwrap();
                     wr += 1;
                     c.post_write(&seg, remote, 8, wr, SIG).unwrap();
                     expect_ok(ccq, Opcode::Write, wr);
@@ -406,7 +406,7 @@ pub fn bad_remote_accesses_fail_with_remote_access_and_touch_nothing(net: &Net) 
             Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE
         };
         let target = ctx.alloc_mr(4096, access).unwrap();
-        target.write(0, &pattern(77, 4096)).unwrap();
+        unsafe { target.write(0, &pattern(77, 4096)) }.unwrap();
         let before = checksum(&target);
         let mut remote = remote_of(&ctx, &client, &ccq, &server, &scq, &target);
         let mut offset = 0;
@@ -421,7 +421,7 @@ pub fn bad_remote_accesses_fail_with_remote_access_and_touch_nothing(net: &Net) 
             _ => {}
         }
         let local = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
-        local.write(0, &[0x11; 64]).unwrap();
+        unsafe { local.write(0, &[0x11; 64]) }.unwrap();
         let seg = [Sge {
             mr: &local,
             offset: 0,

@@ -231,7 +231,7 @@ pub fn slow_receiver_holds_sender_back_and_loses_nothing(net: &Net) {
     let n = 300usize;
     let smr = ctx.alloc_mr(n * 100, Access::LOCAL_WRITE).unwrap();
     for k in 0..n {
-        smr.write(k * 100, &pattern(k as u64, 100)).unwrap();
+        unsafe { smr.write(k * 100, &pattern(k as u64, 100)) }.unwrap();
         c.post_send(&smr, k * 100, 100, k as u64, SendFlags::SIGNALED)
             .unwrap();
     }
@@ -255,7 +255,7 @@ pub fn slow_receiver_holds_sender_back_and_loses_nothing(net: &Net) {
             (r.opcode, r.status, r.wr_id, r.byte_len),
             (Opcode::Recv, WcStatus::Success, k as u64, 100)
         );
-        rmr.read(0, &mut buf).unwrap();
+        unsafe { rmr.read(0, &mut buf) }.unwrap();
         assert_eq!(buf, pattern(k as u64, 100), "message {k}");
         // Wait for the matching send completion before the next receive (waiting drives the
         // sender's progress, as polling does).
@@ -358,7 +358,7 @@ pub fn bad_posts_return_clear_errors_and_post_nothing(net: &Net) {
     let b = next(&scq);
     assert_eq!((a.wr_id, a.byte_len, b.wr_id, b.byte_len), (1, 7, 2, 4));
     let mut got = [0u8; 7];
-    mr.read(0, &mut got).unwrap();
+    unsafe { mr.read(0, &mut got) }.unwrap();
     assert_eq!(&got, b"inline!");
     assert_eq!(next(&ccq).wr_id, 10);
     std::thread::sleep(Duration::from_millis(50));
@@ -504,7 +504,7 @@ pub fn connect_close_cycles_leak_nothing(net: &Net) {
         let (c, ccq, s, scq) = pair(net, ctx, &ConnOptions::default(), &ConnOptions::default());
         let mr = ctx.alloc_mr(8192, Access::LOCAL_WRITE).unwrap();
         s.post_recv(&mr, 4096, 4096, 7).unwrap();
-        mr.write(0, &pattern(3, 4096)).unwrap();
+        unsafe { mr.write(0, &pattern(3, 4096)) }.unwrap();
         c.post_send(&mr, 0, 4096, 9, SendFlags::SIGNALED).unwrap();
         let r = next(&scq);
         assert_eq!(
@@ -561,7 +561,7 @@ pub fn idle_connection_stays_up_and_reports_nothing(net: &Net) {
 
 fn read_u64(mr: &rdmabridge::MemoryRegion, offset: usize) -> u64 {
     let mut b = [0u8; 8];
-    mr.read(offset, &mut b).unwrap();
+    unsafe { mr.read(offset, &mut b) }.unwrap();
     u64::from_le_bytes(b)
 }
 
@@ -925,7 +925,7 @@ pub fn late_receive_send_waits_and_completes(net: &Net) {
         let opts = ConnOptions::default();
         let (c, ccq, s, scq) = pair_with(net, &ctx, &opts, &opts, cq_opts);
         let smr = ctx.alloc_mr(BIG, Access::LOCAL_WRITE).unwrap();
-        smr.write(0, &pattern(7, BIG)).unwrap();
+        unsafe { smr.write(0, &pattern(7, BIG)) }.unwrap();
         let rmr = ctx.alloc_mr(BIG + 64, Access::LOCAL_WRITE).unwrap();
         let t0 = Instant::now();
         c.post_send_inline(&[0xa5, 0x5a], 1, SendFlags::SIGNALED)
@@ -968,9 +968,9 @@ pub fn late_receive_send_waits_and_completes(net: &Net) {
             );
         }
         let mut got = vec![0u8; BIG];
-        rmr.read(0, &mut got[..2]).unwrap();
+        unsafe { rmr.read(0, &mut got[..2]) }.unwrap();
         assert_eq!(got[..2], [0xa5, 0x5a], "{progress:?}");
-        rmr.read(64, &mut got).unwrap();
+        unsafe { rmr.read(64, &mut got) }.unwrap();
         assert!(
             got == pattern(7, BIG),
             "{progress:?}: 64 KiB message differs"
@@ -1016,7 +1016,7 @@ fn unsignaled_sends_at_depth(net: &Net, ctx: &Context, depth: u32) {
         s.post_recv(&smr, k * SIZE, SIZE, k as u64).unwrap();
     }
     for k in 0..=N {
-        cmr.write(k * SIZE, &pattern(k as u64, SIZE)).unwrap();
+        unsafe { cmr.write(k * SIZE, &pattern(k as u64, SIZE)) }.unwrap();
         let flags = if k == N {
             SendFlags::SIGNALED
         } else {
@@ -1052,9 +1052,326 @@ fn unsignaled_sends_at_depth(net: &Net, ctx: &Context, depth: u32) {
             "message {k}"
         );
         let mut got = vec![0u8; SIZE];
-        smr.read(k * SIZE, &mut got).unwrap();
+        unsafe { smr.read(k * SIZE, &mut got) }.unwrap();
         assert_eq!(got, pattern(k as u64, SIZE), "message {k}");
     }
     assert!(ccq.poll().is_none());
     drop((c, s));
+}
+
+/// In both progress modes, four threads post sends on one connection at once (each polling the
+/// sender's queue, shared by all four, whenever the send queue is full), and three threads poll
+/// the receiver's queue and repost receives on the other connection at once: every message
+/// arrives exactly once, intact, each sender's in its posting order, and every send completes
+/// exactly once.
+pub fn threads_posting_on_one_connection_deliver_each_message_once(net: &Net) {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+    const SENDERS: u64 = 4;
+    const PER: u64 = 600;
+    const TOTAL: u64 = SENDERS * PER;
+    const SLOTS: usize = 64;
+    for progress in [Progress::Caller, Progress::Thread] {
+        let ctx = Context::new().unwrap();
+        let cq_opts = CqOptions {
+            progress,
+            ..Default::default()
+        };
+        let opts = ConnOptions {
+            recv_queue_depth: SLOTS as u32,
+            send_queue_depth: 32,
+            ..Default::default()
+        };
+        let (c, ccq, s, scq) = pair_with(net, &ctx, &opts, &opts, cq_opts);
+        let mr = ctx.alloc_mr(SLOTS * 16, Access::LOCAL_WRITE).unwrap();
+        for i in 0..SLOTS {
+            s.post_recv(&mr, i * 16, 16, i as u64).unwrap();
+        }
+        let seen = Mutex::new(vec![0u32; TOTAL as usize]);
+        let sent = Mutex::new(vec![0u32; TOTAL as usize]);
+        let (received, completed) = (AtomicU64::new(0), AtomicU64::new(0));
+        let deadline = Instant::now() + Duration::from_secs(120);
+        // A send completion taken by any of the senders.
+        let take_send = |r: rdmabridge::Completion| {
+            assert_eq!(
+                (r.opcode, r.status),
+                (Opcode::Send, WcStatus::Success),
+                "{progress:?}"
+            );
+            sent.lock().unwrap()[r.wr_id as usize] += 1;
+            completed.fetch_add(1, SeqCst);
+        };
+        std::thread::scope(|t| {
+            for _ in 0..3 {
+                let (s, scq, mr, seen, received) = (&s, &scq, &mr, &seen, &received);
+                t.spawn(move || {
+                    let mut last = [None::<u64>; SENDERS as usize];
+                    while received.load(SeqCst) < TOTAL {
+                        assert!(Instant::now() < deadline, "{progress:?}: receivers stalled");
+                        let Some(r) = scq.poll() else {
+                            scq.wait(Some(Duration::from_millis(20))).unwrap();
+                            continue;
+                        };
+                        assert_eq!(
+                            (r.opcode, r.status, r.byte_len),
+                            (Opcode::Recv, WcStatus::Success, 16),
+                            "{progress:?}"
+                        );
+                        let slot = r.wr_id as usize;
+                        let mut b = [0u8; 16];
+                        unsafe { mr.read(slot * 16, &mut b) }.unwrap();
+                        let who = u64::from_le_bytes(b[..8].try_into().unwrap());
+                        let k = u64::from_le_bytes(b[8..].try_into().unwrap());
+                        assert!(who < SENDERS && k < PER, "{progress:?}: garbled {b:?}");
+                        // This thread's share of each sender's messages is in posting order.
+                        let l = &mut last[who as usize];
+                        assert!(l.is_none_or(|l| l < k), "{progress:?}: {k} after {l:?}");
+                        *l = Some(k);
+                        seen.lock().unwrap()[(who * PER + k) as usize] += 1;
+                        // Repost before counting, so no sender waits on a receive that the
+                        // end of the test would leave unposted.
+                        s.post_recv(mr, slot * 16, 16, slot as u64).unwrap();
+                        received.fetch_add(1, SeqCst);
+                    }
+                });
+            }
+            for who in 0..SENDERS {
+                let (c, ccq, take_send, completed) = (&c, &ccq, &take_send, &completed);
+                t.spawn(move || {
+                    for k in 0..PER {
+                        let mut msg = [0u8; 16];
+                        msg[..8].copy_from_slice(&who.to_le_bytes());
+                        msg[8..].copy_from_slice(&k.to_le_bytes());
+                        loop {
+                            assert!(Instant::now() < deadline, "{progress:?}: senders stalled");
+                            match c.post_send_inline(&msg, who * PER + k, SendFlags::SIGNALED) {
+                                Ok(()) => break,
+                                Err(Error::QueueFull(_)) => match ccq.poll() {
+                                    Some(r) => take_send(r),
+                                    None => std::thread::yield_now(),
+                                },
+                                Err(e) => panic!("{progress:?}: post_send: {e}"),
+                            }
+                        }
+                    }
+                    while completed.load(SeqCst) < TOTAL {
+                        assert!(Instant::now() < deadline, "{progress:?}: sends stalled");
+                        match ccq.poll() {
+                            Some(r) => take_send(r),
+                            None => {
+                                ccq.wait(Some(Duration::from_millis(20))).unwrap();
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        assert!(
+            seen.lock().unwrap().iter().all(|&n| n == 1),
+            "{progress:?}: a message was lost or delivered twice"
+        );
+        assert!(
+            sent.lock().unwrap().iter().all(|&n| n == 1),
+            "{progress:?}: a send completion was lost or taken twice"
+        );
+        assert_eq!((scq.poll(), ccq.poll()), (None, None));
+    }
+}
+
+/// In both progress modes, one thread sleeps in `wait` and another on the queue's descriptor,
+/// with two receives posted, while the main thread destroys - the waiters' connection, its
+/// peer, or everything the main thread holds (connection, context and its handle of the
+/// queue): both waiters return within 5 s, the queue then holds the flushed receives and the
+/// disconnect record, last, and the destroyed connection has let go of the queue.
+pub fn destroying_a_connection_wakes_threads_waiting_on_its_queue(net: &Net) {
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Destroy {
+        Own,
+        Peer,
+        Everything,
+    }
+    for progress in [Progress::Caller, Progress::Thread] {
+        for what in [Destroy::Own, Destroy::Peer, Destroy::Everything] {
+            let case = format!("{progress:?}, {what:?}");
+            let ctx = Context::new().unwrap();
+            let cq_opts = CqOptions {
+                progress,
+                ..Default::default()
+            };
+            let copts = ConnOptions::default();
+            let (c, ccq, s, scq) = pair_with(net, &ctx, &copts, &copts, cq_opts);
+            let mr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+            s.post_recv(&mr, 0, 8, 1).unwrap();
+            s.post_recv(&mr, 8, 8, 2).unwrap();
+            let fd = scq.fd();
+            let waiters_q = scq.clone();
+            let (mut c, mut s, mut ctx, mut scq) = (Some(c), Some(s), Some(ctx), Some(scq));
+            std::thread::scope(|t| {
+                let q = &waiters_q;
+                let waiter = t.spawn(move || {
+                    let t0 = Instant::now();
+                    let r = q.wait(Some(Duration::from_secs(30)));
+                    (r.map_err(|e| e.to_string()), t0.elapsed())
+                });
+                let fd_waiter = t.spawn(move || {
+                    let t0 = Instant::now();
+                    (
+                        fd_readable_within(fd, Duration::from_secs(30)),
+                        t0.elapsed(),
+                    )
+                });
+                // Let both fall asleep.
+                std::thread::sleep(Duration::from_millis(200));
+                assert!(!waiter.is_finished() && !fd_waiter.is_finished(), "{case}");
+                match what {
+                    Destroy::Own => drop(s.take()),
+                    Destroy::Peer => drop(c.take()),
+                    Destroy::Everything => {
+                        drop(s.take());
+                        drop(ctx.take());
+                        drop(scq.take());
+                    }
+                }
+                let (r, took) = waiter.join().unwrap();
+                assert_eq!(r, Ok(true), "{case}: wait");
+                assert!(took < Duration::from_secs(5), "{case}: wait took {took:?}");
+                let (readable, took) = fd_waiter.join().unwrap();
+                assert!(readable, "{case}: descriptor");
+                assert!(took < Duration::from_secs(5), "{case}: poll took {took:?}");
+            });
+            let mut seen = Vec::new();
+            loop {
+                let e = next(&waiters_q);
+                seen.push((e.opcode, e.status, e.wr_id));
+                if e.opcode == Opcode::Disconnected {
+                    break;
+                }
+            }
+            seen.sort_by_key(|x| x.2);
+            assert_eq!(seen.len(), 3, "{case}: {seen:?}");
+            assert_eq!(seen[0].0, Opcode::Disconnected, "{case}");
+            assert_eq!(
+                &seen[1..],
+                &[
+                    (Opcode::Recv, WcStatus::Flushed, 1),
+                    (Opcode::Recv, WcStatus::Flushed, 2)
+                ],
+                "{case}"
+            );
+            assert_eq!(
+                waiters_q.poll(),
+                None,
+                "{case}: nothing after the disconnect"
+            );
+            // The waiters' side goes too; then nothing but this handle holds the queue.
+            drop(s.take());
+            drop(scq.take());
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while std::sync::Arc::strong_count(&waiters_q) > 1 {
+                assert!(
+                    Instant::now() < deadline,
+                    "{case}: the queue is still held {} times",
+                    std::sync::Arc::strong_count(&waiters_q) - 1
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            drop((c, ccq));
+        }
+    }
+}
+
+/// The same through the C surface, which allows destroying a connection while another thread
+/// waits on its queue (only the queue itself must not be destroyed under a waiter): a thread
+/// in `rbr_cq_wait` with two receives posted returns RBR_OK within 5 s of
+/// `rbr_conn_destroy`, and finds the flushed receives and RBR_OP_DISCONNECTED, last.
+pub fn c_destroying_a_connection_wakes_a_thread_in_rbr_cq_wait(net: &Net) {
+    use rdmabridge::ffi::conn::*;
+    use rdmabridge::ffi::cq::*;
+    use rdmabridge::ffi::ctx::*;
+    use rdmabridge::ffi::error::*;
+    use rdmabridge::ffi::listener::*;
+    use rdmabridge::ffi::mr::*;
+    use std::ptr::null_mut;
+    // SAFETY: every pointer is a live handle from the calls below or a live local; each
+    // handle is destroyed once, when no other call on it is under way (the waiter only
+    // uses the queue, which outlives it).
+    unsafe {
+        let mut ctx = null_mut();
+        assert_eq!(rbr_ctx_create(&mut ctx), RBR_OK);
+        let (mut scq, mut ccq) = (null_mut(), null_mut());
+        assert_eq!(rbr_cq_create(&mut scq), RBR_OK);
+        assert_eq!(rbr_cq_create(&mut ccq), RBR_OK);
+        let addr = std::ffi::CString::new(net.addr("c-destroy")).unwrap();
+        let mut l = null_mut();
+        assert_eq!(rbr_listen(ctx, addr.as_ptr(), 4, &mut l), RBR_OK);
+        let mut opts = std::mem::zeroed();
+        rbr_conn_options_init(&mut opts);
+        let (l_u, scq_u, opts_u) = (l as usize, scq as usize, &raw const opts as usize);
+        let server = std::thread::spawn(move || {
+            let mut r = null_mut();
+            assert_eq!(
+                rbr_listener_get_request(l_u as *mut _, 10_000, &mut r),
+                RBR_OK
+            );
+            let mut conn = null_mut();
+            assert_eq!(
+                rbr_request_accept(r, scq_u as *mut _, opts_u as *const _, &mut conn),
+                RBR_OK
+            );
+            rbr_request_destroy(r);
+            conn as usize
+        });
+        let mut client = null_mut();
+        assert_eq!(
+            rbr_connect(ctx, addr.as_ptr(), ccq, &opts, &mut client),
+            RBR_OK
+        );
+        let server = server.join().unwrap() as *mut rbr_conn;
+        let mut mr = null_mut();
+        assert_eq!(
+            rbr_mr_alloc(ctx, 64, RBR_ACCESS_LOCAL_WRITE, &mut mr),
+            RBR_OK
+        );
+        assert_eq!(rbr_conn_post_recv(server, mr, 0, 8, 1), RBR_OK);
+        assert_eq!(rbr_conn_post_recv(server, mr, 8, 8, 2), RBR_OK);
+        let waiter = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            (rbr_cq_wait(scq_u as *mut _, 30_000), t0.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!waiter.is_finished(), "the waiter sleeps");
+        rbr_conn_destroy(server);
+        let (st, took) = waiter.join().unwrap();
+        assert_eq!(st, RBR_OK, "rbr_cq_wait");
+        assert!(took < Duration::from_secs(5), "rbr_cq_wait took {took:?}");
+        let mut seen = Vec::new();
+        while seen
+            .last()
+            .is_none_or(|&(op, _, _)| op != RBR_OP_DISCONNECTED)
+        {
+            let mut c = std::mem::zeroed::<rbr_completion>();
+            let mut n = 0;
+            match rbr_cq_poll(scq, &mut c, 1, &mut n) {
+                RBR_OK => seen.push((c.opcode, c.status, c.wr_id)),
+                st => {
+                    assert_eq!(st, RBR_EMPTY);
+                    assert_eq!(rbr_cq_wait(scq, 10_000), RBR_OK, "records after {seen:?}");
+                }
+            }
+        }
+        assert_eq!(
+            seen,
+            [
+                (RBR_OP_RECV, RBR_WC_FLUSHED, 1),
+                (RBR_OP_RECV, RBR_WC_FLUSHED, 2),
+                (RBR_OP_DISCONNECTED, RBR_WC_SUCCESS, 0)
+            ]
+        );
+        rbr_conn_destroy(client);
+        rbr_mr_destroy(mr);
+        rbr_listener_destroy(l);
+        rbr_cq_destroy(scq);
+        rbr_cq_destroy(ccq);
+        rbr_ctx_destroy(ctx);
+    }
 }

@@ -1,0 +1,300 @@
+//! The lock-free half of a completion queue's descriptor: the count of queued completions,
+//! the watchers, and the readiness of the descriptor that follows them. Kept apart from the
+//! queue so that the `loom` checks below run these very functions over the model's atomics
+//! and lock (`crate::sync`), with a flag for the eventfd.
+
+use std::sync::atomic::Ordering;
+
+use crate::sync::{AtomicBool, AtomicUsize, Mutex};
+use crate::sys::EventFd;
+
+/// What makes a descriptor readable or not: the queue's eventfd (a model's flag in the
+/// `loom` checks).
+pub(crate) trait Signal {
+    /// Makes it readable.
+    fn signal(&self);
+    /// Makes it unreadable.
+    fn clear(&self);
+}
+
+impl Signal for EventFd {
+    fn signal(&self) {
+        EventFd::signal(self)
+    }
+
+    fn clear(&self) {
+        EventFd::clear(self)
+    }
+}
+
+/// The lock-free half of a completion queue's descriptor: keeps `signal` readable exactly
+/// while completions are queued - once every push and pop has returned, and whenever a
+/// watcher looks - touching it only on the 0 <-> 1 transitions of the count while somebody
+/// watches. The `loom` checks (`mod loom_model`) run these functions as they are, over the
+/// model's atomics and lock (`crate::sync`).
+pub(crate) struct Readiness<S: Signal = EventFd> {
+    /// Count of completions pushed or about to be pushed, never below the queue's length:
+    /// producers add before they push, consumers subtract after they pop.
+    pending: AtomicUsize,
+    /// Whether `signal` is readable. Only changed under the lock, so the descriptor's state
+    /// and `pending` can't disagree once both sides are done (no lost or stale wake-up).
+    armed: Mutex<bool>,
+    signal: S,
+    /// Threads asleep on `signal`, plus one once it has been handed out. While zero, nobody
+    /// looks at it, so queueing and taking skip its system calls; whoever starts looking
+    /// brings it up to date first.
+    watchers: AtomicUsize,
+    exported: AtomicBool,
+}
+
+impl<S: Signal> Readiness<S> {
+    /// Nothing queued, nobody watching; `signal` starts unreadable.
+    pub(crate) fn new(signal: S) -> Self {
+        Readiness {
+            pending: AtomicUsize::new(0),
+            armed: Mutex::new(false),
+            signal,
+            watchers: AtomicUsize::new(0),
+            exported: AtomicBool::new(false),
+        }
+    }
+
+    /// Queues a completion with `push`.
+    #[inline]
+    pub(crate) fn push(&self, push: impl FnOnce()) {
+        // SeqCst: the increment and the `watchers` load below pair with a new watcher's
+        // increment and its look at `pending` (one of the two sees the other).
+        let before = self.pending.fetch_add(1, Ordering::SeqCst);
+        push();
+        if before == 0 && self.watchers.load(Ordering::SeqCst) > 0 {
+            self.update();
+        }
+    }
+
+    /// Takes a completion with `pop`.
+    #[inline]
+    pub(crate) fn pop<T>(&self, pop: impl FnOnce() -> Option<T>) -> Option<T> {
+        let c = pop()?;
+        if self.pending.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.watchers.load(Ordering::SeqCst) > 0
+        {
+            self.update();
+        }
+        Some(c)
+    }
+
+    /// Whether nothing is queued (`pending` is never below the queue's length).
+    #[inline]
+    pub(crate) fn none_pending(&self) -> bool {
+        // Acquire: a completion counted here was pushed by a thread whose writes before it
+        // we may then read.
+        self.pending.load(Ordering::Acquire) == 0
+    }
+
+    /// What the descriptor's readiness is kept in.
+    pub(crate) fn signal(&self) -> &S {
+        &self.signal
+    }
+
+    /// Whether anybody watches `signal`.
+    pub(crate) fn watched(&self) -> bool {
+        self.watchers.load(Ordering::SeqCst) > 0
+    }
+
+    /// Runs `sleep` as a watcher: it brings `signal` up to date with [`update`] and sleeps
+    /// on it, and any push or pop meanwhile keeps it up to date.
+    ///
+    /// [`update`]: Readiness::update
+    pub(crate) fn watching<R>(&self, sleep: impl FnOnce() -> R) -> R {
+        self.watchers.fetch_add(1, Ordering::SeqCst);
+        let r = sleep();
+        self.watchers.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+
+    /// Hands `signal` out for good (a watcher from now on): true the first time, after
+    /// bringing it up to date.
+    pub(crate) fn export(&self) -> bool {
+        if self.exported.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        self.watchers.fetch_add(1, Ordering::SeqCst);
+        self.update();
+        true
+    }
+
+    /// Brings `signal`'s readability in line with `pending`. Runs only on the 0 <-> 1
+    /// transitions while someone watches, so the lock is off the steady-state path.
+    pub(crate) fn update(&self) {
+        let mut armed = self.armed.lock().unwrap_or_else(|p| p.into_inner());
+        // SeqCst: see every increment and decrement published before the lock was taken.
+        let want = self.pending.load(Ordering::SeqCst) > 0;
+        if want != *armed {
+            if want {
+                self.signal.signal();
+            } else {
+                self.signal.clear();
+            }
+            *armed = want;
+        }
+    }
+}
+
+/// Model checks of the descriptor's readiness: the real [`Readiness`] over loom's atomics and
+/// lock, a flag with a condition variable for the eventfd, and a count for the queue (run
+/// with `RUSTFLAGS="--cfg loom" cargo test --lib loom`). What `CompletionQueue` adds around
+/// these calls - the device polling in `sleep`, the `poll(2)` itself - is not modelled.
+#[cfg(all(test, loom))]
+mod loom_model {
+    use super::*;
+    use loom::sync::atomic::AtomicUsize as Count;
+    use loom::sync::{Arc, Condvar};
+    use loom::thread;
+
+    /// The eventfd: readable or not, and a sleeper on it.
+    #[derive(Default)]
+    struct Fd {
+        readable: Mutex<bool>,
+        changed: Condvar,
+    }
+
+    impl Signal for Fd {
+        fn signal(&self) {
+            *self.readable.lock().unwrap() = true;
+            self.changed.notify_all();
+        }
+
+        fn clear(&self) {
+            *self.readable.lock().unwrap() = false;
+        }
+    }
+
+    impl Fd {
+        fn is_readable(&self) -> bool {
+            *self.readable.lock().unwrap()
+        }
+
+        /// `poll(2)` without a timeout: loom fails the run as a deadlock if this never returns.
+        fn sleep_until_readable(&self) {
+            let mut r = self.readable.lock().unwrap();
+            while !*r {
+                r = self.changed.wait(r).unwrap();
+            }
+        }
+    }
+
+    /// A queue with its readiness; the queue is a count (the real one, a `SegQueue`, also
+    /// orders a push before the pop that takes it).
+    struct Q {
+        ready: Readiness<Fd>,
+        queued: Count,
+    }
+
+    impl Q {
+        fn new() -> Arc<Q> {
+            let ready = Readiness::new(Fd::default());
+            // Loom does not count an atomic's initial value as a SeqCst store, so it lets a
+            // SeqCst load return it even after a later SeqCst store (a false alarm: in C11
+            // the initialisation happens before that store, so the load cannot). Storing the
+            // same values SeqCst before any thread starts gives the model C11's answer.
+            ready.pending.store(0, Ordering::SeqCst);
+            ready.watchers.store(0, Ordering::SeqCst);
+            Arc::new(Q {
+                ready,
+                queued: Count::new(0),
+            })
+        }
+
+        fn push(&self) {
+            self.ready.push(|| {
+                self.queued.fetch_add(1, Ordering::Release);
+            });
+        }
+
+        fn pop(&self) -> bool {
+            self.ready
+                .pop(|| {
+                    self.queued
+                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                        .ok()
+                })
+                .is_some()
+        }
+
+        fn is_empty(&self) -> bool {
+            self.queued.load(Ordering::Acquire) == 0
+        }
+    }
+
+    fn model(f: impl Fn() + Sync + Send + 'static) {
+        let mut b = loom::model::Builder::new();
+        if std::env::var_os("LOOM_MAX_PREEMPTIONS").is_none() {
+            b.preemption_bound = Some(3);
+        }
+        b.check(f);
+    }
+
+    /// The descriptor is handed out while one thread queues two completions and another
+    /// takes what it finds, twice: once all are done, it is readable exactly when
+    /// completions are left.
+    #[test]
+    fn loom_cq_fd_readable_exactly_while_completions_queued() {
+        model(|| {
+            let q = Q::new();
+            let q1 = q.clone();
+            let exporter = thread::spawn(move || assert!(q1.ready.export()));
+            let q2 = q.clone();
+            let pusher = thread::spawn(move || {
+                q2.push();
+                q2.push();
+            });
+            let taken = usize::from(q.pop()) + usize::from(q.pop());
+            exporter.join().unwrap();
+            pusher.join().unwrap();
+            assert!(!q.ready.export(), "handed out once");
+            assert_eq!(q.is_empty(), taken == 2);
+            assert_eq!(
+                q.ready.signal().is_readable(),
+                !q.is_empty(),
+                "readable exactly while completions are queued ({taken} of 2 taken)"
+            );
+        });
+    }
+
+    /// `CompletionQueue::wait`'s sleeping loop (watch, bring the descriptor up to date, sleep
+    /// on it, and sleep again if the queue is empty by then) while one thread queues two
+    /// completions and another takes one: the sleeper always wakes (a lost wake-up would
+    /// leave it asleep with a completion queued, which loom reports as a deadlock), and no
+    /// watcher is left behind.
+    #[test]
+    fn loom_cq_sleeping_waiter_always_wakes() {
+        model(|| {
+            let q = Q::new();
+            let q1 = q.clone();
+            let waiter = thread::spawn(move || {
+                loop {
+                    q1.ready.watching(|| {
+                        q1.ready.update();
+                        q1.ready.signal().sleep_until_readable();
+                    });
+                    if !q1.is_empty() {
+                        break;
+                    }
+                    // Readable but empty: a pusher between its count and its push, or a
+                    // stale descriptor; the real loop goes round again at once (a spin
+                    // that needs another thread's progress, which loom must be told of).
+                    thread::yield_now();
+                }
+            });
+            let q2 = q.clone();
+            let pusher = thread::spawn(move || {
+                q2.push();
+                q2.push();
+            });
+            q.pop();
+            pusher.join().unwrap();
+            waiter.join().unwrap();
+            assert!(!q.ready.watched());
+        });
+    }
+}
