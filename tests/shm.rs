@@ -216,7 +216,13 @@ fn event_loop_drops_silent_peers_when_their_time_is_up() {
         waited > Duration::from_millis(1500) && waited < Duration::from_secs(3),
         "{waited:?}"
     );
-    assert!(l.try_get_request().unwrap().is_none());
+    // The three peers connected one after another: on a loaded machine their times may end a
+    // little apart, so the next calls drop the later ones (at most one call per peer).
+    let mut calls = 0;
+    while calls < peers.len() && (calls == 0 || readable(l.fd(), 0)) {
+        assert!(l.try_get_request().unwrap().is_none());
+        calls += 1;
+    }
     assert!(
         !readable(l.fd(), 0),
         "readable after the overdue peers were dropped"
