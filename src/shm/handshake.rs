@@ -52,6 +52,18 @@ struct Msg {
 }
 
 fn encode(kind: u16, a: u32, b: u32, slot: u32, data: &[u8]) -> Vec<u8> {
+    encode_with_probe(kind, a, b, slot, direct::probe(), data)
+}
+
+/// [`encode`] with the probe word given.
+fn encode_with_probe(
+    kind: u16,
+    a: u32,
+    b: u32,
+    slot: u32,
+    (addr, value): (u64, u64),
+    data: &[u8],
+) -> Vec<u8> {
     let mut v = Vec::with_capacity(HEADER + data.len());
     v.extend_from_slice(&MAGIC.to_le_bytes());
     v.extend_from_slice(&VERSION.to_le_bytes());
@@ -59,7 +71,6 @@ fn encode(kind: u16, a: u32, b: u32, slot: u32, data: &[u8]) -> Vec<u8> {
     v.extend_from_slice(&a.to_le_bytes());
     v.extend_from_slice(&b.to_le_bytes());
     v.extend_from_slice(&slot.to_le_bytes());
-    let (addr, value) = direct::probe();
     v.extend_from_slice(&addr.to_le_bytes());
     v.extend_from_slice(&value.to_le_bytes());
     v.extend_from_slice(&(data.len() as u16).to_le_bytes());
@@ -106,6 +117,75 @@ fn decode(buf: &[u8]) -> Result<Msg> {
         probe: (u64_at(20), u64_at(28)),
         data: buf[HEADER..].to_vec(),
     })
+}
+
+/// What the listener makes of a decoded hello that came with `nfds` descriptors.
+#[derive(Debug, PartialEq, Eq)]
+enum HelloVerdict {
+    /// Not a hello, or its notice-board slot and descriptors disagree: dropped unanswered.
+    Refuse,
+    /// A hello of another version: answered with ours, then dropped.
+    OtherVersion,
+    /// A hello to go on with: with the client's notice-board slot (its descriptor is the one
+    /// that came), or without a board.
+    Welcome { board_slot: Option<u32> },
+}
+
+fn judge_hello(msg: &Msg, nfds: usize) -> HelloVerdict {
+    if msg.kind != HELLO {
+        return HelloVerdict::Refuse;
+    }
+    if msg.version != VERSION {
+        return HelloVerdict::OtherVersion;
+    }
+    // The client's notice board comes with its slot, and nothing else comes with a hello.
+    match (msg.slot, nfds) {
+        (NO_SLOT, 0) => HelloVerdict::Welcome { board_slot: None },
+        (slot, 1) if slot < SLOTS => HelloVerdict::Welcome {
+            board_slot: Some(slot),
+        },
+        _ => HelloVerdict::Refuse,
+    }
+}
+
+/// Judges the listener's decoded answer to a hello, which came with `nfds` descriptors: for an
+/// accept (the segment's descriptor first, then the listener's notice board when it names a
+/// slot), the listener's slot, if any; the reason the connect fails otherwise.
+fn judge_reply(msg: &Msg, nfds: usize) -> Result<Option<u32>> {
+    match msg.kind {
+        ACCEPT => {}
+        REJECT => return Err(Error::Rejected(msg.data.clone())),
+        REJECT_VERSION => {
+            return Err(Error::Protocol(format!(
+                "listener speaks version {}, this library {VERSION}",
+                msg.a
+            )));
+        }
+        REJECT_PERMISSION => {
+            return Err(Error::Permission("the listener refuses this user".into()));
+        }
+        k => {
+            return Err(Error::Protocol(format!(
+                "handshake: unexpected message kind {k}"
+            )));
+        }
+    }
+    if msg.version != VERSION {
+        return Err(Error::Protocol(format!(
+            "handshake: an accept of version {}, this library {VERSION}",
+            msg.version
+        )));
+    }
+    match (msg.slot, nfds) {
+        (_, 0) => Err(Error::Protocol(
+            "handshake: accept without a segment".into(),
+        )),
+        (NO_SLOT, 1) => Ok(None),
+        (slot, 2) if slot < SLOTS => Ok(Some(slot)),
+        _ => Err(Error::Protocol(
+            "handshake: notice board and slot do not match".into(),
+        )),
+    }
 }
 
 fn socket() -> io::Result<OwnedFd> {
@@ -552,23 +632,23 @@ impl Listener {
     /// Checks a client's hello. `None` means the client was turned away (and told why, when it
     /// is an rdmabridge peer).
     fn read_hello(&self, sock: OwnedFd, buf: &[u8], mut fds: Vec<OwnedFd>) -> Option<Request> {
-        let msg = match decode(buf) {
-            Ok(m) if m.kind == HELLO => m,
-            _ => return None,
-        };
-        if msg.version != VERSION {
-            let _ = send_msg(
-                sock.as_raw_fd(),
-                &encode(REJECT_VERSION, VERSION.into(), 0, NO_SLOT, &[]),
-                &[],
-            );
+        let Ok(msg) = decode(buf) else {
             return None;
-        }
-        // The client's notice board comes with its slot, and nothing else comes with a hello.
-        let board = match (msg.slot, fds.len()) {
-            (NO_SLOT, 0) => None,
-            (slot, 1) if slot < SLOTS => Some((fds.pop().expect("one descriptor"), slot)),
-            _ => return None,
+        };
+        let board = match judge_hello(&msg, fds.len()) {
+            HelloVerdict::Refuse => return None,
+            HelloVerdict::OtherVersion => {
+                let _ = send_msg(
+                    sock.as_raw_fd(),
+                    &encode(REJECT_VERSION, VERSION.into(), 0, NO_SLOT, &[]),
+                    &[],
+                );
+                return None;
+            }
+            HelloVerdict::Welcome { board_slot: None } => None,
+            HelloVerdict::Welcome {
+                board_slot: Some(slot),
+            } => Some((fds.pop().expect("one descriptor"), slot)),
         };
         let (uid_ok, pid) = match peer_cred(sock.as_raw_fd()) {
             Ok((uid, pid)) => (uid == my_uid() || self.ctx.opts.shm_allow_any_uid, pid),
@@ -747,41 +827,17 @@ pub(crate) fn connect(
         return Err(timed_out());
     };
     let msg = decode(&buf)?;
-    match msg.kind {
-        ACCEPT => {}
-        REJECT => return Err(Error::Rejected(msg.data)),
-        REJECT_VERSION => {
-            return Err(Error::Protocol(format!(
-                "listener speaks version {}, this library {VERSION}",
-                msg.a
-            )));
-        }
-        REJECT_PERMISSION => {
-            return Err(Error::Permission("the listener refuses this user".into()));
-        }
-        k => {
-            return Err(Error::Protocol(format!(
-                "handshake: unexpected message kind {k}"
-            )));
-        }
-    }
+    let board_slot = judge_reply(&msg, fds.len())?;
     let mut fds = fds.into_iter();
-    let fd = fds
-        .next()
-        .ok_or_else(|| Error::Protocol("handshake: accept without a segment".into()))?;
+    let fd = fds.next().expect("judged: an accept carries its segment");
     let seg = Segment::open(&fd)?;
     drop(fd);
     if seg.cap() != msg.a as usize {
         return Err(Error::Protocol("handshake: ring size mismatch".into()));
     }
-    let peer_board = match (msg.slot, fds.next()) {
-        (NO_SLOT, None) => None,
-        (slot, Some(fd)) if slot < SLOTS => Some((Board::open(&fd)?, slot)),
-        _ => {
-            return Err(Error::Protocol(
-                "handshake: notice board and slot do not match".into(),
-            ));
-        }
+    let peer_board = match (board_slot, fds.next()) {
+        (Some(slot), Some(fd)) => Some((Board::open(&fd)?, slot)),
+        _ => None,
     };
     let (addr, value) = msg.probe;
     let peer_pid = direct::can_read(pid, addr, value).then_some(pid);
@@ -795,4 +851,98 @@ pub(crate) fn connect(
         peer_proc: pid,
     };
     Conn::start(ctx, cq, opts, link, msg.data)
+}
+
+/// The fuzz target's entry (`fuzz/fuzz_targets/handshake.rs`): `data[0]` is how many
+/// descriptors came with the message (0..=3), the rest the message as it arrived. Runs the
+/// real parser and both judges over it and checks what they accept against the wire format.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_message(data: &[u8]) {
+    let Some((&nfds, buf)) = data.split_first() else {
+        return;
+    };
+    let nfds = usize::from(nfds % 4);
+    let msg = match decode(buf) {
+        Ok(msg) => msg,
+        Err(Error::Protocol(_)) => return,
+        Err(e) => panic!("a bad message is a protocol error, not {e:?}"),
+    };
+    assert!(buf.len() >= 12);
+    if msg.version == VERSION {
+        assert!(msg.data.len() <= PRIVATE_DATA_MAX);
+        assert_eq!(HEADER + msg.data.len(), buf.len());
+        // What was accepted is exactly what the sender encoded.
+        let b = u32::from_le_bytes(buf[12..16].try_into().expect("4 bytes"));
+        let again = encode_with_probe(msg.kind, msg.a, b, msg.slot, msg.probe, &msg.data);
+        assert_eq!(again, buf);
+    } else {
+        assert!(msg.data.is_empty() && msg.slot == NO_SLOT);
+    }
+    match judge_hello(&msg, nfds) {
+        HelloVerdict::Welcome { board_slot } => {
+            assert_eq!(msg.version, VERSION);
+            assert_eq!(msg.kind, HELLO);
+            match board_slot {
+                Some(slot) => assert!(slot < SLOTS && nfds == 1),
+                None => assert!(nfds == 0 && msg.slot == NO_SLOT),
+            }
+        }
+        HelloVerdict::OtherVersion => assert_ne!(msg.version, VERSION),
+        HelloVerdict::Refuse => {}
+    }
+    match judge_reply(&msg, nfds) {
+        Ok(board_slot) => {
+            assert_eq!((msg.version, msg.kind), (VERSION, ACCEPT));
+            match board_slot {
+                Some(slot) => assert!(slot < SLOTS && nfds == 2),
+                None => assert!(nfds == 1 && msg.slot == NO_SLOT),
+            }
+        }
+        Err(Error::Rejected(data)) => assert!(data.len() <= PRIVATE_DATA_MAX),
+        Err(Error::Protocol(_) | Error::Permission(_)) => {}
+        Err(e) => panic!("unexpected verdict {e:?}"),
+    }
+}
+
+/// Real messages, for the fuzz target's seed corpus: (name, `fuzz_message` input).
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let with = |n: u8, m: Vec<u8>| [vec![n], m].concat();
+    let probe = (0x7fff_1234_5678, 0x0123_4567_89ab_cdef);
+    let mut v9 = encode_with_probe(HELLO, 9, 0, NO_SLOT, (0, 0), &[]);
+    v9[4] = 9;
+    vec![
+        (
+            "hello",
+            with(0, encode_with_probe(HELLO, 64, 64, NO_SLOT, probe, &[])),
+        ),
+        (
+            "hello-board-data",
+            with(1, encode_with_probe(HELLO, 16, 32, 5, probe, b"real")),
+        ),
+        (
+            "accept",
+            with(
+                1,
+                encode_with_probe(ACCEPT, 1 << 21, 0, NO_SLOT, probe, &[]),
+            ),
+        ),
+        (
+            "accept-board",
+            with(2, encode_with_probe(ACCEPT, 1 << 16, 0, 7, probe, b"hi")),
+        ),
+        (
+            "reject",
+            with(0, encode_with_probe(REJECT, 0, 0, NO_SLOT, probe, b"no")),
+        ),
+        (
+            "reject-version",
+            with(
+                0,
+                encode_with_probe(REJECT_VERSION, 2, 0, NO_SLOT, probe, &[]),
+            ),
+        ),
+        ("hello-v9", with(0, v9)),
+        ("garbage", with(0, b"GET / HTTP/1.0".to_vec())),
+    ]
 }
