@@ -339,9 +339,15 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, V
         // A descriptor was sent but could not be installed: this process is out of them.
         return Err(Error::Connect(io::Error::from_raw_os_error(libc::EMFILE)));
     }
-    if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || fds.len() > FDS_MAX {
+    // The buffer holds one byte more than a message may have, so a message of exactly that
+    // length arrives whole, without MSG_TRUNC: it is oversized all the same.
+    if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0
+        || n as usize > MSG_MAX
+        || fds.len() > FDS_MAX
+    {
         return Err(Error::Protocol("handshake: oversized message".into()));
     }
+
     Ok(Some((buf[..n as usize].to_vec(), fds)))
 }
 
@@ -945,4 +951,47 @@ pub(crate) fn fuzz_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("hello-v9", with(0, v9)),
         ("garbage", with(0, b"GET / HTTP/1.0".to_vec())),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A seqpacket pair (non-blocking).
+    fn pair() -> (OwnedFd, OwnedFd) {
+        let mut sv = [0; 2];
+        // SAFETY: plain syscall into a live local array of two descriptors.
+        let r = unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                0,
+                sv.as_mut_ptr(),
+            )
+        };
+        assert_eq!(r, 0);
+        // SAFETY: fresh descriptors owned by nobody else.
+        unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) }
+    }
+
+    /// Found by the handshake fuzz target: a message one byte longer than any valid one fit
+    /// the receive buffer exactly and was passed on as if it had a valid size.
+    #[test]
+    fn messages_longer_than_the_longest_are_refused_at_every_length() {
+        let (tx, rx) = pair();
+        for len in [MSG_MAX + 1, MSG_MAX + 2, 4 * MSG_MAX] {
+            send_msg(tx.as_raw_fd(), &vec![0x10; len], &[]).unwrap();
+            match recv_msg(rx.as_raw_fd(), Some(Duration::ZERO)) {
+                Err(Error::Protocol(m)) => assert!(m.contains("oversized"), "{m}"),
+                other => panic!("{len} bytes: {other:?}"),
+            }
+        }
+        let longest = encode(HELLO, 1, 1, NO_SLOT, &[7; PRIVATE_DATA_MAX]);
+        assert_eq!(longest.len(), MSG_MAX);
+        send_msg(tx.as_raw_fd(), &longest, &[]).unwrap();
+        let (got, fds) = recv_msg(rx.as_raw_fd(), Some(Duration::ZERO))
+            .unwrap()
+            .expect("a message");
+        assert_eq!((got, fds.len()), (longest, 0));
+    }
 }
