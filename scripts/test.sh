@@ -36,6 +36,8 @@ echo "== CMake alone builds, installs and is found (find_package, pkg-config, ad
 bash scripts/consumer-test.sh build-consumer
 echo "== benchmarks at tiny sizes (proves the side-by-side pipeline works; figures are not checked)"
 bash benchmarks/shm.sh --quick --out build/bench-quick
+echo "== fuzz targets, a short run each"
+bash scripts/fuzz.sh --quick
 echo "== shm busy path: at most 0.01 system calls per message (100,000-message ping-pong under strace)"
 bash benchmarks/syscalls.sh --quick --max 0.01 --out build/syscalls-quick
 echo "== real RDMA: soft-RoCE in a qemu VM"

@@ -74,6 +74,16 @@ mod sync;
 mod sys;
 mod verbs;
 
+/// Entry points of the fuzz targets in `fuzz/` (feature `fuzzing`, never on by default): each
+/// runs the real parsing and checking code over bytes a hostile peer controls. Not an API.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::shm::fuzz::{
+        handshake, handshake_seeds, onesided, onesided_seeds, ring, ring_seeds,
+    };
+}
+
 pub use conn::{
     ConnInfo, ConnOptions, ConnRequest, Connection, INLINE_MAX, Listener, PRIVATE_DATA_MAX,
     QUEUE_DEPTH_MAX, REMOTE_DESC_LEN, RemoteRegion, SGE_MAX, SendFlags, Sge, Transport,

@@ -11,6 +11,8 @@ mod remote;
 mod wr;
 
 pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
+#[cfg(feature = "fuzzing")]
+pub(crate) use remote::{pack as pack_remote, unpack as unpack_remote};
 #[allow(unused_imports)] // the transports' one-sided paths name it
 pub(crate) use wr::{LocalSeg, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest};
 pub use wr::{SendFlags, Sge};

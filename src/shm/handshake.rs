@@ -52,6 +52,18 @@ struct Msg {
 }
 
 fn encode(kind: u16, a: u32, b: u32, slot: u32, data: &[u8]) -> Vec<u8> {
+    encode_with_probe(kind, a, b, slot, direct::probe(), data)
+}
+
+/// [`encode`] with the probe word given.
+fn encode_with_probe(
+    kind: u16,
+    a: u32,
+    b: u32,
+    slot: u32,
+    (addr, value): (u64, u64),
+    data: &[u8],
+) -> Vec<u8> {
     let mut v = Vec::with_capacity(HEADER + data.len());
     v.extend_from_slice(&MAGIC.to_le_bytes());
     v.extend_from_slice(&VERSION.to_le_bytes());
@@ -59,7 +71,6 @@ fn encode(kind: u16, a: u32, b: u32, slot: u32, data: &[u8]) -> Vec<u8> {
     v.extend_from_slice(&a.to_le_bytes());
     v.extend_from_slice(&b.to_le_bytes());
     v.extend_from_slice(&slot.to_le_bytes());
-    let (addr, value) = direct::probe();
     v.extend_from_slice(&addr.to_le_bytes());
     v.extend_from_slice(&value.to_le_bytes());
     v.extend_from_slice(&(data.len() as u16).to_le_bytes());
@@ -106,6 +117,75 @@ fn decode(buf: &[u8]) -> Result<Msg> {
         probe: (u64_at(20), u64_at(28)),
         data: buf[HEADER..].to_vec(),
     })
+}
+
+/// What the listener makes of a decoded hello that came with `nfds` descriptors.
+#[derive(Debug, PartialEq, Eq)]
+enum HelloVerdict {
+    /// Not a hello, or its notice-board slot and descriptors disagree: dropped unanswered.
+    Refuse,
+    /// A hello of another version: answered with ours, then dropped.
+    OtherVersion,
+    /// A hello to go on with: with the client's notice-board slot (its descriptor is the one
+    /// that came), or without a board.
+    Welcome { board_slot: Option<u32> },
+}
+
+fn judge_hello(msg: &Msg, nfds: usize) -> HelloVerdict {
+    if msg.kind != HELLO {
+        return HelloVerdict::Refuse;
+    }
+    if msg.version != VERSION {
+        return HelloVerdict::OtherVersion;
+    }
+    // The client's notice board comes with its slot, and nothing else comes with a hello.
+    match (msg.slot, nfds) {
+        (NO_SLOT, 0) => HelloVerdict::Welcome { board_slot: None },
+        (slot, 1) if slot < SLOTS => HelloVerdict::Welcome {
+            board_slot: Some(slot),
+        },
+        _ => HelloVerdict::Refuse,
+    }
+}
+
+/// Judges the listener's decoded answer to a hello, which came with `nfds` descriptors: for an
+/// accept (the segment's descriptor first, then the listener's notice board when it names a
+/// slot), the listener's slot, if any; the reason the connect fails otherwise.
+fn judge_reply(msg: &Msg, nfds: usize) -> Result<Option<u32>> {
+    match msg.kind {
+        ACCEPT => {}
+        REJECT => return Err(Error::Rejected(msg.data.clone())),
+        REJECT_VERSION => {
+            return Err(Error::Protocol(format!(
+                "listener speaks version {}, this library {VERSION}",
+                msg.a
+            )));
+        }
+        REJECT_PERMISSION => {
+            return Err(Error::Permission("the listener refuses this user".into()));
+        }
+        k => {
+            return Err(Error::Protocol(format!(
+                "handshake: unexpected message kind {k}"
+            )));
+        }
+    }
+    if msg.version != VERSION {
+        return Err(Error::Protocol(format!(
+            "handshake: an accept of version {}, this library {VERSION}",
+            msg.version
+        )));
+    }
+    match (msg.slot, nfds) {
+        (_, 0) => Err(Error::Protocol(
+            "handshake: accept without a segment".into(),
+        )),
+        (NO_SLOT, 1) => Ok(None),
+        (slot, 2) if slot < SLOTS => Ok(Some(slot)),
+        _ => Err(Error::Protocol(
+            "handshake: notice board and slot do not match".into(),
+        )),
+    }
 }
 
 fn socket() -> io::Result<OwnedFd> {
@@ -259,7 +339,12 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, V
         // A descriptor was sent but could not be installed: this process is out of them.
         return Err(Error::Connect(io::Error::from_raw_os_error(libc::EMFILE)));
     }
-    if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || fds.len() > FDS_MAX {
+    // The buffer holds one byte more than a message may have, so a message of exactly that
+    // length arrives whole, without MSG_TRUNC: it is oversized all the same.
+    if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0
+        || n as usize > MSG_MAX
+        || fds.len() > FDS_MAX
+    {
         return Err(Error::Protocol("handshake: oversized message".into()));
     }
     Ok(Some((buf[..n as usize].to_vec(), fds)))
@@ -552,23 +637,23 @@ impl Listener {
     /// Checks a client's hello. `None` means the client was turned away (and told why, when it
     /// is an rdmabridge peer).
     fn read_hello(&self, sock: OwnedFd, buf: &[u8], mut fds: Vec<OwnedFd>) -> Option<Request> {
-        let msg = match decode(buf) {
-            Ok(m) if m.kind == HELLO => m,
-            _ => return None,
-        };
-        if msg.version != VERSION {
-            let _ = send_msg(
-                sock.as_raw_fd(),
-                &encode(REJECT_VERSION, VERSION.into(), 0, NO_SLOT, &[]),
-                &[],
-            );
+        let Ok(msg) = decode(buf) else {
             return None;
-        }
-        // The client's notice board comes with its slot, and nothing else comes with a hello.
-        let board = match (msg.slot, fds.len()) {
-            (NO_SLOT, 0) => None,
-            (slot, 1) if slot < SLOTS => Some((fds.pop().expect("one descriptor"), slot)),
-            _ => return None,
+        };
+        let board = match judge_hello(&msg, fds.len()) {
+            HelloVerdict::Refuse => return None,
+            HelloVerdict::OtherVersion => {
+                let _ = send_msg(
+                    sock.as_raw_fd(),
+                    &encode(REJECT_VERSION, VERSION.into(), 0, NO_SLOT, &[]),
+                    &[],
+                );
+                return None;
+            }
+            HelloVerdict::Welcome { board_slot: None } => None,
+            HelloVerdict::Welcome {
+                board_slot: Some(slot),
+            } => Some((fds.pop().expect("one descriptor"), slot)),
         };
         let (uid_ok, pid) = match peer_cred(sock.as_raw_fd()) {
             Ok((uid, pid)) => (uid == my_uid() || self.ctx.opts.shm_allow_any_uid, pid),
@@ -747,41 +832,17 @@ pub(crate) fn connect(
         return Err(timed_out());
     };
     let msg = decode(&buf)?;
-    match msg.kind {
-        ACCEPT => {}
-        REJECT => return Err(Error::Rejected(msg.data)),
-        REJECT_VERSION => {
-            return Err(Error::Protocol(format!(
-                "listener speaks version {}, this library {VERSION}",
-                msg.a
-            )));
-        }
-        REJECT_PERMISSION => {
-            return Err(Error::Permission("the listener refuses this user".into()));
-        }
-        k => {
-            return Err(Error::Protocol(format!(
-                "handshake: unexpected message kind {k}"
-            )));
-        }
-    }
+    let board_slot = judge_reply(&msg, fds.len())?;
     let mut fds = fds.into_iter();
-    let fd = fds
-        .next()
-        .ok_or_else(|| Error::Protocol("handshake: accept without a segment".into()))?;
+    let fd = fds.next().expect("judged: an accept carries its segment");
     let seg = Segment::open(&fd)?;
     drop(fd);
     if seg.cap() != msg.a as usize {
         return Err(Error::Protocol("handshake: ring size mismatch".into()));
     }
-    let peer_board = match (msg.slot, fds.next()) {
-        (NO_SLOT, None) => None,
-        (slot, Some(fd)) if slot < SLOTS => Some((Board::open(&fd)?, slot)),
-        _ => {
-            return Err(Error::Protocol(
-                "handshake: notice board and slot do not match".into(),
-            ));
-        }
+    let peer_board = match (board_slot, fds.next()) {
+        (Some(slot), Some(fd)) => Some((Board::open(&fd)?, slot)),
+        _ => None,
     };
     let (addr, value) = msg.probe;
     let peer_pid = direct::can_read(pid, addr, value).then_some(pid);
@@ -795,4 +856,302 @@ pub(crate) fn connect(
         peer_proc: pid,
     };
     Conn::start(ctx, cq, opts, link, msg.data)
+}
+
+/// The fuzz target's entry (`fuzz/fuzz_targets/handshake.rs`). `data[0]`: bits 0-1, how many
+/// descriptors come with the message (0..=3); bit 7, whether the message goes through a real
+/// seqpacket socket pair and the real receiver (`recv_msg`) first; bit 6, whether the rest is
+/// instead the header of a shared segment the peer hands over (bits 2-5: its size and seals),
+/// opened by the real `Segment::open`. The rest is the message as the peer sent it. Runs the
+/// real parser and both judges over it and checks what they accept against the wire format.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_message(data: &[u8]) {
+    let Some((&ctl, buf)) = data.split_first() else {
+        return;
+    };
+    if ctl & 0x40 != 0 {
+        return fuzz_segment(ctl, buf);
+    }
+    let mut nfds = usize::from(ctl % 4);
+    let received;
+    let buf = if ctl & 0x80 != 0 {
+        let Some((b, n)) = fuzz_through_socket(buf, nfds) else {
+            return;
+        };
+        (received, nfds) = (b, n);
+        &received[..]
+    } else {
+        buf
+    };
+    let msg = match decode(buf) {
+        Ok(msg) => msg,
+        Err(Error::Protocol(_)) => return,
+        Err(e) => panic!("a bad message is a protocol error, not {e:?}"),
+    };
+    assert!(buf.len() >= 12);
+    if msg.version == VERSION {
+        assert!(msg.data.len() <= PRIVATE_DATA_MAX);
+        assert_eq!(HEADER + msg.data.len(), buf.len());
+        // What was accepted is exactly what the sender encoded.
+        let b = u32::from_le_bytes(buf[12..16].try_into().expect("4 bytes"));
+        let again = encode_with_probe(msg.kind, msg.a, b, msg.slot, msg.probe, &msg.data);
+        assert_eq!(again, buf);
+    } else {
+        assert!(msg.data.is_empty() && msg.slot == NO_SLOT);
+    }
+    match judge_hello(&msg, nfds) {
+        HelloVerdict::Welcome { board_slot } => {
+            assert_eq!(msg.version, VERSION);
+            assert_eq!(msg.kind, HELLO);
+            match board_slot {
+                Some(slot) => assert!(slot < SLOTS && nfds == 1),
+                None => assert!(nfds == 0 && msg.slot == NO_SLOT),
+            }
+        }
+        HelloVerdict::OtherVersion => assert_ne!(msg.version, VERSION),
+        HelloVerdict::Refuse => {}
+    }
+    match judge_reply(&msg, nfds) {
+        Ok(board_slot) => {
+            assert_eq!((msg.version, msg.kind), (VERSION, ACCEPT));
+            match board_slot {
+                Some(slot) => assert!(slot < SLOTS && nfds == 2),
+                None => assert!(nfds == 1 && msg.slot == NO_SLOT),
+            }
+        }
+        Err(Error::Rejected(data)) => assert!(data.len() <= PRIVATE_DATA_MAX),
+        Err(Error::Protocol(_) | Error::Permission(_)) => {}
+        Err(e) => panic!("unexpected verdict {e:?}"),
+    }
+}
+
+/// Sends `buf` with `nfds` descriptors through a socket pair and takes it out with
+/// [`recv_msg`]: what it returns is what was sent, and what it refuses is a protocol error (a
+/// message too long, too many descriptors) or, for an empty packet, a hang-up.
+#[cfg(feature = "fuzzing")]
+fn fuzz_through_socket(buf: &[u8], nfds: usize) -> Option<(Vec<u8>, usize)> {
+    thread_local! {
+        static PAIR: (OwnedFd, OwnedFd, OwnedFd) = {
+            let mut sv = [0; 2];
+            // SAFETY: plain syscall into a live local array of two descriptors.
+            let r = unsafe {
+                libc::socketpair(
+                    libc::AF_UNIX,
+                    libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                    0,
+                    sv.as_mut_ptr(),
+                )
+            };
+            assert_eq!(r, 0, "socketpair");
+            // SAFETY: a NUL-terminated path; plain syscall.
+            let null = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+            assert!(null >= 0, "/dev/null");
+            // SAFETY: fresh descriptors owned by nobody else.
+            unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1]), OwnedFd::from_raw_fd(null)) }
+        };
+    }
+    PAIR.with(|(tx, rx, null)| {
+        let fds = vec![null.as_raw_fd(); nfds];
+        let mut iov = libc::iovec {
+            iov_base: buf.as_ptr().cast_mut().cast(),
+            iov_len: buf.len(),
+        };
+        let mut cbuf = [0u64; 8];
+        // SAFETY: msghdr is plain data; zero is a valid "no name, no control" value.
+        let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+        mh.msg_iov = &mut iov;
+        mh.msg_iovlen = 1;
+        if nfds > 0 {
+            let bytes = std::mem::size_of_val(&fds[..]) as u32;
+            mh.msg_control = cbuf.as_mut_ptr().cast();
+            // SAFETY: pure size computations; at most 4 descriptors fit `cbuf`.
+            mh.msg_controllen = unsafe { libc::CMSG_SPACE(bytes) } as usize;
+            // SAFETY: `cbuf` holds one header carrying `fds`, so CMSG_FIRSTHDR is non-null and
+            // CMSG_DATA points inside it.
+            unsafe {
+                let c = libc::CMSG_FIRSTHDR(&mh);
+                (*c).cmsg_level = libc::SOL_SOCKET;
+                (*c).cmsg_type = libc::SCM_RIGHTS;
+                (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
+                let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                for (i, &fd) in fds.iter().enumerate() {
+                    data.add(i).write_unaligned(fd);
+                }
+            }
+        }
+        // SAFETY: `mh` points at live locals for the duration of the call.
+        let n = unsafe { libc::sendmsg(tx.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            // Longer than a packet may be: nothing was sent.
+            return None;
+        }
+        assert_eq!(n as usize, buf.len());
+        match recv_msg(rx.as_raw_fd(), Some(Duration::ZERO)) {
+            Ok(Some((got, fds))) => {
+                assert!(buf.len() <= MSG_MAX && !buf.is_empty() && nfds <= FDS_MAX);
+                assert_eq!(got, buf);
+                assert_eq!(fds.len(), nfds);
+                Some((got, fds.len()))
+            }
+            Ok(None) => panic!("a packet was sent, none came"),
+            Err(Error::Protocol(_)) => {
+                assert!(buf.len() > MSG_MAX || nfds > FDS_MAX);
+                None
+            }
+            Err(Error::Connect(_)) if buf.is_empty() => None,
+            Err(e) => panic!("unexpected receive error {e:?}"),
+        }
+    })
+}
+
+/// A shared segment the peer sends: `buf` starts with its header, `ctl` bits 2-3 choose its
+/// size and bits 4-5 leave out seals. Opened with the real [`Segment::open`]: what it accepts
+/// has every seal and a ring size that fits the file.
+#[cfg(feature = "fuzzing")]
+fn fuzz_segment(ctl: u8, buf: &[u8]) {
+    const DATA: usize = 3 * 4096;
+    const MIN_CAP: usize = 64 * 1024;
+    let len = [
+        DATA + 2 * MIN_CAP,
+        DATA + 4 * MIN_CAP,
+        DATA + 2 * MIN_CAP + 4096,
+        4096,
+    ][usize::from(ctl >> 2 & 3)];
+    let all = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    let seals = match ctl >> 4 & 3 {
+        0 => all,
+        1 => all & !libc::F_SEAL_GROW,
+        2 => libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+        _ => 0,
+    };
+    // SAFETY: a NUL-terminated name and valid flags; the new descriptor is ours.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"rbr-fuzz".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    assert!(fd >= 0, "memfd_create");
+    // SAFETY: fresh descriptor owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let head = &buf[..buf.len().min(64)];
+    // SAFETY: plain syscalls on our memfd; `head` is readable for its length.
+    unsafe {
+        assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+        assert_eq!(
+            libc::pwrite(fd.as_raw_fd(), head.as_ptr().cast(), head.len(), 0),
+            head.len() as isize
+        );
+        if seals != 0 {
+            assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals), 0);
+        }
+    }
+    if let Ok(seg) = Segment::open(&fd) {
+        assert_eq!(seals, all, "a segment that could be resized was accepted");
+        assert_eq!(DATA + 2 * seg.cap(), len, "rings that do not fit the file");
+        assert!(seg.cap() >= MIN_CAP && seg.cap() % 4096 == 0);
+    }
+}
+
+/// Real messages, for the fuzz target's seed corpus: (name, `fuzz_message` input).
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let with = |n: u8, m: Vec<u8>| [vec![n], m].concat();
+    let probe = (0x7fff_1234_5678, 0x0123_4567_89ab_cdef);
+    let segment_header = |cap: u32| {
+        let mut h = 0x5242_5348_4d53_4547u64.to_le_bytes().to_vec(); // "RBSHMSEG"
+        h.extend_from_slice(&3u32.to_le_bytes());
+        h.extend_from_slice(&cap.to_le_bytes());
+        h
+    };
+    let mut v9 = encode_with_probe(HELLO, 9, 0, NO_SLOT, (0, 0), &[]);
+    v9[4] = 9;
+    vec![
+        (
+            "hello",
+            with(0, encode_with_probe(HELLO, 64, 64, NO_SLOT, probe, &[])),
+        ),
+        (
+            "hello-board-data",
+            with(1, encode_with_probe(HELLO, 16, 32, 5, probe, b"real")),
+        ),
+        (
+            "accept",
+            with(
+                1,
+                encode_with_probe(ACCEPT, 1 << 21, 0, NO_SLOT, probe, &[]),
+            ),
+        ),
+        (
+            "accept-board",
+            with(2, encode_with_probe(ACCEPT, 1 << 16, 0, 7, probe, b"hi")),
+        ),
+        (
+            "reject",
+            with(0, encode_with_probe(REJECT, 0, 0, NO_SLOT, probe, b"no")),
+        ),
+        (
+            "reject-version",
+            with(
+                0,
+                encode_with_probe(REJECT_VERSION, 2, 0, NO_SLOT, probe, &[]),
+            ),
+        ),
+        ("hello-v9", with(0, v9)),
+        (
+            "socket-hello-board",
+            with(0x81, encode_with_probe(HELLO, 16, 32, 5, probe, b"real")),
+        ),
+        (
+            "socket-accept",
+            with(0x82, encode_with_probe(ACCEPT, 1 << 16, 0, 7, probe, &[])),
+        ),
+        ("segment", with(0x40, segment_header(1 << 16))),
+        ("segment-unsealed", with(0x70, segment_header(1 << 16))),
+        ("segment-bigger", with(0x44, segment_header(1 << 17))),
+        ("garbage", with(0, b"GET / HTTP/1.0".to_vec())),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A seqpacket pair (non-blocking).
+    fn pair() -> (OwnedFd, OwnedFd) {
+        let mut sv = [0; 2];
+        // SAFETY: plain syscall into a live local array of two descriptors.
+        let r = unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                0,
+                sv.as_mut_ptr(),
+            )
+        };
+        assert_eq!(r, 0);
+        // SAFETY: fresh descriptors owned by nobody else.
+        unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) }
+    }
+
+    /// Found by the handshake fuzz target: a message one byte longer than any valid one fit
+    /// the receive buffer exactly and was passed on as if it had a valid size.
+    #[test]
+    fn messages_longer_than_the_longest_are_refused_at_every_length() {
+        let (tx, rx) = pair();
+        for len in [MSG_MAX + 1, MSG_MAX + 2, 4 * MSG_MAX] {
+            send_msg(tx.as_raw_fd(), &vec![0x10; len], &[]).unwrap();
+            match recv_msg(rx.as_raw_fd(), Some(Duration::ZERO)) {
+                Err(Error::Protocol(m)) => assert!(m.contains("oversized"), "{m}"),
+                other => panic!("{len} bytes: {other:?}"),
+            }
+        }
+        let longest = encode(HELLO, 1, 1, NO_SLOT, &[7; PRIVATE_DATA_MAX]);
+        assert_eq!(longest.len(), MSG_MAX);
+        send_msg(tx.as_raw_fd(), &longest, &[]).unwrap();
+        let (got, fds) = recv_msg(rx.as_raw_fd(), Some(Duration::ZERO))
+            .unwrap()
+            .expect("a message");
+        assert_eq!((got, fds.len()), (longest, 0));
+    }
 }

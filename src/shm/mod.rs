@@ -15,6 +15,8 @@ mod conn;
 mod direct;
 mod engine;
 mod flow;
+#[cfg(feature = "fuzzing")]
+pub(crate) mod fuzz;
 mod handshake;
 pub(crate) mod notice;
 mod onesided;

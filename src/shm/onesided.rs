@@ -732,6 +732,12 @@ pub(crate) fn run(
                 .is_some_and(|end| end <= imp.len)
         })
         .ok_or(Refused::Denied)? as usize;
+    // An atomic's word must be 8-byte aligned where it is accessed: the core checked the
+    // address the caller named, but the peer chose where its region starts, so the word's
+    // place in the mapping (which starts on a page) is checked here.
+    if need == Access::REMOTE_ATOMIC.0 && off % 8 != 0 {
+        return Err(Refused::Denied);
+    }
     let Some(entry) = seg.export(peer_side, imp.slot) else {
         return Err(Refused::Denied);
     };
@@ -764,7 +770,7 @@ pub(crate) fn run(
 /// The access on a mapping: plain copies, or atomic instructions.
 ///
 /// # Safety
-/// `at` is valid for `wr.len` bytes (8-aligned for atomics, which the core checked), writable
+/// `at` is valid for `wr.len` bytes (8-aligned for atomics, which `run` checked), writable
 /// where `wr` writes.
 unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
     let mut pos = at;
@@ -913,6 +919,52 @@ mod tests {
             "released {took:?} after the start (the bound is {REVOKE_WAIT:?})"
         );
         child.wait().unwrap();
+    }
+
+    /// Found by the `onesided` fuzz target: a peer that offers a region starting 4 bytes past an
+    /// 8-byte boundary made an atomic on an aligned address land misaligned in the mapping.
+    #[test]
+    fn an_atomic_misaligned_by_the_peers_offer_is_refused_and_touches_nothing() {
+        use crate::{Context, SendFlags};
+        let ctx = Context::new().unwrap();
+        let target = MemoryRegion::alloc(ctx.inner.clone(), 4096, Access::LOCAL_WRITE).unwrap();
+        let local = MemoryRegion::alloc(ctx.inner.clone(), 4096, Access::LOCAL_WRITE).unwrap();
+        let (seg, _fd) = Segment::create(64 * 1024).unwrap();
+        let key = 0x5eedu64;
+        let (slot, addr, len) = (3u32, 0x7f12_3450_0004u64, 4096u64);
+        let mut pkt = vec![OFFER, 0, 0, 0];
+        pkt.extend(slot.to_le_bytes());
+        pkt.extend(key.to_le_bytes());
+        pkt.extend(addr.to_le_bytes());
+        pkt.extend(len.to_le_bytes());
+        pkt.extend(REMOTE_BITS.to_le_bytes());
+        pkt.extend(KIND_MAPPED.to_le_bytes());
+        // SAFETY: dup of the region's live memfd; the copy is ours.
+        let fd = unsafe { OwnedFd::from_raw_fd(libc::dup(target.memfd().unwrap())) };
+        let imp = Import::from_offer(&pkt, Some(fd)).expect("a well-formed offer");
+        seg.export(0, slot as usize)
+            .unwrap()
+            .live
+            .store(key, Ordering::SeqCst);
+        let remote = crate::conn::RemoteRegion {
+            addr,
+            len,
+            key,
+            access: Access(REMOTE_BITS),
+            conn_id: 1,
+        };
+        let add = RdmaOp::FetchAdd { add: 1 };
+        // Offset 4 names the aligned address addr + 4, which is 4 bytes into the mapping.
+        let wr = RdmaRequest::atomic(&ctx.inner, 1, add, &local, 0, &remote, 4, 0, SendFlags(0))
+            .expect("the caller's side is well-formed");
+        assert_eq!(run(&imp, &wr, &seg, 0, None), Err(Refused::Denied));
+        let mut word = [0u8; 16];
+        // SAFETY: the one access was refused and no other is in flight; nothing else writes
+        // the region.
+        unsafe { target.read(0, &mut word) }.unwrap();
+        assert_eq!(word, [0; 16], "nothing touched");
+        // (With the region starting 4 bytes past a boundary, no word the caller may name - an
+        // aligned address - is aligned in the mapping: every atomic on it is refused.)
     }
 
     #[test]

@@ -1,0 +1,595 @@
+//! Entry points of the fuzz targets (`fuzz/`), built only with the `fuzzing` feature. Each
+//! drives the real code over input the fuzzer controls, as a hostile peer would write it, and
+//! checks that nothing is read or written outside what the library owns.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use crate::conn::{RdmaOp, RdmaRequest, Sge, Transport, pack_remote, unpack_remote};
+use crate::mr::{Access, MemoryRegion};
+use crate::shm::onesided::{Inbox, OFFER, REVOKED, Refused, run};
+use crate::shm::ring::{Consumer, Producer};
+use crate::shm::segment::Segment;
+use crate::{Context, SendFlags};
+
+/// Reads the fuzzer's bytes in order; zeros once they run out.
+struct Input<'a>(&'a [u8]);
+
+impl Input<'_> {
+    fn done(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn bytes(&mut self, n: usize) -> &[u8] {
+        let (a, b) = self.0.split_at(n.min(self.0.len()));
+        self.0 = b;
+        a
+    }
+
+    fn u8(&mut self) -> u8 {
+        self.bytes(1).first().copied().unwrap_or(0)
+    }
+
+    fn u16(&mut self) -> u16 {
+        u16::from(self.u8()) | u16::from(self.u8()) << 8
+    }
+
+    fn u32(&mut self) -> u32 {
+        u32::from(self.u16()) | u32::from(self.u16()) << 16
+    }
+
+    fn u64(&mut self) -> u64 {
+        u64::from(self.u32()) | u64::from(self.u32()) << 32
+    }
+}
+
+/// Handshake messages: the real decoder and both judges (see `handshake.rs`).
+pub fn handshake(data: &[u8]) {
+    crate::shm::handshake::fuzz_message(data)
+}
+
+/// Real handshake messages, for the seed corpus: (name, input of [`handshake`]).
+pub fn handshake_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    crate::shm::handshake::fuzz_seeds()
+}
+
+/// The ring target: one ring in memory the fuzzer also writes, an honest producer and the
+/// real consumer on it, and a hostile peer between them that pokes bytes, forges stamped
+/// records at the consumer's head, and overwrites the consumer's published head (which the
+/// producer reads). Checks that every record the consumer returns lies inside the ring, that
+/// its head only moves forward in whole records, and - while the peer has done nothing
+/// hostile - that records arrive exactly as written and neither end reports an error.
+pub fn ring(data: &[u8]) {
+    let mut input = Input(data);
+    let cap = 32 * (4 + usize::from(input.u8()) % 125);
+    let head = AtomicU64::new(0);
+    // Heap memory, so that the address sanitizer sees any access past the ring.
+    let mut mem = vec![0u64; cap / 8];
+    let base = mem.as_mut_ptr().cast::<u8>();
+    // SAFETY: `head` and `mem` outlive both ends (dropped after them, below); one producer,
+    // one consumer, one thread.
+    let (mut tx, mut rx) = unsafe {
+        (
+            Some(Producer::new(&head, base, cap)),
+            Some(Consumer::new(&head, base, cap)),
+        )
+    };
+    let src: Vec<u8> = (0..2 * cap).map(|i| (i * 7 + 3) as u8).collect();
+    let mut hostile = false;
+    let mut sent: VecDeque<Vec<u8>> = VecDeque::new();
+    let mut published = 0u64;
+    while !input.done() {
+        match input.u8() % 8 {
+            0 => {
+                // Poke bytes anywhere in the ring.
+                let at = usize::from(input.u16()) % cap;
+                let n = usize::from(input.u8() % 33).min(cap - at);
+                let bytes = input.bytes(n).to_vec();
+                // SAFETY: at + bytes.len() <= cap; single-threaded.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(at), bytes.len()) };
+                hostile = true;
+            }
+            1 => {
+                // Forge a stamped record at the consumer's head.
+                let at = (published % cap as u64) as usize;
+                let mut hdr = [0u8; 24];
+                hdr[..8].copy_from_slice(&(published + 1).to_le_bytes());
+                let words = input.bytes(16).to_vec();
+                hdr[8..8 + words.len()].copy_from_slice(&words);
+                let n = hdr.len().min(cap - at);
+                // SAFETY: at + n <= cap; single-threaded.
+                unsafe { std::ptr::copy_nonoverlapping(hdr.as_ptr(), base.add(at), n) };
+                hostile = true;
+            }
+            2 | 3 => {
+                let Some(c) = rx.as_mut() else { continue };
+                match c.peek() {
+                    Ok(Some(rec)) => {
+                        let (lo, hi) = (base as usize, base as usize + cap);
+                        let p = rec.payload as usize;
+                        assert!(p >= lo && p <= hi && p + rec.len <= hi, "record outside");
+                        assert!(rec.len <= rec.total, "record longer than its message");
+                        // SAFETY: just checked to lie inside the ring.
+                        let got = unsafe { std::slice::from_raw_parts(rec.payload, rec.len) };
+                        if !hostile {
+                            let want = sent.pop_front().expect("only records that were sent");
+                            assert_eq!(got, &want[..]);
+                        }
+                        c.consume(&rec);
+                        // The consumer published its head, in whole records, forward only (by
+                        // at most a padding to the ring's end and this record).
+                        let now = head.load(Ordering::Relaxed);
+                        let moved = now.checked_sub(published).expect("the head went back");
+                        assert!(now % 32 == 0 && moved >= 32 && moved <= 2 * cap as u64);
+                        published = now;
+                    }
+                    Ok(None) => {
+                        if !hostile {
+                            assert!(sent.is_empty(), "a record that was sent is missing");
+                        }
+                    }
+                    Err(e) => {
+                        assert!(hostile, "an honest ring refused: {e}");
+                        rx = None;
+                    }
+                }
+            }
+            4 | 5 => {
+                let Some(p) = tx.as_mut() else { continue };
+                let want = usize::from(input.u16()) % (2 * cap);
+                let flags = input.u8();
+                // SAFETY: `src` is readable for 2 * cap > want bytes.
+                let r = unsafe {
+                    p.write(
+                        src.as_ptr(),
+                        want,
+                        true,
+                        true,
+                        (flags & 1 != 0).then_some(7),
+                        want,
+                    )
+                };
+                match r {
+                    Ok(Some(n)) => {
+                        assert!(n <= want);
+                        sent.push_back(src[..n].to_vec());
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        assert!(hostile, "an honest head refused: {e}");
+                        tx = None;
+                    }
+                }
+            }
+            6 => {
+                let Some(p) = tx.as_mut() else { continue };
+                let (addr, total) = (input.u64(), usize::from(input.u16()));
+                let r = if input.u8() & 1 == 0 {
+                    // A direct message is never shorter than its 8-byte record (flow.rs sends
+                    // only large ones so).
+                    p.write_direct(addr, total.max(8))
+                        .map(|ok| ok.then(|| addr.to_le_bytes().to_vec()))
+                } else {
+                    p.write_imm(addr as u32, total).map(|ok| ok.then(Vec::new))
+                };
+                match r {
+                    Ok(Some(payload)) => sent.push_back(payload),
+                    Ok(None) => {}
+                    Err(e) => {
+                        assert!(hostile, "an honest head refused: {e}");
+                        tx = None;
+                    }
+                }
+            }
+            _ => {
+                // A hostile consumer cursor, as the producer reads it.
+                head.store(input.u64(), Ordering::Relaxed);
+                hostile = true;
+            }
+        }
+    }
+    // Both ends are gone before the memory they point into.
+    let _ = (tx, rx);
+    drop(mem);
+}
+
+/// What the one-sided target needs once: a context, the region the offers map (its memfd),
+/// a local region for the requests' segments, and a segment holding the export table.
+struct OneSided {
+    ctx: Context,
+    target: Arc<MemoryRegion>,
+    local: Arc<MemoryRegion>,
+    seg: Segment,
+    /// Both ends of a seqpacket pair: offers go in at `.0` and the inbox reads `.1`.
+    socks: (OwnedFd, OwnedFd),
+}
+
+// SAFETY: the segment is a private mapping of this process, used from one thread at a time
+// (the fuzzer runs inputs one after another).
+unsafe impl Sync for OneSided {}
+// SAFETY: as above.
+unsafe impl Send for OneSided {}
+
+const TARGET_LEN: usize = 64 * 1024;
+const LOCAL_LEN: usize = 4096;
+
+fn onesided_state() -> &'static OneSided {
+    static STATE: OnceLock<OneSided> = OnceLock::new();
+    STATE.get_or_init(|| {
+        let ctx = Context::new().expect("a context");
+        let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let target = MemoryRegion::alloc(ctx.inner.clone(), TARGET_LEN, all).expect("region");
+        let local =
+            MemoryRegion::alloc(ctx.inner.clone(), LOCAL_LEN, Access::LOCAL_WRITE).expect("mr");
+        let (seg, _fd) = Segment::create(64 * 1024).expect("a segment");
+        let mut sv = [0; 2];
+        // SAFETY: plain syscall into a live local array of two descriptors.
+        let r = unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                0,
+                sv.as_mut_ptr(),
+            )
+        };
+        assert_eq!(r, 0, "socketpair");
+        // SAFETY: fresh descriptors owned by nobody else.
+        let socks = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
+        OneSided {
+            ctx,
+            target,
+            local,
+            seg,
+            socks,
+        }
+    })
+}
+
+/// Sends one packet, with `fd` attached when given.
+fn send_packet(sock: RawFd, pkt: &[u8], fd: Option<RawFd>) {
+    let mut iov = libc::iovec {
+        iov_base: pkt.as_ptr().cast_mut().cast(),
+        iov_len: pkt.len(),
+    };
+    let mut cbuf = [0u64; 4];
+    // SAFETY: msghdr is plain data; zero is a valid "no name, no control" value.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        mh.msg_control = cbuf.as_mut_ptr().cast();
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        mh.msg_controllen = unsafe { libc::CMSG_SPACE(4) } as usize;
+        // SAFETY: `cbuf` holds one header carrying one descriptor, so CMSG_FIRSTHDR is
+        // non-null and CMSG_DATA points inside it.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&mh);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(4) as usize;
+            libc::CMSG_DATA(c).cast::<RawFd>().write_unaligned(fd);
+        }
+    }
+    // SAFETY: `mh` points at live locals for the duration of the call.
+    let n = unsafe { libc::sendmsg(sock, &mh, libc::MSG_NOSIGNAL) };
+    assert_eq!(n, pkt.len() as isize, "sendmsg");
+}
+
+/// The one-sided target: packets from the peer (offers, with the memfd of a real region or
+/// without one; withdrawals; anything) go through the real socket reader into the imports;
+/// then requests - a descriptor unpacked by the real unpacker, an operation, local segments,
+/// an offset - are checked by the real request checks and run against the import with the
+/// key they name and the export table in a real segment, whose `live` word the input sets.
+/// Checks that an access runs only inside the offered range, with the rights offered, on a
+/// live key, and that an atomic's word is 8-byte aligned in the mapping.
+pub fn onesided(data: &[u8]) {
+    let st = onesided_state();
+    let mut input = Input(data);
+    let mut inbox = Inbox::default();
+    let mut offers: Vec<[u8; 40]> = Vec::new();
+    let conn_id = 1;
+    while !input.done() {
+        match input.u8() % 4 {
+            0 => {
+                // An offer packet, as the peer composes it, with the memfd or without.
+                let mut pkt = [0u8; 40];
+                let b = input.bytes(40);
+                pkt[..b.len()].copy_from_slice(b);
+                pkt[0] = OFFER;
+                let with_fd = pkt[1] & 1 != 0;
+                let fd = with_fd.then(|| st.target.memfd().expect("an allocated region"));
+                send_packet(st.socks.0.as_raw_fd(), &pkt, fd);
+                offers.push(pkt);
+                inbox.drain(st.socks.1.as_raw_fd());
+            }
+            1 => {
+                // Any other packet: a withdrawal, or garbage.
+                let n = usize::from(input.u8() % 65).max(1);
+                let mut pkt = input.bytes(n).to_vec();
+                if pkt.is_empty() {
+                    pkt.push(REVOKED);
+                }
+                send_packet(st.socks.0.as_raw_fd(), &pkt, None);
+                inbox.drain(st.socks.1.as_raw_fd());
+            }
+            _ => {
+                request(st, &mut input, &inbox, &offers, conn_id);
+            }
+        }
+    }
+    inbox.drain(st.socks.1.as_raw_fd());
+    inbox.clear();
+    for slot in 0..crate::shm::segment::EXPORT_SLOTS {
+        let e = st.seg.export(0, slot).expect("a slot");
+        e.live.store(0, Ordering::Relaxed);
+        assert_eq!(
+            e.busy.load(Ordering::Relaxed),
+            0,
+            "an access left busy raised"
+        );
+    }
+}
+
+/// The slots of the offers with `key` that an import could have come from.
+fn offer_slots(offers: &[[u8; 40]], key: u64) -> Vec<usize> {
+    offers
+        .iter()
+        .filter(|o| o[8..16] == key.to_le_bytes())
+        .map(|o| u32::from_le_bytes(o[4..8].try_into().expect("4 bytes")) as usize)
+        .filter(|&s| s < crate::shm::segment::EXPORT_SLOTS)
+        .collect()
+}
+
+fn request(st: &OneSided, input: &mut Input<'_>, inbox: &Inbox, offers: &[[u8; 40]], conn_id: u64) {
+    let mut desc = [0u8; 32];
+    let b = input.bytes(32);
+    desc[..b.len()].copy_from_slice(b);
+    let remote = match unpack_remote(&desc, Transport::Shm, conn_id) {
+        Ok(r) => r,
+        Err(_) => return,
+    };
+    assert!(remote.addr.checked_add(remote.len).is_some());
+    let op = match input.u8() % 4 {
+        0 => RdmaOp::Write { imm: None },
+        1 => RdmaOp::Read,
+        2 => RdmaOp::FetchAdd { add: 1 },
+        _ => RdmaOp::CmpSwap {
+            compare: 0,
+            swap: 1,
+        },
+    };
+    let remote_offset = input.u64() % (2 * TARGET_LEN as u64 + 64);
+    let inner = &st.ctx.inner;
+    let wr = match op {
+        RdmaOp::Write { .. } | RdmaOp::Read => {
+            let n = usize::from(input.u8()) % 5;
+            let sges: Vec<Sge<'_>> = (0..n)
+                .map(|_| Sge {
+                    mr: &st.local,
+                    offset: usize::from(input.u16()) % (LOCAL_LEN + 8),
+                    len: usize::from(input.u16()) % (LOCAL_LEN + 8),
+                })
+                .collect();
+            RdmaRequest::transfer(
+                inner,
+                conn_id,
+                op,
+                sges.into_iter(),
+                &remote,
+                remote_offset,
+                0,
+                SendFlags::SIGNALED,
+            )
+        }
+        _ => {
+            let local_offset = usize::from(input.u16()) % (LOCAL_LEN + 8);
+            RdmaRequest::atomic(
+                inner,
+                conn_id,
+                op,
+                &st.local,
+                local_offset,
+                &remote,
+                remote_offset,
+                0,
+                SendFlags::SIGNALED,
+            )
+        }
+    };
+    let Ok(wr) = wr else { return };
+    for s in wr.segs() {
+        let lo = st.local.slice_ptr(0, LOCAL_LEN).expect("whole region") as usize;
+        assert!(s.ptr as usize >= lo && s.ptr as usize + s.len <= lo + LOCAL_LEN);
+    }
+    let Some(imp) = inbox.get(remote.key) else {
+        return;
+    };
+    let slots = offer_slots(offers, remote.key);
+    assert!(!slots.is_empty(), "an import comes from an offer");
+    let live = input.u8() & 1 != 0;
+    let value = if live { remote.key } else { remote.key ^ 1 };
+    for &slot in &slots {
+        let e = st.seg.export(0, slot).expect("an offered slot exists");
+        e.live.store(value, Ordering::SeqCst);
+    }
+    let r = run(&imp, &wr, &st.seg, 0, None);
+    for &slot in &slots {
+        let e = st.seg.export(0, slot).expect("an offered slot exists");
+        e.live.store(0, Ordering::SeqCst);
+    }
+    if r.is_ok() {
+        assert!(live, "an access on a withdrawn key");
+        let need = match op {
+            RdmaOp::Write { .. } => Access::REMOTE_WRITE.0,
+            RdmaOp::Read => Access::REMOTE_READ.0,
+            _ => Access::REMOTE_ATOMIC.0,
+        };
+        // Some offer of this key (the one the import came from) allowed exactly this access.
+        let allowed = offers
+            .iter()
+            .filter(|o| o[8..16] == remote.key.to_le_bytes())
+            .any(|o| {
+                let word = |i: usize| u64::from_le_bytes(o[i..i + 8].try_into().expect("8 bytes"));
+                let (addr, len) = (word(16), word(24));
+                let access = u32::from_le_bytes(o[32..36].try_into().expect("4 bytes"));
+                let Some(off) = wr.remote_addr.checked_sub(addr) else {
+                    return false;
+                };
+                o[1] & 1 != 0 // a mapping: there is no peer process to reach through the kernel
+                && access & need == need
+                && off + wr.len as u64 <= len
+                && len <= TARGET_LEN as u64
+                && (need != Access::REMOTE_ATOMIC.0 || off % 8 == 0)
+            });
+        assert!(allowed, "an access no offer allowed: {wr:?}");
+    } else if r == Err(Refused::Withdrawn) {
+        assert!(!live);
+    }
+}
+
+/// Seeds for [`ring`]: honest traffic of several shapes, and a few hostile moves.
+pub fn ring_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let write =
+        |n: u16, imm: bool| [vec![4], n.to_le_bytes().to_vec(), vec![u8::from(imm)]].concat();
+    let peek = || vec![2u8];
+    let mut honest = vec![28u8]; // a ring of 1024 bytes
+    for n in [0u16, 1, 31, 32, 100, 500, 700, 64, 1000] {
+        honest.extend(write(n, n % 2 == 1));
+        honest.extend(peek());
+        honest.extend(peek());
+    }
+    let mut laps = vec![0u8]; // the smallest ring: 128 bytes
+    for i in 0..40u16 {
+        laps.extend(write(i * 13 % 90, false));
+        if i % 3 != 0 {
+            laps.extend(peek());
+        }
+    }
+    let mut direct = vec![60u8];
+    for sel in [0u8, 1] {
+        direct.push(6);
+        direct.extend(0x7f00_dead_beefu64.to_le_bytes());
+        direct.extend(4096u16.to_le_bytes());
+        direct.push(sel);
+        direct.extend(peek());
+    }
+    let forge = |len: u32, flags: u32, total: u32| {
+        let mut v = vec![1u8];
+        for w in [len, flags, 0, total] {
+            v.extend(w.to_le_bytes());
+        }
+        v
+    };
+    let huge = [vec![28], forge(u32::MAX, 3, u32::MAX), peek()].concat();
+    let short_pad = [vec![28], forge(64, 8, 0), peek()].concat();
+    let good_forgery = [vec![28], forge(8, 3, 8), peek(), peek()].concat();
+    let mut head = vec![28u8];
+    head.extend(write(200, false));
+    head.push(7);
+    head.extend(4096u64.to_le_bytes());
+    head.extend(write(900, false));
+    let mut poke = vec![28u8];
+    poke.extend(write(100, false));
+    poke.extend([0, 8, 0, 8]);
+    poke.extend(u64::MAX.to_le_bytes());
+    poke.extend(peek());
+    vec![
+        ("honest", honest),
+        ("laps", laps),
+        ("direct-imm", direct),
+        ("huge-record", huge),
+        ("short-pad", short_pad),
+        ("forged-record", good_forgery),
+        ("hostile-head", head),
+        ("poke-header", poke),
+    ]
+}
+
+/// Seeds for [`onesided`]: real offers and descriptors, with every operation.
+pub fn onesided_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let key = 0x5eed_0000_0000_0001u64;
+    let (addr, len) = (0x7f12_3450_0000u64, 4096u64);
+    let all = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+    let offer = |mapped: bool, slot: u32, access: Access| {
+        let mut v = vec![0u8, OFFER, u8::from(mapped), 0, 0];
+        v.extend(slot.to_le_bytes());
+        v.extend(key.to_le_bytes());
+        v.extend(addr.to_le_bytes());
+        v.extend(len.to_le_bytes());
+        v.extend(access.0.to_le_bytes());
+        v.extend(u32::from(mapped).to_le_bytes());
+        v
+    };
+    let desc = |access: Access| pack_remote(Transport::Shm, access, addr, len, key).to_vec();
+    let transfer = |op: u8, off: u64, segs: &[(u16, u16)], live: bool| {
+        let mut v = [vec![2u8], desc(all), vec![op]].concat();
+        v.extend(off.to_le_bytes());
+        v.push(segs.len() as u8);
+        for (o, l) in segs {
+            v.extend(o.to_le_bytes());
+            v.extend(l.to_le_bytes());
+        }
+        v.push(u8::from(live));
+        v
+    };
+    let atomic = |op: u8, off: u64, local: u16| {
+        let mut v = [vec![2u8], desc(all), vec![op]].concat();
+        v.extend(off.to_le_bytes());
+        v.extend(local.to_le_bytes());
+        v.push(1);
+        v
+    };
+    let mut revoked = vec![1u8, 16, REVOKED, 0, 0, 0];
+    revoked.extend(3u32.to_le_bytes());
+    revoked.extend(key.to_le_bytes());
+    vec![
+        (
+            "write",
+            [
+                offer(true, 3, all),
+                transfer(0, 16, &[(0, 64), (128, 8)], true),
+            ]
+            .concat(),
+        ),
+        (
+            "read",
+            [offer(true, 3, all), transfer(1, 0, &[(0, 4096)], true)].concat(),
+        ),
+        ("fetch-add", [offer(true, 3, all), atomic(2, 8, 8)].concat()),
+        (
+            "cmp-swap",
+            [offer(true, 3, all), atomic(3, 4088, 0)].concat(),
+        ),
+        (
+            "withdrawn",
+            [offer(true, 3, all), transfer(0, 0, &[(0, 8)], false)].concat(),
+        ),
+        (
+            "read-only",
+            [
+                offer(true, 9, Access::REMOTE_READ),
+                transfer(0, 0, &[(0, 8)], true),
+            ]
+            .concat(),
+        ),
+        (
+            "revoked",
+            [
+                offer(true, 3, all),
+                revoked,
+                transfer(1, 0, &[(0, 8)], true),
+            ]
+            .concat(),
+        ),
+        (
+            "process",
+            [
+                offer(false, 4, Access::REMOTE_READ),
+                transfer(1, 0, &[(0, 8)], true),
+            ]
+            .concat(),
+        ),
+    ]
+}
