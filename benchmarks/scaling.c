@@ -59,7 +59,6 @@
 
 #include "common.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <sched.h>
 #include <signal.h>
@@ -319,22 +318,6 @@ static long count_threads(void)
             break;
     fclose(f);
     return n;
-}
-
-/* Open descriptors of this process, from /proc/self/fd (-1 if unknown). */
-static long count_fds(void)
-{
-    DIR *d = opendir("/proc/self/fd");
-    struct dirent *e;
-    long n = 0;
-
-    if (d == NULL)
-        return -1;
-    while ((e = readdir(d)) != NULL)
-        if (e->d_name[0] != '.')
-            n++;
-    closedir(d);
-    return n - 1; /* the directory's own descriptor */
 }
 
 /*
@@ -812,7 +795,7 @@ static int client_main(const struct opts *o, int ready)
                (unsigned long long)s.n_conns, poll_ns,
                (double)ex_percentile(rtt, o->iters, 50.0) / 2000.0,
                (double)ex_percentile(rtt, o->iters, 99.0) / 2000.0,
-               sum / (double)o->iters / 2000.0, count_threads(), count_fds());
+               sum / (double)o->iters / 2000.0, count_threads(), ex_count_fds());
     }
     if (ctl_round(&s, CTL_QUIT, 0, NULL, NULL))
         goto out;

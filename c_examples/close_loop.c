@@ -22,26 +22,6 @@
 #define RECVS 4
 #define SLOT 1024
 
-struct acceptor {
-    rbr_listener *listener;
-    rbr_cq *cq;
-    rbr_conn *conn;
-    rbr_status status;
-};
-
-static void *accept_one(void *p)
-{
-    struct acceptor *a = p;
-    rbr_request *req = NULL;
-
-    a->conn = NULL;
-    a->status = rbr_listener_get_request(a->listener, 10000, &req);
-    if (a->status == RBR_OK)
-        a->status = rbr_request_accept(req, a->cq, NULL, &a->conn);
-    rbr_request_destroy(req);
-    return NULL;
-}
-
 /*
  * Takes one connection's records up to its disconnect: RECVS flushed
  * receives, then RBR_OP_DISCONNECTED, whose status must be success.
@@ -117,12 +97,12 @@ int main(int argc, char **argv)
         goto out_listener;
 
     for (i = 0; i < pairs; i++) {
-        struct acceptor a = {listener, scq, NULL, RBR_ERR_PANIC};
+        struct ex_acceptor a = {listener, scq, NULL, RBR_ERR_PANIC};
         rbr_conn *client = NULL, *closer, *peer;
         rbr_cq *closer_cq, *peer_cq;
         pthread_t t;
 
-        if (pthread_create(&t, NULL, accept_one, &a) != 0) {
+        if (pthread_create(&t, NULL, ex_accept_one, &a) != 0) {
             ex_error("pthread_create failed");
             goto out_mr;
         }

@@ -7,6 +7,7 @@
 
 #include "common.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -391,4 +392,32 @@ int ex_expect(rbr_cq *cq, int32_t timeout_ms, uint32_t opcode, rbr_completion *c
         return -1;
     }
     return 0;
+}
+
+void *ex_accept_one(void *p)
+{
+    struct ex_acceptor *a = p;
+    rbr_request *req = NULL;
+
+    a->conn = NULL;
+    a->status = rbr_listener_get_request(a->listener, 10000, &req);
+    if (a->status == RBR_OK)
+        a->status = rbr_request_accept(req, a->cq, NULL, &a->conn);
+    rbr_request_destroy(req);
+    return NULL;
+}
+
+long ex_count_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *e;
+    long n = 0;
+
+    if (d == NULL)
+        return -1;
+    while ((e = readdir(d)) != NULL)
+        if (e->d_name[0] != '.')
+            n++;
+    closedir(d);
+    return n - 1; /* the directory's own descriptor */
 }

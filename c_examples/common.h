@@ -127,4 +127,20 @@ int ex_cq_opt(int ch, const char *arg, struct ex_cq_opts *o);
 /* rbr_cq_create_ex with the options of *o. */
 rbr_status ex_cq_create(const struct ex_cq_opts *o, rbr_cq **cq);
 
+/*
+ * One request taken from `listener` (waiting up to 10 s) and accepted onto
+ * `cq` with default options, on a thread of its own: pass ex_accept_one and a
+ * struct ex_acceptor to pthread_create, then read `status` and `conn` after
+ * pthread_join (conn is NULL unless status is RBR_OK).
+ */
+struct ex_acceptor {
+    rbr_listener *listener;
+    rbr_cq *cq;
+    rbr_conn *conn;
+    rbr_status status;
+};
+void *ex_accept_one(void *acceptor);
+/* Open descriptors of this process, from /proc/self/fd (-1 if unknown). */
+long ex_count_fds(void);
+
 #endif /* RBR_EXAMPLES_COMMON_H */

@@ -15,7 +15,6 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
-#include <dirent.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -27,41 +26,6 @@
 
 #define SLOT (64 * 1024)
 #define RECVS 4
-
-struct acceptor {
-    rbr_listener *listener;
-    rbr_cq *cq;
-    rbr_conn *conn;
-    rbr_status status;
-};
-
-static void *accept_one(void *p)
-{
-    struct acceptor *a = p;
-    rbr_request *req = NULL;
-
-    a->conn = NULL;
-    a->status = rbr_listener_get_request(a->listener, 10000, &req);
-    if (a->status == RBR_OK)
-        a->status = rbr_request_accept(req, a->cq, NULL, &a->conn);
-    rbr_request_destroy(req);
-    return NULL;
-}
-
-static long count_fds(void)
-{
-    DIR *d = opendir("/proc/self/fd");
-    struct dirent *e;
-    long n = 0;
-
-    if (d == NULL)
-        return -1;
-    while ((e = readdir(d)) != NULL)
-        if (e->d_name[0] != '.')
-            n++;
-    closedir(d);
-    return n - 1; /* the directory's own descriptor */
-}
 
 static long rss_kib(void)
 {
@@ -243,7 +207,7 @@ int main(int argc, char **argv)
            (unsigned long long)k);
     printf("%10s %10s %6s %10s\n", "cycle", "seconds", "fds", "rss_kib");
     for (i = 0; i < cycles; i++) {
-        struct acceptor a = {listener, scq, NULL, RBR_ERR_PANIC};
+        struct ex_acceptor a = {listener, scq, NULL, RBR_ERR_PANIC};
         rbr_conn *client = NULL;
         pthread_t t;
         uint64_t elapsed = (ex_now_ns() - start) / 1000000000u;
@@ -251,7 +215,7 @@ int main(int argc, char **argv)
         if (seconds && elapsed >= seconds)
             break;
         if (i % sample == 0) {
-            fd = count_fds();
+            fd = ex_count_fds();
             rss = rss_kib();
             printf("%10llu %10llu %6ld %10ld\n", (unsigned long long)i,
                    (unsigned long long)elapsed, fd, rss);
@@ -264,7 +228,7 @@ int main(int argc, char **argv)
                 rss_max = rss > rss_max ? rss : rss_max;
             }
         }
-        if (pthread_create(&t, NULL, accept_one, &a) != 0) {
+        if (pthread_create(&t, NULL, ex_accept_one, &a) != 0) {
             ex_error("pthread_create failed");
             goto out_mr;
         }
@@ -289,7 +253,7 @@ int main(int argc, char **argv)
         }
         rbr_conn_destroy(peer);
     }
-    fd = count_fds();
+    fd = ex_count_fds();
     rss = rss_kib();
     printf("%10llu %10llu %6ld %10ld  (end)\n", (unsigned long long)i,
            (unsigned long long)((ex_now_ns() - start) / 1000000000u), fd, rss);
