@@ -18,7 +18,7 @@
 //! (which cannot happen while a connection of it still exists).
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
@@ -26,6 +26,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::idmap::IdMap;
 use crate::sys::{self, EventFd};
 
 /// Most descriptors one registration may watch.
@@ -322,10 +323,11 @@ impl Core {
         }
     }
 
-    fn take_mail(&self) -> Inbox {
+    /// Swaps the inbox with `into` (empty, its capacity kept for the next mail).
+    fn take_mail(&self, into: &mut Inbox) {
         let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
         self.mail.store(false, Ordering::SeqCst);
-        std::mem::take(&mut *inbox)
+        std::mem::swap(&mut *inbox, into);
     }
 }
 
@@ -346,7 +348,10 @@ struct Entry {
 /// The driver's thread.
 struct Thread {
     core: Arc<Core>,
-    entries: HashMap<u64, Entry>,
+    entries: IdMap<u64, Entry>,
+    /// The inbox last taken, emptied: handed back to the core with the next take, so that
+    /// wake-ups allocate nothing.
+    spare: Inbox,
     /// Deadlines, soonest first; an element whose entry has another deadline now is stale.
     timers: BinaryHeap<Reverse<(Instant, u64)>>,
     /// Registrations that asked to run again at once.
@@ -361,7 +366,8 @@ impl Thread {
     fn new(core: Arc<Core>) -> Thread {
         Thread {
             core,
-            entries: HashMap::new(),
+            entries: IdMap::default(),
+            spare: Inbox::default(),
             timers: BinaryHeap::new(),
             busy: Vec::new(),
             yielding: 0,
@@ -446,19 +452,22 @@ impl Thread {
     }
 
     fn read_mail(&mut self) {
-        let inbox = self.core.take_mail();
-        for e in inbox.new {
+        let mut inbox = std::mem::take(&mut self.spare);
+        self.core.take_mail(&mut inbox);
+        for e in inbox.new.drain(..) {
             let id = e.slot.id;
             self.entries.insert(id, e);
             self.mark(id);
         }
-        for id in inbox.woken {
+        for &id in &inbox.woken {
             if let Some(e) = self.entries.get_mut(&id) {
                 // AcqRel: pairs with `Registration::wake`; a wake-up from now on is a new one.
                 e.slot.woken.swap(false, Ordering::AcqRel);
                 self.mark(id);
             }
         }
+        inbox.woken.clear();
+        self.spare = inbox;
     }
 
     /// The soonest deadline, dropping stale timers on the way.

@@ -24,7 +24,7 @@
 //! [`Progress::Thread`], and with [`Progress::Caller`] while somebody sleeps on or watches
 //! the queue - re-arming, then polling once more, so no completion is missed.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -35,6 +35,7 @@ use crate::conn::next_conn_id;
 use crate::cq::{Completion, CompletionQueue, Progress, Source};
 use crate::driver::{Driver, Handler, Next, Ready, Registration};
 use crate::error::{Error, Result};
+use crate::idmap::IdMap;
 use crate::verbs::cm::set_nonblocking;
 use crate::verbs::dispatch::{Member, PollState, Wc, complete, deliver, unpark};
 use crate::verbs::post::{PostState, Shared, TAG_SHIFT, try_lock};
@@ -209,7 +210,7 @@ impl DevCq {
             notify_armed: AtomicBool::new(false),
             held: Arc::new(AtomicUsize::new(0)),
             poll: Mutex::new(PollState {
-                members: HashMap::new(),
+                members: IdMap::default(),
                 parked: 0,
                 users: 1,
                 // SAFETY: live CQ; `cqe` is what the device granted (at least the size asked).

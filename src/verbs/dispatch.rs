@@ -7,12 +7,13 @@
 //! sends before it (successfully) and the receives before it (as flushed); the first error
 //! fails the connection; the server's hello receive tells it where its credit writes go.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use rdma_sys as sys;
 
 use crate::cq::{Completion, Opcode, WcStatus};
+use crate::idmap::IdMap;
 use crate::verbs::post::{
     HELLO_BIT, PostState, RECV_BIT, SEQ_MASK, Shared, TAG_MASK, at_or_before, try_lock,
 };
@@ -87,7 +88,7 @@ pub(super) struct Member {
 
 /// What the poll lock guards.
 pub(super) struct PollState {
-    pub(super) members: HashMap<u32, Member>,
+    pub(super) members: IdMap<u32, Member>,
     /// Parked completions, over all members.
     pub(super) parked: usize,
     /// Connections using the CQ (from before their queue pair exists until after it is gone).
@@ -121,8 +122,11 @@ pub(super) fn deliver(
     if wc.wr_id & TAG_MASK != m.tag {
         return 0;
     }
-    let Some(sh) = m.sh.clone() else {
-        m.parked.push_back(wc);
+    let Member {
+        sh, parked: mine, ..
+    } = m;
+    let Some(sh) = sh.as_deref() else {
+        mine.push_back(wc);
         *parked += 1;
         return 0;
     };
@@ -132,18 +136,18 @@ pub(super) fn deliver(
         try_lock(&sh.state)
     };
     let Some(mut st) = guard else {
-        m.parked.push_back(wc);
+        mine.push_back(wc);
         *parked += 1;
         return 0;
     };
     let failed = st.failed.is_some();
     let mut n = 0;
-    while let Some(p) = m.parked.pop_front() {
+    while let Some(p) = mine.pop_front() {
         *parked -= 1;
-        n += complete(&sh, &mut st, &p, emit);
+        n += complete(sh, &mut st, &p, emit);
     }
-    n += complete(&sh, &mut st, &wc, emit);
-    settle(&sh, &mut st, failed);
+    n += complete(sh, &mut st, &wc, emit);
+    settle(sh, &mut st, failed);
     n
 }
 
