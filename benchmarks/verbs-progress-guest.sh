@@ -9,7 +9,10 @@
 #   setup:      cmtime (N connections)           vs  rbr_close_loop (N connect + accept + close,
 #               one after another, both ends in one process); connections per second
 # rdmabridge runs as rbr-caller (progress on the caller's thread, the default), rbr-thread
-# (progress threads) and rbr-caller-busy (caller progress, rbr_cq_wait never sleeping).
+# (progress threads) and rbr-caller-busy (caller progress, rbr_cq_wait never sleeping), all
+# three the C example (rbr_client/rbr_server: streaming there is echoed, so both directions
+# carry it), and as rbr-bench: benchmarks/rbr_bench, which measures as perftest does (caller
+# progress, both sides busy-polling rbr_cq_poll, one-way streaming).
 # Each round runs every tool once per measure, in turn, so drift hits them alike. Prints one
 # line per figure ("RESULT measure tool field value") and, at the end, a table: medians over
 # the rounds, the spread (min-max over rounds) and ratios to the stock tool of each measure.
@@ -72,6 +75,9 @@ rbr() { # MODE SPIN SIZE COUNT
   [ "$spin" = - ] || opts+=(-S "$spin")
   next_port
   local addr="rdma://$ip:$port"
+  # Emptied here, not by the redirection below: that happens in the child, which may run
+  # after the first look for "listening" and so let a previous run's line through.
+  : >/tmp/rbr-server.log
   timeout 300 "$build/rbr_server" "${opts[@]}" -q -a "$addr" -n "$count" -s "$size" \
     >/tmp/rbr-server.log 2>&1 &
   local s=$!
@@ -126,11 +132,38 @@ rbr_conn_rate() { # N
   awk -v n="$n" -v ns=$((t1 - t0)) 'BEGIN { printf "%.1f\n", n / (ns / 1e9) }'
 }
 
+# rbr_bench: TEST (lat, bw) at SIZE, COUNT messages, measured as perftest measures: both sides
+# busy-poll rbr_cq_poll (caller progress, the default), a ping-pong for latency, one-way
+# streaming (32 in flight) for bandwidth; prints its RESULT line.
+bench() { # TEST SIZE COUNT
+  local test=$1 size=$2 count=$3
+  next_port
+  local addr="rdma://$ip:$port"
+  # (emptied first: see rbr)
+  : >/tmp/bench-server.log
+  timeout 300 "$build/rbr_bench" -r server -a "$addr" >/tmp/bench-server.log 2>&1 &
+  local s=$!
+  local i
+  for i in $(seq 600); do grep -q '^listening on' /tmp/bench-server.log && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
+  timeout 300 "$build/rbr_bench" -r client -a "$addr" -t "$test" -s "$size" -n "$count" \
+    -b "$((count * size))" -w 32 >/tmp/bench-client.log 2>&1
+  local c=$?
+  wait "$s"; local r=$?
+  if [ "$c" -ne 0 ] || [ "$r" -ne 0 ]; then
+    echo "rbr_bench $test failed: client $c, server $r" >&2
+    cat /tmp/bench-client.log /tmp/bench-server.log >&2
+    return 1
+  fi
+  grep "^RESULT $test " /tmp/bench-client.log
+}
+
 # rbr_rma_bench: TEST (wlat, rlat, wbw, rbw) at SIZE, COUNT operations; prints its RESULT line.
 rma() { # TEST SIZE COUNT
   local test=$1 size=$2 count=$3
   next_port
   local addr="rdma://$ip:$port"
+  # (emptied first: see rbr)
+  : >/tmp/rma-server.log
   timeout 300 "$build/rbr_rma_bench" -r server -a "$addr" >/tmp/rma-server.log 2>&1 &
   local s=$!
   local i
@@ -168,6 +201,10 @@ for round in $(seq "$rounds"); do
         record "lat$size" "$(name "$v")" p99 "$(echo "$out" | sed -n 's/.*latency median .*, p99 \([0-9.]*\) us.*/\1/p')"
       fi
     done
+    if out=$(bench lat "$size" "$n"); then
+      record "lat$size" rbr-bench p50 "$(echo "$out" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
+      record "lat$size" rbr-bench p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
+    fi
   done
   for size in $bw_sizes; do
     n=$(bw_n "$size")
@@ -180,6 +217,9 @@ for round in $(seq "$rounds"); do
         record "bw$size" "$(name "$v")" mbs "$(echo "$out" | sed -n 's/^streaming: .*: \([0-9.]*\) MB\/s.*/\1/p')"
       fi
     done
+    if out=$(bench bw "$size" "$n"); then
+      record "bw$size" rbr-bench mbs "$(echo "$out" | sed -n 's/.* mb_s=\([0-9.]*\).*/\1/p')"
+    fi
   done
   for size in $lat_sizes; do
     n=$(lat_n "$size")
@@ -262,6 +302,6 @@ fi
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
 # size, 2 x 2 bandwidth figures per size)
-want=$((rounds * (nl * 2 * (1 + nv) + nb * (1 + nv) + 2 + nl * 8 + nb * 4)))
+want=$((rounds * (nl * 2 * (2 + nv) + nb * (2 + nv) + 2 + nl * 8 + nb * 4)))
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }

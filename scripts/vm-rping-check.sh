@@ -19,6 +19,9 @@ failed=0
 
 our_server() { # SIZE PORT
   local size=$1 port=$2 slog=/tmp/rping-our-server.log clog=/tmp/rping-stock-client.log
+  # Emptied first: the redirection below happens in the child, maybe after the first look for
+  # "listening", which would then find the previous size's line.
+  : >"$slog"
   timeout 120 "$peer" -s -a "$ip" -p "$port" -C "$count" -S "$size" >"$slog" 2>&1 & local s=$!
   for _ in $(seq 100); do grep -q '^listening on' "$slog" && break; sleep 0.2; done
   timeout 60 rping -c -V -v -C "$count" -S "$size" -a "$ip" -p "$port" >"$clog" 2>&1; local c=$?
