@@ -12,7 +12,8 @@
 # (progress threads) and rbr-caller-busy (caller progress, rbr_cq_wait never sleeping), all
 # three the C example (rbr_client/rbr_server: streaming there is echoed, so both directions
 # carry it), and as rbr-bench: benchmarks/rbr_bench, which measures as perftest does (caller
-# progress, both sides busy-polling rbr_cq_poll, one-way streaming).
+# progress, both sides busy-polling rbr_cq_poll, one-way streaming), and rbr-bench-wait: the
+# same with rbr_cq_wait's default spin-then-sleep wait whenever a poll finds nothing.
 # Each round runs every tool once per measure, in turn, so drift hits them alike. Prints one
 # line per figure ("RESULT measure tool field value") and, at the end, a table: medians over
 # the rounds, the spread (min-max over rounds) and ratios to the stock tool of each measure.
@@ -134,19 +135,20 @@ rbr_conn_rate() { # N
 
 # rbr_bench: TEST (lat, bw) at SIZE, COUNT messages, measured as perftest measures: both sides
 # busy-poll rbr_cq_poll (caller progress, the default), a ping-pong for latency, one-way
-# streaming (32 in flight) for bandwidth; prints its RESULT line.
-bench() { # TEST SIZE COUNT
-  local test=$1 size=$2 count=$3
+# streaming (32 in flight) for bandwidth; with -W both wait as programs do (rbr_cq_poll, then
+# rbr_cq_wait with its default spin when it finds nothing). Prints its RESULT line.
+bench() { # TEST SIZE COUNT [-W]
+  local test=$1 size=$2 count=$3 wait=("${@:4}")
   next_port
   local addr="rdma://$ip:$port"
   # (emptied first: see rbr)
   : >/tmp/bench-server.log
-  timeout 300 "$build/rbr_bench" -r server -a "$addr" >/tmp/bench-server.log 2>&1 &
+  timeout 300 "$build/rbr_bench" -r server -a "$addr" "${wait[@]}" >/tmp/bench-server.log 2>&1 &
   local s=$!
   local i
   for i in $(seq 600); do grep -q '^listening on' /tmp/bench-server.log && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
   timeout 300 "$build/rbr_bench" -r client -a "$addr" -t "$test" -s "$size" -n "$count" \
-    -b "$((count * size))" -w 32 >/tmp/bench-client.log 2>&1
+    -b "$((count * size))" -w 32 "${wait[@]}" >/tmp/bench-client.log 2>&1
   local c=$?
   wait "$s"; local r=$?
   if [ "$c" -ne 0 ] || [ "$r" -ne 0 ]; then
@@ -201,10 +203,13 @@ for round in $(seq "$rounds"); do
         record "lat$size" "$(name "$v")" p99 "$(echo "$out" | sed -n 's/.*latency median .*, p99 \([0-9.]*\) us.*/\1/p')"
       fi
     done
-    if out=$(bench lat "$size" "$n"); then
-      record "lat$size" rbr-bench p50 "$(echo "$out" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
-      record "lat$size" rbr-bench p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
-    fi
+    for w in busy wait; do
+      f=() t=rbr-bench; [ "$w" = busy ] || f=(-W) t=rbr-bench-wait
+      if out=$(bench lat "$size" "$n" "${f[@]}"); then
+        record "lat$size" $t p50 "$(echo "$out" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
+        record "lat$size" $t p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
+      fi
+    done
   done
   for size in $bw_sizes; do
     n=$(bw_n "$size")
@@ -217,9 +222,12 @@ for round in $(seq "$rounds"); do
         record "bw$size" "$(name "$v")" mbs "$(echo "$out" | sed -n 's/^streaming: .*: \([0-9.]*\) MB\/s.*/\1/p')"
       fi
     done
-    if out=$(bench bw "$size" "$n"); then
-      record "bw$size" rbr-bench mbs "$(echo "$out" | sed -n 's/.* mb_s=\([0-9.]*\).*/\1/p')"
-    fi
+    for w in busy wait; do
+      f=() t=rbr-bench; [ "$w" = busy ] || f=(-W) t=rbr-bench-wait
+      if out=$(bench bw "$size" "$n" "${f[@]}"); then
+        record "bw$size" $t mbs "$(echo "$out" | sed -n 's/.* mb_s=\([0-9.]*\).*/\1/p')"
+      fi
+    done
   done
   for size in $lat_sizes; do
     n=$(lat_n "$size")
@@ -302,6 +310,6 @@ fi
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
 # size, 2 x 2 bandwidth figures per size)
-want=$((rounds * (nl * 2 * (2 + nv) + nb * (2 + nv) + 2 + nl * 8 + nb * 4)))
+want=$((rounds * (nl * 2 * (3 + nv) + nb * (3 + nv) + 2 + nl * 8 + nb * 4)))
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }
