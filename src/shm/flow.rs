@@ -22,12 +22,14 @@ use crate::cq::{Completion, Opcode, Reporter, WcStatus};
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::notice::Board;
-use crate::shm::onesided::ImportCache;
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{
     FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES, Segment,
 };
 use crate::shm::{bell, direct};
+
+/// [`Flow::gate`] of a connection that is down: above every send queue's depth.
+pub(crate) const GATE_DOWN: usize = usize::MAX;
 
 /// Doorbell packet: "look at the rings".
 pub(crate) const WAKE: u8 = 1;
@@ -174,8 +176,6 @@ pub(crate) struct Flow {
     pub(crate) closed: bool,
     /// Why the connection must end, as found by whoever drove it; its driver tears it down.
     pub(crate) failed: Option<End>,
-    /// The peer's region the last one-sided operation reached (see `onesided.rs`).
-    pub(crate) import: ImportCache,
 }
 
 impl Flow {
@@ -232,7 +232,6 @@ impl Flow {
             peer_reads_us: false,
             closed: false,
             failed: None,
-            import: ImportCache::default(),
         }
     }
 
@@ -241,6 +240,17 @@ impl Flow {
             return Err(Error::Disconnected);
         }
         Ok(())
+    }
+
+    /// What the connection's lock-free one-sided path may rely on, published whenever the
+    /// lock is let go (see `conn::FlowGuard`): the send queue's slots in use, or [`GATE_DOWN`]
+    /// once the connection is closed or failed.
+    pub(crate) fn gate(&self) -> usize {
+        if self.closed || self.failed.is_some() {
+            GATE_DOWN
+        } else {
+            self.pending.len() + self.inflight.len()
+        }
     }
 
     pub(crate) fn claim_send(&self) -> Result<()> {
