@@ -20,6 +20,7 @@ use crate::domain::ContextInner;
 use crate::driver::Registration;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
+use crate::shm::bell;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, RecvWr, SendSrc};
 use crate::shm::notice::Board;
@@ -162,7 +163,14 @@ impl Source for Shared {
     }
 
     fn poll(&self, _max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
-        let mut flow = self.lock();
+        // A poller never waits for the connection's lock: whoever holds it (a poster, another
+        // poller, the background work) is moving the connection right now. The next poll
+        // looks again - a connection on the list polled every time stays there, and one
+        // looked at for a mark on the board is marked again, so its news is not forgotten.
+        let Some(mut flow) = self.try_lock() else {
+            self.watch_sends();
+            return 0;
+        };
         if flow.closed || flow.failed.is_some() {
             return 0;
         }
@@ -208,7 +216,10 @@ impl Source for Shared {
         if self.slot.is_none() || self.idle_polls.load(Ordering::Relaxed) < SETTLE_POLLS {
             return false;
         }
-        let flow = self.lock();
+        // Somebody moves the connection right now: not idle.
+        let Some(flow) = self.try_lock() else {
+            return false;
+        };
         if flow.busy() || flow.closed || flow.failed.is_some() {
             // Waiting on the peer, not idle: count again from here.
             self.idle_polls.store(0, Ordering::Relaxed);
@@ -226,12 +237,15 @@ impl Source for Shared {
     }
 
     fn busy(&self) -> bool {
-        self.idle_polls.load(Ordering::Relaxed) == 0 || self.lock().busy()
+        // A connection whose lock somebody holds counts as busy.
+        self.idle_polls.load(Ordering::Relaxed) == 0 || self.try_lock().is_none_or(|f| f.busy())
     }
 
     fn activate(&self) {
         self.idle_polls.store(0, Ordering::Relaxed);
-        self.lock().set_want_mark(false);
+        // Not under the flow's lock: the queue's changes of its lists, from which this and
+        // `settle` are called, come one at a time, and so do the changes of `want_mark`.
+        bell::announce(self.seg.ctrl(self.side).want_mark, false);
     }
 }
 
