@@ -176,8 +176,10 @@ pub(crate) trait Source: Send + Sync {
 
 /// A completion queue that any number of connections share and any thread drains.
 ///
-/// Thread-safe: `poll`, `wait` and `fd` may be called from any thread at once. Completions of one
-/// connection arrive in the order its work finished.
+/// Thread-safe: `poll`, `wait` and `fd` may be called from any thread at once; pollers never
+/// wait for each other (a poll that finds another thread taking completions from the
+/// connections returns what is queued, perhaps nothing). Completions of one connection arrive
+/// in the order its work finished.
 pub struct CompletionQueue {
     queue: SegQueue<Completion>,
     /// The descriptor, readable exactly while `queue` holds completions.
