@@ -162,7 +162,7 @@ impl Source for Shared {
         self.info.id
     }
 
-    fn poll(&self, _max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
+    fn poll(&self, max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
         // A poller never waits for the connection's lock: whoever holds it (a poster, another
         // poller, the background work) is moving the connection right now. The next poll
         // looks again - a connection on the list polled every time stays there, and one
@@ -179,11 +179,11 @@ impl Source for Shared {
         let moved = match direct {
             // Under the lock nothing of this connection is on its way into the queue, so an
             // empty queue means no older record of it is waiting there.
-            Some(take) if cq.is_empty() => flow.step(&self.report, &mut |c| {
+            Some(take) if cq.is_empty() => flow.step(&self.report, max, &mut |c| {
                 take(c);
                 n += 1;
             }),
-            _ => flow.step(&self.report, &mut |c| {
+            _ => flow.step(&self.report, usize::MAX, &mut |c| {
                 cq.push(c);
                 n += 1;
             }),

@@ -99,7 +99,7 @@ impl Engine {
             return Ok(self.contended());
         };
         let cq = &self.sh.report.cq;
-        let moved = flow.step(&self.sh.report, &mut |c| cq.push(c));
+        let moved = flow.step(&self.sh.report, usize::MAX, &mut |c| cq.push(c));
         if let Some(end) = flow.failed {
             return Err(end);
         }
@@ -180,7 +180,7 @@ impl Engine {
         let help = assist || flow.blocked();
         if help {
             let cq = &self.sh.report.cq;
-            flow.step(&self.sh.report, &mut |c| cq.push(c));
+            flow.step(&self.sh.report, usize::MAX, &mut |c| cq.push(c));
         }
         if let Some(end) = flow.failed {
             return Err(end);

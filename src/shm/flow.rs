@@ -602,9 +602,17 @@ impl Flow {
 
     /// One pass over everything: fills receives from the incoming ring, completes the sends
     /// the peer took (see below), writes what waits into the outgoing ring, and rings the peer
-    /// if it sleeps and something changed for it. Completions go to `emit` in order. Returns whether
-    /// anything moved; a reason to end the connection is left in `failed`.
-    pub(crate) fn step(&mut self, report: &Reporter, emit: &mut dyn FnMut(Completion)) -> bool {
+    /// if it sleeps and something changed for it. Completions go to `emit` in order. At most
+    /// `limit` messages are taken (the rest wait in the ring for the next step, so that a
+    /// poller that asked for that many completions gets them without the surplus going
+    /// through the queue). Returns whether anything moved; a reason to end the connection is
+    /// left in `failed`.
+    pub(crate) fn step(
+        &mut self,
+        report: &Reporter,
+        limit: usize,
+        emit: &mut dyn FnMut(Completion),
+    ) -> bool {
         if self.closed || self.failed.is_some() {
             return false;
         }
@@ -614,7 +622,7 @@ impl Flow {
         // or waiting keeps looking at the connection by itself (see `busy`).
         let mut ring = false;
         let mut mark = false;
-        let received = match self.receive(report, emit) {
+        let received = match self.receive(report, limit, emit) {
             Ok(m) => m,
             Err(ReceiveError::Length) => {
                 self.failed = Some(End::LocalLength);
@@ -758,14 +766,19 @@ impl Flow {
         Ok(moved)
     }
 
-    /// Moves records from the incoming ring into posted receives.
+    /// Moves records from the incoming ring into posted receives, until `limit` messages
+    /// have completed.
     fn receive(
         &mut self,
         report: &Reporter,
+        limit: usize,
         emit: &mut dyn FnMut(Completion),
     ) -> std::result::Result<bool, ReceiveError> {
         let mut moved = false;
-        while let Some(rec) = self.rx.peek()? {
+        let mut done = 0;
+        while done < limit
+            && let Some(rec) = self.rx.peek()?
+        {
             self.take_record(&rec, report, emit)?;
             self.rx.consume(&rec);
             // A message's completion goes out only once its record is consumed: the peer's
@@ -773,6 +786,7 @@ impl Flow {
             // answer it, so the peer completes its send before it sees the answer.
             if let Some(c) = self.delivered.take() {
                 emit(c);
+                done += 1;
             }
             moved = true;
         }
@@ -1010,7 +1024,7 @@ impl Flow {
             && self.failed.is_none()
         {
             // Everything the peer finished writing before it left is delivered.
-            match self.receive(report, emit) {
+            match self.receive(report, usize::MAX, emit) {
                 Err(ReceiveError::Length) => end = End::LocalLength,
                 Err(ReceiveError::Protocol) => end = End::Protocol,
                 Ok(_) => {}
