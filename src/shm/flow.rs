@@ -119,6 +119,10 @@ struct InFlight {
     /// How it ended, for a one-sided operation that ran already and only waits for the sends
     /// before it to complete first; `Success` otherwise.
     status: WcStatus,
+    /// A one-sided operation that finished with nothing in flight before it: it waits only
+    /// for a poll to report it (`end` 0), and is reported with `status` even if the
+    /// connection ends first.
+    done: bool,
     /// A direct send's region, which the peer reads until it takes the record.
     _hold: Option<Arc<MemoryRegion>>,
 }
@@ -395,7 +399,10 @@ impl Flow {
     /// A one-sided operation ran (at post time) and ended with `status`: it completes now,
     /// or, when sends are in flight, after them, so that the connection's completions come in
     /// the order the work was posted (sends still waiting for a receive credit or ring space
-    /// do not hold it back). An unsignaled success reports nothing and takes no slot.
+    /// do not hold it back). An unsignaled success reports nothing and takes no slot. A
+    /// signaled success with nothing in flight is reported by the next poll, straight into the
+    /// caller's hands as a send's completion is, rather than through the queue (whose blocks a
+    /// push allocates now and then); until then it holds a slot, as over verbs.
     pub(crate) fn finish_onesided(
         &mut self,
         report: &Reporter,
@@ -407,18 +414,22 @@ impl Flow {
         if !signaled && status == WcStatus::Success {
             return;
         }
-        if self.inflight.is_empty() {
+        let done = self.inflight.is_empty();
+        if done && status != WcStatus::Success {
+            // The connection fails with it: reported at once.
             report.complete(wr_id, opcode, status, 0, None);
             return;
         }
         self.inflight.push_back(InFlight {
-            end: self.tx.tail(),
+            // Nothing before it to wait for: any head passes it.
+            end: if done { 0 } else { self.tx.tail() },
             // Never a message's number: the peer refuses none of it.
             seq: u64::MAX,
             wr_id,
             signaled: true,
             opcode,
             status,
+            done,
             _hold: None,
         });
     }
@@ -433,6 +444,7 @@ impl Flow {
             signaled,
             opcode: Opcode::Write,
             status: WcStatus::Success,
+            done: false,
             _hold: None,
         });
     }
@@ -514,6 +526,7 @@ impl Flow {
             signaled,
             opcode: Opcode::Send,
             status: WcStatus::Success,
+            done: false,
             _hold: Some(mr.clone()),
         });
         Ok(true)
@@ -547,6 +560,7 @@ impl Flow {
                 signaled,
                 opcode: Opcode::Send,
                 status: WcStatus::Success,
+                done: false,
                 _hold: None,
             });
         }
@@ -735,6 +749,7 @@ impl Flow {
                     signaled: wr.signaled,
                     opcode: Opcode::Send,
                     status: WcStatus::Success,
+                    done: false,
                     _hold: None,
                 });
                 self.copied = 0;
@@ -1039,7 +1054,7 @@ impl Flow {
         while let Some(f) = self.inflight.pop_front() {
             let status = if Some(f.seq) == refused_seq {
                 WcStatus::RemoteError
-            } else if f.status != WcStatus::Success {
+            } else if f.done || f.status != WcStatus::Success {
                 f.status
             } else {
                 WcStatus::Flushed
