@@ -68,6 +68,8 @@ struct side {
     rbr_mr *region; /* the peer writes and reads it */
     rbr_mr *local;  /* our source and destination */
     rbr_mr *ctl_in;
+    uint8_t *region_at; /* rbr_mr_addr of each, taken once (valid while they live), */
+    uint8_t *local_at;  /* as the stock tools keep their buffers' addresses */
     rbr_remote peer;
     int64_t timeout_ns;
     uint64_t posted; /* one-sided operations posted */
@@ -174,7 +176,7 @@ static int recv_ctl(struct side *s, struct ctl *m)
 /* Busy-reads the last byte of our region until it is `v`. */
 static int await_byte(struct side *s, uint32_t size, uint8_t v)
 {
-    volatile uint8_t *p = (volatile uint8_t *)rbr_mr_addr(s->region) + size - 1;
+    volatile uint8_t *p = (volatile uint8_t *)s->region_at + size - 1;
     uint64_t spins = 0, t0 = 0;
 
     while (*p != v) {
@@ -198,7 +200,7 @@ static int ping(struct side *s, uint32_t size, uint8_t v, int last)
     rbr_completion wc[BATCH];
     size_t n;
 
-    ((uint8_t *)rbr_mr_addr(s->local))[size - 1] = v;
+    s->local_at[size - 1] = v;
     if (post_op(s, 0, size, last))
         return -1;
     if (s->posted - s->done >= 32 && poll_cq(s, wc, &n))
@@ -413,6 +415,8 @@ int main(int argc, char **argv)
         EX_CHECK(rbr_mr_alloc(ctx, REGION, RBR_ACCESS_LOCAL_WRITE, &s.local)) ||
         EX_CHECK(rbr_mr_alloc(ctx, 64, RBR_ACCESS_LOCAL_WRITE, &s.ctl_in)))
         goto out;
+    s.region_at = rbr_mr_addr(s.region);
+    s.local_at = rbr_mr_addr(s.local);
     if (server) {
         if (EX_CHECK(rbr_listen(ctx, addr, 1, &l)))
             goto out;

@@ -276,14 +276,22 @@
 /**
  * An established connection: reliable, in-order messages, like an RC queue pair. Create with
  * `rbr_connect` or `rbr_request_accept`; free with `rbr_conn_destroy`. Thread-safe: any thread
- * may post at any time (destroy only when no other call on it is under way).
+ * may post at any time (destroy only when no other call on it is under way). The connection's
+ * order is the order in which its posts were made: posts one thread makes one after another
+ * keep their order, and posts made at the same moment from several threads take some order
+ * among themselves, which the library chooses. (Over shm an unsignaled RDMA write, read or
+ * atomic may run at once on the posting thread without the lock that orders the others; it
+ * still obeys this.)
  */
 typedef struct rbr_conn rbr_conn;
 
 /**
  * A completion queue. Create with `rbr_cq_create`, free with `rbr_cq_destroy`. Thread-safe:
- * any thread may poll or wait. Many connections may share one. Connections using it keep it
- * alive; destroying the handle early only drops the caller's reference.
+ * any thread may poll or wait. Pollers never wait for each other: while one thread takes
+ * completions from the queue's connections, a poll on another takes what is queued and
+ * returns (RBR_EMPTY if nothing is) rather than waiting for it. Many connections may share
+ * one. Connections using it keep it alive; destroying the handle early only drops the
+ * caller's reference.
  */
 typedef struct rbr_cq rbr_cq;
 

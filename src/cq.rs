@@ -4,7 +4,7 @@
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::SegQueue;
@@ -176,8 +176,10 @@ pub(crate) trait Source: Send + Sync {
 
 /// A completion queue that any number of connections share and any thread drains.
 ///
-/// Thread-safe: `poll`, `wait` and `fd` may be called from any thread at once. Completions of one
-/// connection arrive in the order its work finished.
+/// Thread-safe: `poll`, `wait` and `fd` may be called from any thread at once; pollers never
+/// wait for each other (a poll that finds another thread taking completions from the
+/// connections returns what is queued, perhaps nothing). Completions of one connection arrive
+/// in the order its work finished.
 pub struct CompletionQueue {
     queue: SegQueue<Completion>,
     /// The descriptor, readable exactly while `queue` holds completions.
@@ -358,12 +360,21 @@ impl CompletionQueue {
     /// becomes busy when its slot is marked, and leaves the busy list once idle (see
     /// [`Source::settle`]): a busy connection costs its peer no marking, and with nothing
     /// marked and nothing busy this is one load.
+    ///
+    /// A poller never waits for another here: while one holds the lists (looking at the
+    /// connections, or adding or removing one), the others return at once - the one inside
+    /// takes what the connections have, and the marks it has not taken stay on the board for
+    /// the next poll. (The sleeping path, `each_source`, does wait: it must look at them all.)
     fn each_ready(&self, mut f: impl FnMut(&dyn Source)) {
         let marked = self.board.get().filter(|b| b.any());
         if marked.is_none() && self.nscan.load(Ordering::Relaxed) == 0 {
             return;
         }
-        let mut guard = self.lock_sources();
+        let mut guard = match self.sources.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return,
+        };
         let Sources {
             scan,
             slots,

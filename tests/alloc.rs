@@ -1,6 +1,6 @@
 //! The shm busy path allocates nothing: with caller progress, posting sends (from a memory
-//! region and inline) and receives and polling the completion queues for the completions makes
-//! no heap allocation per message once the connection is warm, through the Rust API and
+//! region and inline), receives and one-sided writes (unsignaled, and every 16th signaled) and
+//! polling the completion queues for the completions makes no heap allocation per message once the connection is warm, through the Rust API and
 //! through the C surface. Alone in its own test binary, because it counts through the
 //! process's global allocator.
 
@@ -22,7 +22,7 @@ use rdmabridge::ffi::listener::*;
 use rdmabridge::ffi::mr::*;
 use rdmabridge::{
     Access, Completion, CompletionQueue, ConnOptions, Context, CqOptions, Opcode, Progress,
-    SendFlags, WcStatus,
+    SendFlags, Sge, WcStatus,
 };
 
 /// Counts allocations (including zeroed ones and reallocations) while armed: those of the
@@ -201,6 +201,18 @@ fn shm_busy_path_makes_no_allocation_per_message() {
     let (client, ccq, server, scq) = common::pair_with(&Net::Shm, &ctx, &opts, &opts, cq_opts);
     let cmr = ctx.alloc_mr(SIZE, Access::LOCAL_WRITE).unwrap();
     let smr = ctx.alloc_mr(SIZE, Access::LOCAL_WRITE).unwrap();
+    // The server's region the client writes into.
+    let target = ctx
+        .alloc_mr(SIZE, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    let remote = client
+        .unpack_remote(&server.pack_region(&target).unwrap())
+        .unwrap();
+    let write = [Sge {
+        mr: &cmr,
+        offset: 0,
+        len: 8,
+    }];
     let inline = [7u8; SIZE];
     let mut batch = [None; BATCH];
     for _ in 0..4 {
@@ -208,10 +220,17 @@ fn shm_busy_path_makes_no_allocation_per_message() {
         server.post_recv(&smr, 0, SIZE, 2).unwrap();
     }
 
-    // One round trip: the client sends from its region, the server takes it, posts a new
-    // receive and answers inline, the client takes the answer and posts a new receive. Every
-    // send is signaled, so each side also reaps a send completion per round trip.
+    // One round trip: the client writes 8 bytes into the server's region (unsignaled, every
+    // 16th signaled) and sends from its region, the server takes it, posts a new receive and
+    // answers inline, the client takes the answer and posts a new receive. Every send is
+    // signaled, so each side also reaps a send completion per round trip.
     let mut round_trip = |i: u64| -> u64 {
+        let flags = if i % 16 == 0 {
+            SendFlags::SIGNALED
+        } else {
+            SendFlags(0)
+        };
+        client.post_write(&write, &remote, 0, i, flags).unwrap();
         client
             .post_send(&cmr, 0, SIZE, i, SendFlags::SIGNALED)
             .unwrap();

@@ -728,6 +728,109 @@ mod onesided {
         until_disconnected(&scq);
     }
 
+    /// Unsignaled writes, reads and atomics (the path that does not take the connection's
+    /// lock): their bytes land and nothing is reported for them; a send queue full of waiting
+    /// sends refuses them as it refuses a send; one with a key the peer never gave is accepted,
+    /// completes with RemoteAccess although unsignaled, touches nothing and fails the
+    /// connection; once the connection is down they are refused.
+    #[test]
+    fn unsignaled_one_sided_operations_land_quietly_and_obey_the_queue_and_the_connection() {
+        let ctx = Context::new().unwrap();
+        let copts = ConnOptions {
+            send_queue_depth: 2,
+            ..ConnOptions::default()
+        };
+        let (c, ccq, s, scq) = pair(&Net::Shm, &ctx, &copts, &ConnOptions::default());
+        let tmr = ctx.alloc_mr(4096, RW).unwrap();
+        let remote = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
+        let local = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+        let data = pattern(5, 1024);
+        unsafe { local.write(0, &data) }.unwrap();
+        unsafe { tmr.write(2048, &pattern(6, 1024)) }.unwrap();
+        let seg = |offset, len| Sge {
+            mr: &local,
+            offset,
+            len,
+        };
+        let quiet = SendFlags(0);
+        // Many in a row: the first fills the poster's cache of the peer's region, the rest
+        // reuse it.
+        for k in 0..16u64 {
+            let at = 64 * k as usize;
+            c.post_write(&[seg(at, 64)], &remote, at as u64, 100 + k, quiet)
+                .unwrap();
+        }
+        c.post_read(&[seg(1024, 1024)], &remote, 2048, 200, quiet)
+            .unwrap();
+        c.post_fetch_add(&local, 3072, &remote, 3072, 5, 201, quiet)
+            .unwrap();
+        // One-sided operations complete in order: once this one has, so have those before.
+        c.post_fetch_add(&local, 3080, &remote, 3072, 1, 202, SendFlags::SIGNALED)
+            .unwrap();
+        let done = next(&ccq);
+        assert_eq!(
+            (done.wr_id, done.opcode, done.status),
+            (202, Opcode::FetchAdd, WcStatus::Success),
+            "nothing reported for the unsignaled ones"
+        );
+        let mut got = vec![0u8; 1024];
+        unsafe { tmr.read(0, &mut got) }.unwrap();
+        assert_eq!(got, data, "the unsignaled writes landed");
+        unsafe { local.read(1024, &mut got) }.unwrap();
+        assert_eq!(got, pattern(6, 1024), "the unsignaled read landed");
+        let mut word = [0u8; 8];
+        unsafe { local.read(3080, &mut word) }.unwrap();
+        assert_eq!(
+            u64::from_le_bytes(word),
+            5,
+            "the unsignaled fetch-and-add ran first"
+        );
+        assert!(ccq.poll().is_none());
+
+        // Two sends wait for receives the peer has not posted: the queue is full.
+        c.post_send(&local, 0, 8, 300, SendFlags::SIGNALED).unwrap();
+        c.post_send(&local, 8, 8, 301, SendFlags::SIGNALED).unwrap();
+        assert!(matches!(
+            c.post_write(&[seg(0, 8)], &remote, 0, 302, quiet),
+            Err(Error::QueueFull(_))
+        ));
+        let rbuf = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        s.post_recv(&rbuf, 0, 8, 1).unwrap();
+        s.post_recv(&rbuf, 8, 8, 2).unwrap();
+        assert_eq!(next(&ccq).wr_id, 300);
+        assert_eq!(next(&ccq).wr_id, 301);
+        assert_eq!(next(&scq).wr_id, 1);
+        assert_eq!(next(&scq).wr_id, 2);
+        // Reaped: room again at once.
+        c.post_write(&[seg(0, 8)], &remote, 0, 303, quiet).unwrap();
+
+        // A key the peer never gave: accepted, then reported, although unsignaled.
+        unsafe { tmr.read(0, &mut got) }.unwrap();
+        let bad = c
+            .remote_from_raw(remote.addr(), remote.len(), remote.key() ^ 1)
+            .unwrap();
+        c.post_write(&[seg(512, 64)], &bad, 0, 304, quiet).unwrap();
+        let e = next(&ccq);
+        assert_eq!(
+            (e.wr_id, e.opcode, e.status),
+            (304, Opcode::Write, WcStatus::RemoteAccess)
+        );
+        let mut after = vec![0u8; 1024];
+        unsafe { tmr.read(0, &mut after) }.unwrap();
+        assert_eq!(after, got, "a refused write touches nothing");
+        assert_eq!(
+            until_disconnected(&ccq).last().unwrap().status,
+            WcStatus::RemoteAccess
+        );
+        until_disconnected(&scq);
+        for r in [
+            c.post_write(&[seg(0, 8)], &remote, 0, 305, quiet),
+            c.post_read(&[seg(0, 8)], &remote, 0, 306, quiet),
+        ] {
+            assert!(matches!(r, Err(Error::Disconnected)), "{r:?}");
+        }
+    }
+
     #[test]
     fn a_one_sided_completion_comes_after_the_sends_in_flight_before_it() {
         let ctx = Context::new().unwrap();

@@ -206,8 +206,10 @@ pub(crate) struct RdmaRequest<'a> {
 }
 
 impl<'a> RdmaRequest<'a> {
-    /// A write or read of `local`, in order, at `remote_offset` of `remote`.
+    /// A write or read of `local`, in order, at `remote_offset` of `remote`. Inlined into
+    /// its caller, so that the request is built where the transport takes it from.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     pub(crate) fn transfer(
         ctx: &Arc<ContextInner>,
         conn_id: u64,

@@ -15,7 +15,12 @@ use crate::{ConnOptions, Connection, Error, SendFlags, Transport};
 
 /// An established connection: reliable, in-order messages, like an RC queue pair. Create with
 /// `rbr_connect` or `rbr_request_accept`; free with `rbr_conn_destroy`. Thread-safe: any thread
-/// may post at any time (destroy only when no other call on it is under way).
+/// may post at any time (destroy only when no other call on it is under way). The connection's
+/// order is the order in which its posts were made: posts one thread makes one after another
+/// keep their order, and posts made at the same moment from several threads take some order
+/// among themselves, which the library chooses. (Over shm an unsignaled RDMA write, read or
+/// atomic may run at once on the posting thread without the lock that orders the others; it
+/// still obeys this.)
 pub struct rbr_conn {
     pub(crate) inner: Connection,
 }

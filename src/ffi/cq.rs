@@ -9,8 +9,11 @@ use crate::ffi::{arg_ref, ffi_body, ffi_body_or, out_ptr, struct_arg, timeout_ar
 use crate::{Completion, CompletionQueue, CqOptions, Error, Opcode, Progress, WcStatus};
 
 /// A completion queue. Create with `rbr_cq_create`, free with `rbr_cq_destroy`. Thread-safe:
-/// any thread may poll or wait. Many connections may share one. Connections using it keep it
-/// alive; destroying the handle early only drops the caller's reference.
+/// any thread may poll or wait. Pollers never wait for each other: while one thread takes
+/// completions from the queue's connections, a poll on another takes what is queued and
+/// returns (RBR_EMPTY if nothing is) rather than waiting for it. Many connections may share
+/// one. Connections using it keep it alive; destroying the handle early only drops the
+/// caller's reference.
 pub struct rbr_cq {
     pub(crate) inner: Arc<CompletionQueue>,
 }

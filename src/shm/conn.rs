@@ -4,9 +4,10 @@
 //! watches for the peer leaving, moves data while somebody sleeps on the queue (or always, with
 //! [`Progress::Thread`]), and tears the connection down.
 
+use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use crate::conn::{
     ConnInfo, ConnOptions, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest, Transport,
@@ -19,10 +20,11 @@ use crate::domain::ContextInner;
 use crate::driver::Registration;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
+use crate::shm::bell;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, RecvWr, SendSrc};
 use crate::shm::notice::Board;
-use crate::shm::onesided::{self, Exports, Inbox};
+use crate::shm::onesided::{self, Exports, ImportCache, Inbox};
 use crate::shm::segment::Segment;
 
 /// State shared by the users of a connection, the pollers of its completion queue, and its
@@ -32,8 +34,21 @@ pub(crate) struct Shared {
     /// Where this connection's completions go.
     pub(crate) report: Reporter,
     pub(crate) ctx: Arc<ContextInner>,
-    /// The data path. Held briefly by whoever posts, polls or drives.
-    pub(crate) flow: Mutex<Flow>,
+    /// The data path. Held briefly by whoever posts, polls or drives; taken through
+    /// [`Shared::lock`], whose guard publishes `gate` as it lets go.
+    flow: Mutex<Flow>,
+    /// [`Flow::gate`] as of the last release of the flow's lock: what the lock-free one-sided
+    /// path reads instead of taking that lock (see [`Conn::rdma`]).
+    gate: AtomicUsize,
+    /// The peer's region the last one-sided operation reached (see `onesided.rs`). Taken
+    /// after the flow's lock when both are held, and alone by the lock-free one-sided path;
+    /// never by pollers.
+    imports: Mutex<ImportCache>,
+    /// The connection's segment, this side's index in it, and the peer's process when this
+    /// side may reach its memory (as the flow has them; fixed for the connection's life).
+    seg: Arc<Segment>,
+    side: usize,
+    peer_pid: Option<libc::pid_t>,
     /// Pollers of the completion queue drive the data path ([`Progress::Caller`]).
     pub(crate) caller_polls: bool,
     /// The background work is about to sleep (or sleeps) and wants `wake` called.
@@ -54,9 +69,58 @@ pub(crate) struct Shared {
     idle_polls: AtomicU32,
 }
 
+/// The flow's lock, held: as it lets go it publishes the flow's [`Flow::gate`] - still under
+/// the lock, so the publications follow the lock's order and the last one is always current.
+pub(crate) struct FlowGuard<'a> {
+    gate: &'a AtomicUsize,
+    flow: MutexGuard<'a, Flow>,
+}
+
+impl Deref for FlowGuard<'_> {
+    type Target = Flow;
+    fn deref(&self) -> &Flow {
+        &self.flow
+    }
+}
+
+impl DerefMut for FlowGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Flow {
+        &mut self.flow
+    }
+}
+
+impl Drop for FlowGuard<'_> {
+    fn drop(&mut self) {
+        // Release: whoever reads the gate with Acquire and finds the connection up also sees
+        // what the flow did under the lock before it (the disconnect record, in particular,
+        // is queued only after the gate says down).
+        self.gate.store(self.flow.gate(), Ordering::Release);
+    }
+}
+
 impl Shared {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Flow> {
-        self.flow.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn lock(&self) -> FlowGuard<'_> {
+        FlowGuard {
+            gate: &self.gate,
+            flow: self.flow.lock().unwrap_or_else(|p| p.into_inner()),
+        }
+    }
+
+    /// The flow's lock if it is free now.
+    pub(crate) fn try_lock(&self) -> Option<FlowGuard<'_>> {
+        let flow = match self.flow.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        Some(FlowGuard {
+            gate: &self.gate,
+            flow,
+        })
+    }
+
+    pub(crate) fn lock_imports(&self) -> MutexGuard<'_, ImportCache> {
+        self.imports.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn lock_inbox(&self) -> MutexGuard<'_, Inbox> {
@@ -98,8 +162,15 @@ impl Source for Shared {
         self.info.id
     }
 
-    fn poll(&self, _max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
-        let mut flow = self.lock();
+    fn poll(&self, max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
+        // A poller never waits for the connection's lock: whoever holds it (a poster, another
+        // poller, the background work) is moving the connection right now. The next poll
+        // looks again - a connection on the list polled every time stays there, and one
+        // looked at for a mark on the board is marked again, so its news is not forgotten.
+        let Some(mut flow) = self.try_lock() else {
+            self.watch_sends();
+            return 0;
+        };
         if flow.closed || flow.failed.is_some() {
             return 0;
         }
@@ -108,11 +179,11 @@ impl Source for Shared {
         let moved = match direct {
             // Under the lock nothing of this connection is on its way into the queue, so an
             // empty queue means no older record of it is waiting there.
-            Some(take) if cq.is_empty() => flow.step(&self.report, &mut |c| {
+            Some(take) if cq.is_empty() => flow.step(&self.report, max, &mut |c| {
                 take(c);
                 n += 1;
             }),
-            _ => flow.step(&self.report, &mut |c| {
+            _ => flow.step(&self.report, usize::MAX, &mut |c| {
                 cq.push(c);
                 n += 1;
             }),
@@ -145,7 +216,10 @@ impl Source for Shared {
         if self.slot.is_none() || self.idle_polls.load(Ordering::Relaxed) < SETTLE_POLLS {
             return false;
         }
-        let flow = self.lock();
+        // Somebody moves the connection right now: not idle.
+        let Some(flow) = self.try_lock() else {
+            return false;
+        };
         if flow.busy() || flow.closed || flow.failed.is_some() {
             // Waiting on the peer, not idle: count again from here.
             self.idle_polls.store(0, Ordering::Relaxed);
@@ -163,12 +237,15 @@ impl Source for Shared {
     }
 
     fn busy(&self) -> bool {
-        self.idle_polls.load(Ordering::Relaxed) == 0 || self.lock().busy()
+        // A connection whose lock somebody holds counts as busy.
+        self.idle_polls.load(Ordering::Relaxed) == 0 || self.try_lock().is_none_or(|f| f.busy())
     }
 
     fn activate(&self) {
         self.idle_polls.store(0, Ordering::Relaxed);
-        self.lock().set_want_mark(false);
+        // Not under the flow's lock: the queue's changes of its lists, from which this and
+        // `settle` are called, come one at a time, and so do the changes of `want_mark`.
+        bell::announce(self.seg.ctrl(self.side).want_mark, false);
     }
 }
 
@@ -242,7 +319,7 @@ impl Conn {
         let seg = Arc::new(seg);
         let exports = Arc::new(Exports::new(seg.clone(), side, peer_proc, sock.as_raw_fd()));
         let flow = Flow::new(
-            seg,
+            seg.clone(),
             side,
             sock.as_raw_fd(),
             opts.send_queue_depth,
@@ -260,7 +337,12 @@ impl Conn {
                 peer: process_name(peer_proc),
             },
             ctx,
+            gate: AtomicUsize::new(flow.gate()),
             flow: Mutex::new(flow),
+            imports: Mutex::new(ImportCache::default()),
+            seg,
+            side,
+            peer_pid,
             caller_polls,
             engine_sleeping: AtomicBool::new(false),
             wake: driver.registration(),
@@ -353,11 +435,57 @@ impl Conn {
         self.sh.exports.expose(flow.sock(), mr, reaches)
     }
 
-    /// Posts a checked one-sided operation. It runs now, on this thread, under the flow's
-    /// lock - so it cannot complete after the connection's disconnect record - with no system
-    /// call when the peer's region is mapped here. A write with immediate data then queues its
-    /// record like a send.
+    /// Posts a checked one-sided operation. It runs now, on this thread, with no system call
+    /// when the peer's region is mapped here. An unsignaled write, read or atomic (the common
+    /// case of a stream of small writes) takes the lock-free path when it can; everything
+    /// else, and whatever that path declines, runs under the flow's lock - so that it cannot
+    /// complete after the connection's disconnect record - and a write with immediate data then
+    /// queues its record like a send.
     pub(crate) fn rdma(&self, wr: RdmaRequest<'_>) -> Result<()> {
+        if !wr.signaled
+            && !matches!(wr.op, RdmaOp::Write { imm: Some(_) })
+            && self.unlocked_rdma(&wr)
+        {
+            return Ok(());
+        }
+        self.locked_rdma(wr)
+    }
+
+    /// The lock-free path of an unsignaled one-sided operation without immediate data: when the
+    /// connection is up, its send queue has room (as `gate` says: what the flow's lock last
+    /// left behind) and the peer's region is the cached one, runs the access holding only the
+    /// import cache's lock (which pollers never take) and returns true. A success reports
+    /// nothing, takes no slot and leaves the flow as it was, which is why the flow's lock is
+    /// not needed. Returns false, having touched nothing, in every other case (a refused access
+    /// touches nothing either): the locked path then does it all, and reports what must be.
+    ///
+    /// Ordering: a post on this thread before this one has published its gate (the guard
+    /// stores it before the lock goes), so a full queue or a connection that went down is
+    /// seen; a post on another thread at the same time is unordered with this one, as the
+    /// header says of posts from several threads. Once the connection is down the gate says so
+    /// before its disconnect record is queued: a program that saw the record gets
+    /// `Disconnected` from here too, via the locked path.
+    fn unlocked_rdma(&self, wr: &RdmaRequest<'_>) -> bool {
+        let depth = self.sh.info.send_queue_depth as usize;
+        // Acquire: pairs with the guard's Release (see `FlowGuard`).
+        let gate = self.sh.gate.load(Ordering::Acquire);
+        // A connection that is down has `GATE_DOWN`, above every depth.
+        if gate >= depth {
+            return false;
+        }
+        let cache = self.sh.lock_imports();
+        // Acquire: pairs with the inbox's count of what it forgot.
+        let seen = self.sh.imports_forgotten.load(Ordering::Acquire);
+        let Some(imp) = cache.get(wr.remote.key, seen) else {
+            return false;
+        };
+        // The cache's lock keeps `imp` (and its mapping) alive through the access: teardown
+        // and the background work drop cached imports only under it.
+        onesided::run(imp, wr, &self.sh.seg, 1 - self.sh.side, self.sh.peer_pid).is_ok()
+    }
+
+    /// A one-sided operation under the flow's lock (see `rdma`).
+    fn locked_rdma(&self, wr: RdmaRequest<'_>) -> Result<()> {
         let opcode = match wr.op {
             RdmaOp::Write { .. } => Opcode::Write,
             RdmaOp::Read => Opcode::Read,
@@ -367,9 +495,10 @@ impl Conn {
         let mut flow = self.sh.lock();
         flow.claim_send()?;
         let key = wr.remote.key;
+        let mut cache = self.sh.lock_imports();
         // Acquire: pairs with the inbox's count of what it forgot.
         let seen = self.sh.imports_forgotten.load(Ordering::Acquire);
-        let seen = if flow.import.get(key, seen).is_some() {
+        let seen = if cache.get(key, seen).is_some() {
             seen
         } else {
             let mut inbox = self.sh.lock_inbox();
@@ -386,11 +515,11 @@ impl Conn {
             };
             // Read under the inbox's lock: whatever it forgets later changes the count.
             let seen = self.sh.imports_forgotten.load(Ordering::Acquire);
-            flow.import.set(seen, import);
+            cache.set(seen, import);
             seen
         };
         let peer_side = 1 - flow.side();
-        let result = match flow.import.get(key, seen) {
+        let result = match cache.get(key, seen) {
             Some(imp) => onesided::run(imp, &wr, flow.seg(), peer_side, flow.peer_pid()),
             None => Err(onesided::Refused::Denied),
         };
@@ -398,6 +527,7 @@ impl Conn {
         let report = &self.sh.report;
         let failed = match result {
             Ok(()) => {
+                drop(cache);
                 if let RdmaOp::Write { imm: Some(imm) } = wr.op {
                     flow.post_write_imm(imm, wr.len, wr.wr_id, wr.signaled)?;
                 } else {
@@ -408,8 +538,9 @@ impl Conn {
             Err(refused) => {
                 if refused == onesided::Refused::Withdrawn {
                     self.sh.lock_inbox().forget(key);
-                    flow.import.set(0, None);
+                    cache.set(0, None);
                 }
+                drop(cache);
                 flow.finish_onesided(report, wr.wr_id, opcode, WcStatus::RemoteAccess, true);
                 flow.fail_access();
                 true

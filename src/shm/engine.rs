@@ -8,14 +8,14 @@
 //! lock it comes back on a later turn.
 
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
-use std::sync::{Arc, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use crate::cq::Opcode;
 use crate::driver::{Handler, Next, Ready};
-use crate::shm::conn::Shared;
-use crate::shm::flow::{BYE, End, Flow, send_packet};
+use crate::shm::conn::{FlowGuard, Shared};
+use crate::shm::flow::{BYE, End, send_packet};
 
 /// While the driver moves a connection's data: how long it keeps looking at it after the last
 /// movement before the connection sleeps.
@@ -49,12 +49,11 @@ const LOCK_TRIES: u32 = 64;
 
 /// The connection's lock if it comes free at once: a poster or poller holding it is moving the
 /// connection itself (and holds it only briefly), and the driver must not wait for it.
-fn try_lock(sh: &Shared) -> Option<MutexGuard<'_, Flow>> {
+fn try_lock(sh: &Shared) -> Option<FlowGuard<'_>> {
     for _ in 0..LOCK_TRIES {
-        match sh.flow.try_lock() {
-            Ok(g) => return Some(g),
-            Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => std::hint::spin_loop(),
+        match sh.try_lock() {
+            Some(g) => return Some(g),
+            None => std::hint::spin_loop(),
         }
     }
     None
@@ -100,7 +99,7 @@ impl Engine {
             return Ok(self.contended());
         };
         let cq = &self.sh.report.cq;
-        let moved = flow.step(&self.sh.report, &mut |c| cq.push(c));
+        let moved = flow.step(&self.sh.report, usize::MAX, &mut |c| cq.push(c));
         if let Some(end) = flow.failed {
             return Err(end);
         }
@@ -137,10 +136,9 @@ impl Engine {
         if forgotten == self.forgotten_seen {
             return;
         }
-        if let Some(mut flow) = try_lock(&self.sh) {
-            flow.import.drop_stale(forgotten);
-            self.forgotten_seen = forgotten;
-        }
+        // The posters hold the cache's lock only briefly: wait for it.
+        self.sh.lock_imports().drop_stale(forgotten);
+        self.forgotten_seen = forgotten;
     }
 
     /// What a turn that moves data does when a thread of the program holds the connection's
@@ -157,9 +155,9 @@ impl Engine {
         // SeqCst fence: the store above comes before the look at the lock, pairing with the
         // fence in `kick` after the poster let go of it.
         fence(Ordering::SeqCst);
-        match self.sh.flow.try_lock() {
-            Err(TryLockError::WouldBlock) => Next::Wait(Some(Instant::now() + POSTER_MISSED)),
-            _ => Next::Again,
+        match self.sh.try_lock() {
+            None => Next::Wait(Some(Instant::now() + POSTER_MISSED)),
+            Some(_) => Next::Again,
         }
     }
 
@@ -182,7 +180,7 @@ impl Engine {
         let help = assist || flow.blocked();
         if help {
             let cq = &self.sh.report.cq;
-            flow.step(&self.sh.report, &mut |c| cq.push(c));
+            flow.step(&self.sh.report, usize::MAX, &mut |c| cq.push(c));
         }
         if let Some(end) = flow.failed {
             return Err(end);
@@ -234,7 +232,7 @@ impl Engine {
         };
         let cq = &self.sh.report.cq;
         let status = flow.close(end, &self.sh.report, &mut |c| cq.push(c));
-        flow.import.set(0, None);
+        self.sh.lock_imports().set(0, None);
         drop(flow);
         // Nothing is reachable through the connection any more, either way.
         self.sh.exports.close();

@@ -22,12 +22,14 @@ use crate::cq::{Completion, Opcode, Reporter, WcStatus};
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::notice::Board;
-use crate::shm::onesided::ImportCache;
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{
     FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES, Segment,
 };
 use crate::shm::{bell, direct};
+
+/// [`Flow::gate`] of a connection that is down: above every send queue's depth.
+pub(crate) const GATE_DOWN: usize = usize::MAX;
 
 /// Doorbell packet: "look at the rings".
 pub(crate) const WAKE: u8 = 1;
@@ -117,6 +119,10 @@ struct InFlight {
     /// How it ended, for a one-sided operation that ran already and only waits for the sends
     /// before it to complete first; `Success` otherwise.
     status: WcStatus,
+    /// A one-sided operation that finished with nothing in flight before it: it waits only
+    /// for a poll to report it (`end` 0), and is reported with `status` even if the
+    /// connection ends first.
+    done: bool,
     /// A direct send's region, which the peer reads until it takes the record.
     _hold: Option<Arc<MemoryRegion>>,
 }
@@ -174,8 +180,6 @@ pub(crate) struct Flow {
     pub(crate) closed: bool,
     /// Why the connection must end, as found by whoever drove it; its driver tears it down.
     pub(crate) failed: Option<End>,
-    /// The peer's region the last one-sided operation reached (see `onesided.rs`).
-    pub(crate) import: ImportCache,
 }
 
 impl Flow {
@@ -232,7 +236,6 @@ impl Flow {
             peer_reads_us: false,
             closed: false,
             failed: None,
-            import: ImportCache::default(),
         }
     }
 
@@ -241,6 +244,17 @@ impl Flow {
             return Err(Error::Disconnected);
         }
         Ok(())
+    }
+
+    /// What the connection's lock-free one-sided path may rely on, published whenever the
+    /// lock is let go (see `conn::FlowGuard`): the send queue's slots in use, or [`GATE_DOWN`]
+    /// once the connection is closed or failed.
+    pub(crate) fn gate(&self) -> usize {
+        if self.closed || self.failed.is_some() {
+            GATE_DOWN
+        } else {
+            self.pending.len() + self.inflight.len()
+        }
     }
 
     pub(crate) fn claim_send(&self) -> Result<()> {
@@ -385,7 +399,10 @@ impl Flow {
     /// A one-sided operation ran (at post time) and ended with `status`: it completes now,
     /// or, when sends are in flight, after them, so that the connection's completions come in
     /// the order the work was posted (sends still waiting for a receive credit or ring space
-    /// do not hold it back). An unsignaled success reports nothing and takes no slot.
+    /// do not hold it back). An unsignaled success reports nothing and takes no slot. A
+    /// signaled success with nothing in flight is reported by the next poll, straight into the
+    /// caller's hands as a send's completion is, rather than through the queue (whose blocks a
+    /// push allocates now and then); until then it holds a slot, as over verbs.
     pub(crate) fn finish_onesided(
         &mut self,
         report: &Reporter,
@@ -397,18 +414,22 @@ impl Flow {
         if !signaled && status == WcStatus::Success {
             return;
         }
-        if self.inflight.is_empty() {
+        let done = self.inflight.is_empty();
+        if done && status != WcStatus::Success {
+            // The connection fails with it: reported at once.
             report.complete(wr_id, opcode, status, 0, None);
             return;
         }
         self.inflight.push_back(InFlight {
-            end: self.tx.tail(),
+            // Nothing before it to wait for: any head passes it.
+            end: if done { 0 } else { self.tx.tail() },
             // Never a message's number: the peer refuses none of it.
             seq: u64::MAX,
             wr_id,
             signaled: true,
             opcode,
             status,
+            done,
             _hold: None,
         });
     }
@@ -423,6 +444,7 @@ impl Flow {
             signaled,
             opcode: Opcode::Write,
             status: WcStatus::Success,
+            done: false,
             _hold: None,
         });
     }
@@ -504,6 +526,7 @@ impl Flow {
             signaled,
             opcode: Opcode::Send,
             status: WcStatus::Success,
+            done: false,
             _hold: Some(mr.clone()),
         });
         Ok(true)
@@ -537,6 +560,7 @@ impl Flow {
                 signaled,
                 opcode: Opcode::Send,
                 status: WcStatus::Success,
+                done: false,
                 _hold: None,
             });
         }
@@ -592,9 +616,17 @@ impl Flow {
 
     /// One pass over everything: fills receives from the incoming ring, completes the sends
     /// the peer took (see below), writes what waits into the outgoing ring, and rings the peer
-    /// if it sleeps and something changed for it. Completions go to `emit` in order. Returns whether
-    /// anything moved; a reason to end the connection is left in `failed`.
-    pub(crate) fn step(&mut self, report: &Reporter, emit: &mut dyn FnMut(Completion)) -> bool {
+    /// if it sleeps and something changed for it. Completions go to `emit` in order. At most
+    /// `limit` messages are taken (the rest wait in the ring for the next step, so that a
+    /// poller that asked for that many completions gets them without the surplus going
+    /// through the queue). Returns whether anything moved; a reason to end the connection is
+    /// left in `failed`.
+    pub(crate) fn step(
+        &mut self,
+        report: &Reporter,
+        limit: usize,
+        emit: &mut dyn FnMut(Completion),
+    ) -> bool {
         if self.closed || self.failed.is_some() {
             return false;
         }
@@ -604,7 +636,7 @@ impl Flow {
         // or waiting keeps looking at the connection by itself (see `busy`).
         let mut ring = false;
         let mut mark = false;
-        let received = match self.receive(report, emit) {
+        let received = match self.receive(report, limit, emit) {
             Ok(m) => m,
             Err(ReceiveError::Length) => {
                 self.failed = Some(End::LocalLength);
@@ -717,6 +749,7 @@ impl Flow {
                     signaled: wr.signaled,
                     opcode: Opcode::Send,
                     status: WcStatus::Success,
+                    done: false,
                     _hold: None,
                 });
                 self.copied = 0;
@@ -748,14 +781,19 @@ impl Flow {
         Ok(moved)
     }
 
-    /// Moves records from the incoming ring into posted receives.
+    /// Moves records from the incoming ring into posted receives, until `limit` messages
+    /// have completed.
     fn receive(
         &mut self,
         report: &Reporter,
+        limit: usize,
         emit: &mut dyn FnMut(Completion),
     ) -> std::result::Result<bool, ReceiveError> {
         let mut moved = false;
-        while let Some(rec) = self.rx.peek()? {
+        let mut done = 0;
+        while done < limit
+            && let Some(rec) = self.rx.peek()?
+        {
             self.take_record(&rec, report, emit)?;
             self.rx.consume(&rec);
             // A message's completion goes out only once its record is consumed: the peer's
@@ -763,6 +801,7 @@ impl Flow {
             // answer it, so the peer completes its send before it sees the answer.
             if let Some(c) = self.delivered.take() {
                 emit(c);
+                done += 1;
             }
             moved = true;
         }
@@ -1000,7 +1039,7 @@ impl Flow {
             && self.failed.is_none()
         {
             // Everything the peer finished writing before it left is delivered.
-            match self.receive(report, emit) {
+            match self.receive(report, usize::MAX, emit) {
                 Err(ReceiveError::Length) => end = End::LocalLength,
                 Err(ReceiveError::Protocol) => end = End::Protocol,
                 Ok(_) => {}
@@ -1015,7 +1054,7 @@ impl Flow {
         while let Some(f) = self.inflight.pop_front() {
             let status = if Some(f.seq) == refused_seq {
                 WcStatus::RemoteError
-            } else if f.status != WcStatus::Success {
+            } else if f.done || f.status != WcStatus::Success {
                 f.status
             } else {
                 WcStatus::Flushed

@@ -529,9 +529,9 @@ pub(crate) struct Inbox {
     forgotten: Arc<AtomicU64>,
 }
 
-/// The import a connection's last one-sided operation used, kept under the connection's
-/// flow lock so that the next operation with the same key skips the inbox's lock, its map
-/// and a reference count. Only a shortcut: every access still checks the key against the
+/// The import a connection's last one-sided operation used, kept under its own lock (which
+/// pollers never take, see `conn::Shared::imports`) so that the next operation with the same
+/// key skips the flow's lock, the inbox's lock, its map and a reference count. Only a shortcut: every access still checks the key against the
 /// peer's export table (`run`), so a stale entry cannot reach a withdrawn region; it is
 /// dropped as soon as the inbox forgets anything, so that the mapping goes with the region.
 #[derive(Default)]

@@ -174,6 +174,9 @@ pub(crate) struct Producer<M: Memory = Mapped> {
     mem: M,
     cap: usize,
     tail: u64,
+    /// `tail % cap`, kept alongside so that the hot path divides nothing (records never wrap,
+    /// so it moves by a record's size and returns to 0 exactly at the ring's end).
+    tail_at: usize,
     /// The consumer's head when last read (see [`Producer::head`]).
     known_head: u64,
 }
@@ -183,6 +186,8 @@ pub(crate) struct Consumer<M: Memory = Mapped> {
     mem: M,
     cap: usize,
     head: u64,
+    /// `head % cap` (see `Producer::tail_at`).
+    head_at: usize,
 }
 
 // SAFETY: both ends point into a mapping owned by the same engine, which moves them to its
@@ -209,6 +214,7 @@ impl<M: Memory> Producer<M> {
             mem,
             cap,
             tail: 0,
+            tail_at: 0,
             known_head: 0,
         }
     }
@@ -237,7 +243,8 @@ impl<M: Memory> Producer<M> {
     /// are contiguous before the ring end.
     fn space(&self) -> (usize, usize) {
         let free = self.cap - (self.tail - self.known_head) as usize;
-        let contig = self.cap - (self.tail as usize % self.cap);
+        debug_assert_eq!(self.tail_at, self.tail as usize % self.cap);
+        let contig = self.cap - self.tail_at;
         (free, contig)
     }
 
@@ -339,7 +346,7 @@ impl<M: Memory> Producer<M> {
             if imm.is_some() {
                 flags |= IMM;
             }
-            let at = self.tail as usize % self.cap + HDR;
+            let at = self.tail_at + HDR;
             // SAFETY: at + n <= cap (checked against `contig` above), the caller guarantees `src`
             // is readable for `want >= n` bytes, and the space is free (behind the consumer).
             unsafe { self.mem.copy_in(at, src, n) };
@@ -348,27 +355,33 @@ impl<M: Memory> Producer<M> {
         }
     }
 
-    /// Stores the stamp word of the record starting at ring position `pos` (ALIGN-aligned).
-    fn stamp(&self, pos: u64, v: u64, order: Ordering) {
-        // SAFETY: pos % cap is below cap, and ALIGN-aligned as every record position is.
-        unsafe { self.mem.store_stamp(pos as usize % self.cap, v, order) }
+    /// Stores the stamp word of the record starting at ring offset `at` (ALIGN-aligned,
+    /// below cap).
+    fn stamp(&self, at: usize, v: u64, order: Ordering) {
+        debug_assert!(at < self.cap && at % ALIGN == 0);
+        // SAFETY: `at` is below cap, and ALIGN-aligned as every record position is.
+        unsafe { self.mem.store_stamp(at, v, order) }
     }
 
     /// Writes the header of a record whose payload (`len` bytes) is in place, zeroes the next
     /// record's stamp, then stamps this one, which publishes it; moves the tail past it.
     fn publish(&mut self, len: usize, flags: u32, imm: u32, total: usize) {
-        let at = self.tail as usize % self.cap;
+        let at = self.tail_at;
         let words = [len as u32, flags, imm, total as u32];
         // SAFETY: at + HDR <= cap (at is ALIGN-aligned, cap a multiple of ALIGN, and a record
         // always fits before the end), and the space is free. Byte copy of the 16 bytes after the stamp.
         unsafe { self.mem.copy_in(at + 8, words.as_ptr().cast::<u8>(), 16) };
-        let next = self.tail + (HDR + padded(len)) as u64;
+        let size = HDR + padded(len);
+        let next = self.tail + size as u64;
+        // A record never runs past the ring's end: the next one starts there or at 0.
+        let next_at = if at + size == self.cap { 0 } else { at + size };
         // The space at `next` is free: `write` kept STAMP_ROOM behind every record.
-        self.stamp(next, 0, Ordering::Relaxed);
+        self.stamp(next_at, 0, Ordering::Relaxed);
         // Release: the payload, the header and the zeroed next stamp are visible before the
         // stamp that makes the record the consumer's.
-        self.stamp(self.tail, self.tail + 1, Ordering::Release);
+        self.stamp(at, self.tail + 1, Ordering::Release);
         self.tail = next;
+        self.tail_at = next_at;
     }
 
     /// Our tail: the ring position just past everything written so far.
@@ -390,13 +403,20 @@ impl<M: Memory> Consumer<M> {
     /// The consumer of the ring of `cap` bytes in `mem` (a multiple of ALIGN), which nobody
     /// else consumes from.
     pub(crate) fn over(mem: M, cap: usize) -> Self {
-        Consumer { mem, cap, head: 0 }
+        Consumer {
+            mem,
+            cap,
+            head: 0,
+            head_at: 0,
+        }
     }
 
     /// Loads the stamp word of the record at our head.
     fn stamp(&self, order: Ordering) -> u64 {
-        // SAFETY: head % cap is below cap, and ALIGN-aligned as every record position is.
-        unsafe { self.mem.load_stamp(self.head as usize % self.cap, order) }
+        debug_assert_eq!(self.head_at, self.head as usize % self.cap);
+        // SAFETY: head_at (head % cap) is below cap, and ALIGN-aligned as every record
+        // position is.
+        unsafe { self.mem.load_stamp(self.head_at, order) }
     }
 
     /// Whether a record is waiting.
@@ -412,7 +432,7 @@ impl<M: Memory> Consumer<M> {
             if self.stamp(Ordering::Acquire) != self.head + 1 {
                 return Ok(None);
             }
-            let at = self.head as usize % self.cap;
+            let at = self.head_at;
             let mut words = [0u32; 4];
             // SAFETY: at + HDR <= cap (an ALIGN-aligned position in a ring whose size is a multiple
             // of ALIGN = HDR), and the record is stamped.
@@ -453,7 +473,12 @@ impl<M: Memory> Consumer<M> {
     }
 
     fn advance(&mut self, size: usize) {
+        // `size` never takes the head past the ring's end (checked by `peek`).
         self.head += size as u64;
+        self.head_at += size;
+        if self.head_at == self.cap {
+            self.head_at = 0;
+        }
         // Release: our reads of the record happen before the producer may reuse its space.
         self.mem.store_head(self.head, Ordering::Release);
     }
