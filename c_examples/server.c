@@ -204,6 +204,11 @@ static int echo_slot(struct echo_state *s, uint32_t rslot, size_t len)
     s->echoed++;
     if (s->o->plain && (s->recv_posted > s->total || s->echoed == s->total))
         return 0;
+    /* Every message the client will send has a receive already: a repost
+     * now could meet the client's disconnect (it may leave as soon as the
+     * last echo arrives). */
+    if (s->recv_posted >= s->total)
+        return 0;
     return post_recv_slot(s, rslot);
 }
 
