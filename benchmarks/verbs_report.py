@@ -72,12 +72,15 @@ def main():
             f.write("\n\n")
     dat = os.path.join(out, "plot.dat").replace("'", "")
     lines = [
-        "set terminal pngcairo size 1400,560",
+        # noenhanced: tool names such as ib_send_lat are printed as they are, not as
+        # subscripts.
+        "set terminal pngcairo size 1400,640 noenhanced",
         "set output '%s'" % os.path.join(out, "verbs.png").replace("'", ""),
         "set multiplot layout 1,2 title 'rdmabridge verbs vs perftest on soft-RoCE "
         "(medians over rounds)'",
-        "set logscale x 2", "set grid", "set key left top",
-        "set xlabel 'message size (bytes)'",
+        "set logscale x 2", "set grid", "set key below font ',9' maxrows 4",
+        "set format x '%.0b %BB'",
+        "set xlabel 'message size'",
     ]
     for panel, ylabel in (("lat", "latency p50 (us; send/write one-way, read round trip)"),
                           ("bw", "bandwidth (MB/s)")):
