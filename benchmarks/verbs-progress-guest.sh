@@ -133,55 +133,40 @@ rbr_conn_rate() { # N
   awk -v n="$n" -v ns=$((t1 - t0)) 'BEGIN { printf "%.1f\n", n / (ns / 1e9) }'
 }
 
-# rbr_bench: TEST (lat, bw) at SIZE, COUNT messages, measured as perftest measures: both sides
-# busy-poll rbr_cq_poll (caller progress, the default), a ping-pong for latency, one-way
-# streaming (32 in flight) for bandwidth; with -W both wait as programs do (rbr_cq_poll, then
-# rbr_cq_wait with its default spin when it finds nothing). Prints its RESULT line.
-bench() { # TEST SIZE COUNT [-W]
-  local test=$1 size=$2 count=$3 wait=("${@:4}")
+# A server and a client of PROGRAM (rbr_bench or rbr_rma_bench) on a fresh port: TEST at SIZE,
+# COUNT operations (32 in flight when streaming), EXTRA options given to both sides; prints the
+# client's RESULT line.
+pair() { # PROGRAM TEST SIZE COUNT [EXTRA...]
+  local prog=$1 test=$2 size=$3 count=$4 extra=("${@:5}")
+  local slog=/tmp/$prog-server.log clog=/tmp/$prog-client.log
   next_port
   local addr="rdma://$ip:$port"
-  # (emptied first: see rbr)
-  : >/tmp/bench-server.log
-  timeout 300 "$build/rbr_bench" -r server -a "$addr" "${wait[@]}" >/tmp/bench-server.log 2>&1 &
-  local s=$!
-  local i
-  for i in $(seq 600); do grep -q '^listening on' /tmp/bench-server.log && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
-  timeout 300 "$build/rbr_bench" -r client -a "$addr" -t "$test" -s "$size" -n "$count" \
-    -b "$((count * size))" -w 32 "${wait[@]}" >/tmp/bench-client.log 2>&1
-  local c=$?
-  wait "$s"; local r=$?
-  if [ "$c" -ne 0 ] || [ "$r" -ne 0 ]; then
-    echo "rbr_bench $test failed: client $c, server $r" >&2
-    cat /tmp/bench-client.log /tmp/bench-server.log >&2
-    return 1
-  fi
-  grep "^RESULT $test " /tmp/bench-client.log
-}
-
-# rbr_rma_bench: TEST (wlat, rlat, wbw, rbw) at SIZE, COUNT operations; prints its RESULT line.
-rma() { # TEST SIZE COUNT
-  local test=$1 size=$2 count=$3
-  next_port
-  local addr="rdma://$ip:$port"
-  # (emptied first: see rbr)
-  : >/tmp/rma-server.log
-  timeout 300 "$build/rbr_rma_bench" -r server -a "$addr" >/tmp/rma-server.log 2>&1 &
+  : >"$slog" # (emptied first: see rbr)
+  timeout 300 "$build/$prog" -r server -a "$addr" "${extra[@]}" >"$slog" 2>&1 &
   local s=$!
   local i
   # Up to 60 s: under emulation on a loaded host a server's first device open can take long.
-  for i in $(seq 600); do grep -q '^listening on' /tmp/rma-server.log && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
-  timeout 300 "$build/rbr_rma_bench" -r client -a "$addr" -t "$test" -s "$size" -n "$count" \
-    -b "$((count * size))" -w 32 >/tmp/rma-client.log 2>&1
+  for i in $(seq 600); do grep -q '^listening on' "$slog" && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
+  timeout 300 "$build/$prog" -r client -a "$addr" -t "$test" -s "$size" -n "$count" \
+    -b "$((count * size))" -w 32 "${extra[@]}" >"$clog" 2>&1
   local c=$?
   wait "$s"; local r=$?
   if [ "$c" -ne 0 ] || [ "$r" -ne 0 ]; then
-    echo "rbr_rma_bench $test failed: client $c, server $r" >&2
-    cat /tmp/rma-client.log /tmp/rma-server.log >&2
+    echo "$prog $test failed: client $c, server $r" >&2
+    cat "$clog" "$slog" >&2
     return 1
   fi
-  grep "^RESULT $test " /tmp/rma-client.log
+  grep "^RESULT $test " "$clog"
 }
+
+# rbr_bench: TEST (lat, bw), measured as perftest measures: both sides busy-poll rbr_cq_poll
+# (caller progress, the default), a ping-pong for latency, one-way streaming for bandwidth; with
+# -W both wait as programs do (rbr_cq_poll, then rbr_cq_wait with its default spin when it finds
+# nothing).
+bench() { pair rbr_bench "$@"; } # TEST SIZE COUNT [-W]
+
+# rbr_rma_bench: TEST (wlat, rlat, wbw, rbw).
+rma() { pair rbr_rma_bench "$@"; } # TEST SIZE COUNT
 
 record() { echo "RESULT $*" | tee -a "$results"; }
 
