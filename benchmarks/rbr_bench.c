@@ -19,8 +19,9 @@
  *         least 100: they differ only in which figure leads the line.
  * Like the stock tools (ucx_perftest, fi_pingpong, perftest), both sides
  * busy-poll the completion queue with rbr_cq_poll; with -W they wait for
- * completions as a program would, rbr_cq_poll and, when it finds nothing,
- * rbr_cq_wait (which spins for a while, then sleeps).  Both send from one
+ * completions as a program would, with rbr_cq_poll_wait (which polls for a
+ * while, then sleeps), and with -Y with rbr_cq_poll and, when it finds
+ * nothing, rbr_cq_wait (the two-call form).  Both send from one
  * buffer and receive into one buffer, and do not touch the payload.
  *
  * Before each test the client sends a small control message (inline) naming
@@ -34,7 +35,7 @@
  *   RESULT rate SIZE msgs_s=X mb_s=X count=N window=W
  *
  * Usage: rbr_bench -r server|client [-a ADDR] [-t TESTS] [-s SIZES]
- *                  [-n ITERS] [-m MSGS] [-b BYTES] [-w WINDOW] [-T SECS] [-W]
+ *                  [-n ITERS] [-m MSGS] [-b BYTES] [-w WINDOW] [-T SECS] [-W|-Y]
  *   -r ROLE    server or client
  *   -a ADDR    address (default shm://rbr-bench)
  *   -t TESTS   comma list of lat, bw, rate (default lat,bw,rate)
@@ -48,8 +49,9 @@
  *   -w WINDOW  messages outstanding while streaming (default 64)
  *   -T SECS    give up (exit status 1) when a single wait for a completion,
  *              or the server's wait for a client, takes longer (default 30)
- *   -W         wait for completions with rbr_cq_wait instead of busy-polling
- *              (each side has its own: give it to both)
+ *   -W         wait for completions with rbr_cq_poll_wait instead of
+ *              busy-polling (each side has its own: give it to both)
+ *   -Y         the same with rbr_cq_poll, then rbr_cq_wait
  *   -p MODE, -S US: completion-queue options as in the C examples
  *
  * Exit status 0 only if every test ran to the end and the connection closed
@@ -101,7 +103,7 @@ struct bench_opts {
     uint64_t bytes;
     uint32_t window;
     int timeout_s;
-    int wait;
+    int wait; /* 0: busy-poll; 'W': rbr_cq_poll_wait; 'Y': poll, then wait */
     struct ex_cq_opts cq;
 };
 
@@ -118,7 +120,7 @@ struct peer {
     uint64_t sends_done;   /* sends known complete */
     uint32_t signal_every; /* a signaled send every this many */
     int64_t timeout_ns;
-    int wait;              /* rbr_cq_wait when a poll finds nothing */
+    int wait;              /* as bench_opts.wait */
 };
 
 static void usage(const char *argv0)
@@ -126,7 +128,7 @@ static void usage(const char *argv0)
     fprintf(stderr,
             "usage: %s -r server|client [-a ADDR] [-t TESTS] [-s SIZES] "
             "[-n ITERS] [-m MSGS]\n"
-            "          [-b BYTES] [-w WINDOW] [-T SECS] [-W] [-p MODE] [-S US]\n"
+            "          [-b BYTES] [-w WINDOW] [-T SECS] [-W|-Y] [-p MODE] [-S US]\n"
             "  -r ROLE    server or client\n"
             "  -a ADDR    address (default %s)\n"
             "  -t TESTS   comma list of lat, bw, rate (default all)\n"
@@ -136,7 +138,8 @@ static void usage(const char *argv0)
             "  -b BYTES   bytes per bandwidth test (1G)\n"
             "  -w WINDOW  messages outstanding while streaming (64)\n"
             "  -T SECS    longest wait for one completion (30)\n"
-            "  -W         rbr_cq_wait when a poll finds nothing (else busy-poll)\n"
+            "  -W         wait with rbr_cq_poll_wait (else busy-poll)\n"
+            "  -Y         wait with rbr_cq_poll, then rbr_cq_wait\n"
             EX_CQ_OPTS_USAGE,
             argv0, DEFAULT_ADDR);
 }
@@ -218,7 +221,7 @@ static int parse_opts(int argc, char **argv, struct bench_opts *o)
     o->timeout_s = 30;
     ex_cq_opts_init(&o->cq);
     parse_sizes("2,64,4096,65536,1048576", o);
-    while ((ch = getopt(argc, argv, "r:a:t:s:n:m:b:w:T:Wp:S:h")) != -1) {
+    while ((ch = getopt(argc, argv, "r:a:t:s:n:m:b:w:T:WYp:S:h")) != -1) {
         switch (ch) {
         case 'r':
             if (strcmp(optarg, "server") == 0) {
@@ -273,7 +276,8 @@ static int parse_opts(int argc, char **argv, struct bench_opts *o)
             o->timeout_s = (int)v;
             break;
         case 'W':
-            o->wait = 1;
+        case 'Y':
+            o->wait = ch;
             break;
         case 'p':
         case 'S':
@@ -300,10 +304,11 @@ static int parse_opts(int argc, char **argv, struct bench_opts *o)
  */
 static int poll_some(struct peer *p, rbr_completion *wc, size_t *n, int *disc)
 {
+    int32_t ms = (int32_t)(p->timeout_ns / 1000000);
     rbr_status st =
-        p->wait ? ex_wait_completions(p->cq, wc, POLL_BATCH, n,
-                                      (int32_t)(p->timeout_ns / 1000000))
-                : ex_busy_poll(p->cq, wc, POLL_BATCH, n, p->timeout_ns);
+        p->wait == 'W'   ? ex_wait_completions(p->cq, wc, POLL_BATCH, n, ms)
+        : p->wait == 'Y' ? ex_poll_then_wait(p->cq, wc, POLL_BATCH, n, ms)
+                         : ex_busy_poll(p->cq, wc, POLL_BATCH, n, p->timeout_ns);
     size_t i;
 
     if (st == RBR_ERR_TIMEOUT) {

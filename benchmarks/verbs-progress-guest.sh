@@ -12,8 +12,9 @@
 # (progress threads) and rbr-caller-busy (caller progress, rbr_cq_wait never sleeping), all
 # three the C example (rbr_client/rbr_server: streaming there is echoed, so both directions
 # carry it), and as rbr-bench: benchmarks/rbr_bench, which measures as perftest does (caller
-# progress, both sides busy-polling rbr_cq_poll, one-way streaming), and rbr-bench-wait: the
-# same with rbr_cq_wait's default spin-then-sleep wait whenever a poll finds nothing.
+# progress, both sides busy-polling rbr_cq_poll, one-way streaming), rbr-bench-wait: the same
+# waiting with rbr_cq_poll_wait (its default poll-then-sleep), and rbr-bench-wait2: waiting in
+# two calls, rbr_cq_poll and, when it finds nothing, rbr_cq_wait.
 # Each round runs every tool once per measure, in turn, so drift hits them alike. Prints one
 # line per figure ("RESULT measure tool field value") and, at the end, a table: medians over
 # the rounds, the spread (min-max over rounds) and ratios to the stock tool of each measure.
@@ -161,9 +162,8 @@ pair() { # PROGRAM TEST SIZE COUNT [EXTRA...]
 
 # rbr_bench: TEST (lat, bw), measured as perftest measures: both sides busy-poll rbr_cq_poll
 # (caller progress, the default), a ping-pong for latency, one-way streaming for bandwidth; with
-# -W both wait as programs do (rbr_cq_poll, then rbr_cq_wait with its default spin when it finds
-# nothing).
-bench() { pair rbr_bench "$@"; } # TEST SIZE COUNT [-W]
+# -W both wait with rbr_cq_poll_wait, with -Y with rbr_cq_poll then rbr_cq_wait.
+bench() { pair rbr_bench "$@"; } # TEST SIZE COUNT [-W|-Y]
 
 # rbr_rma_bench: TEST (wlat, rlat, wbw, rbw).
 rma() { pair rbr_rma_bench "$@"; } # TEST SIZE COUNT
@@ -188,8 +188,9 @@ for round in $(seq "$rounds"); do
         record "lat$size" "$(name "$v")" p99 "$(echo "$out" | sed -n 's/.*latency median .*, p99 \([0-9.]*\) us.*/\1/p')"
       fi
     done
-    for w in busy wait; do
-      f=() t=rbr-bench; [ "$w" = busy ] || f=(-W) t=rbr-bench-wait
+    for w in busy W Y; do
+      f=() t=rbr-bench
+      case $w in W) f=(-W) t=rbr-bench-wait ;; Y) f=(-Y) t=rbr-bench-wait2 ;; esac
       if out=$(bench lat "$size" "$n" "${f[@]}"); then
         record "lat$size" $t p50 "$(echo "$out" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
         record "lat$size" $t p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
@@ -207,8 +208,9 @@ for round in $(seq "$rounds"); do
         record "bw$size" "$(name "$v")" mbs "$(echo "$out" | sed -n 's/^streaming: .*: \([0-9.]*\) MB\/s.*/\1/p')"
       fi
     done
-    for w in busy wait; do
-      f=() t=rbr-bench; [ "$w" = busy ] || f=(-W) t=rbr-bench-wait
+    for w in busy W Y; do
+      f=() t=rbr-bench
+      case $w in W) f=(-W) t=rbr-bench-wait ;; Y) f=(-Y) t=rbr-bench-wait2 ;; esac
       if out=$(bench bw "$size" "$n" "${f[@]}"); then
         record "bw$size" $t mbs "$(echo "$out" | sed -n 's/.* mb_s=\([0-9.]*\).*/\1/p')"
       fi
@@ -295,6 +297,6 @@ fi
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
 # size, 2 x 2 bandwidth figures per size)
-want=$((rounds * (nl * 2 * (3 + nv) + nb * (3 + nv) + 2 + nl * 8 + nb * 4)))
+want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 2 + nl * 8 + nb * 4)))
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }

@@ -353,6 +353,19 @@ static void matrix_cq(void)
     CASE(rbr_cq_wait(q, -2), RBR_ERR_INVALID, "rbr_cq_wait timeout -2");
     CASE(rbr_cq_wait(q, INT32_MIN), RBR_ERR_INVALID, "rbr_cq_wait timeout INT32_MIN");
     CASE(rbr_cq_wait(q, 0), RBR_ERR_TIMEOUT, "rbr_cq_wait 0 on an empty queue");
+    n = SENT_LEN;
+    CASE(rbr_cq_poll_wait(NULL, c, 1, &n, 0), RBR_ERR_NULL, "rbr_cq_poll_wait NULL cq");
+    CASE(rbr_cq_poll_wait(q, NULL, 1, &n, 0), RBR_ERR_NULL, "rbr_cq_poll_wait NULL out");
+    CASE(rbr_cq_poll_wait(q, c, 1, NULL, 0), RBR_ERR_NULL, "rbr_cq_poll_wait NULL n");
+    CASE(rbr_cq_poll_wait(q, c, 0, &n, 0), RBR_ERR_INVALID, "rbr_cq_poll_wait max 0");
+    CASE(rbr_cq_poll_wait(q, c, 1, &n, -2), RBR_ERR_INVALID, "rbr_cq_poll_wait timeout -2");
+    CASE(rbr_cq_poll_wait(q, c, 1, &n, INT32_MIN), RBR_ERR_INVALID,
+         "rbr_cq_poll_wait timeout INT32_MIN");
+    CASE(rbr_cq_poll_wait(q, c, SIZE_MAX, &n, 0), RBR_ERR_TIMEOUT,
+         "rbr_cq_poll_wait 0 on an empty queue");
+    CASE(rbr_cq_poll_wait(q, c, 1, &n, 20), RBR_ERR_TIMEOUT,
+         "rbr_cq_poll_wait 20 ms on an empty queue");
+    EXPECT_TRUE(n == SENT_LEN, "rbr_cq_poll_wait wrote *n on failure");
     CASE(rbr_cq_fd(NULL, &fd), RBR_ERR_NULL, "rbr_cq_fd NULL cq");
     CASE(rbr_cq_fd(q, NULL), RBR_ERR_NULL, "rbr_cq_fd NULL fd");
     EXPECT_TRUE(fd == SENT_FD, "rbr_cq_fd wrote *fd on failure");

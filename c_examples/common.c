@@ -131,8 +131,32 @@ uint64_t ex_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* A successful call's count must be 1..max. */
+static rbr_status check_count(const char *call, size_t got, size_t max)
+{
+    if (got == 0 || got > max) {
+        ex_error("%s returned RBR_OK with n = %zu (max %zu)", call, got, max);
+        return RBR_ERR_PROTOCOL;
+    }
+    return RBR_OK;
+}
+
 rbr_status ex_wait_completions(rbr_cq *cq, rbr_completion *out, size_t max,
                                size_t *n, int32_t timeout_ms)
+{
+    size_t got = 0;
+    rbr_status st = rbr_cq_poll_wait(cq, out, max, &got, timeout_ms);
+
+    if (st != RBR_OK)
+        return st;
+    st = check_count("rbr_cq_poll_wait", got, max);
+    if (st == RBR_OK)
+        *n = got;
+    return st;
+}
+
+rbr_status ex_poll_then_wait(rbr_cq *cq, rbr_completion *out, size_t max,
+                             size_t *n, int32_t timeout_ms)
 {
     uint64_t deadline = 0;
     rbr_status st;
@@ -146,13 +170,10 @@ rbr_status ex_wait_completions(rbr_cq *cq, rbr_completion *out, size_t max,
 
         st = rbr_cq_poll(cq, out, max, &got);
         if (st == RBR_OK) {
-            if (got == 0 || got > max) {
-                ex_error("rbr_cq_poll returned RBR_OK with n = %zu (max %zu)",
-                         got, max);
-                return RBR_ERR_PROTOCOL;
-            }
-            *n = got;
-            return RBR_OK;
+            st = check_count("rbr_cq_poll", got, max);
+            if (st == RBR_OK)
+                *n = got;
+            return st;
         }
         if (st != RBR_EMPTY)
             return st;

@@ -57,13 +57,19 @@ int ex_verify_pattern(const void *buf, size_t len, uint64_t k);
 uint64_t ex_now_ns(void);
 
 /*
- * Waits up to timeout_ms (-1 = forever) for at least one completion on cq,
- * by polling and, when the queue is empty, blocking in rbr_cq_wait.  Returns
- * RBR_OK with 1..max completions in out[] and their number in *n, or
- * RBR_ERR_TIMEOUT, or another error status.
+ * Waits up to timeout_ms (-1 = forever) for at least one completion on cq
+ * with rbr_cq_poll_wait.  Returns RBR_OK with 1..max completions in out[] and
+ * their number in *n, or RBR_ERR_TIMEOUT, or another error status.
  */
 rbr_status ex_wait_completions(rbr_cq *cq, rbr_completion *out, size_t max,
                                size_t *n, int32_t timeout_ms);
+
+/*
+ * The same in two calls, the pattern for programs that also watch
+ * rbr_cq_fd: rbr_cq_poll, and when it finds nothing, rbr_cq_wait, in a loop.
+ */
+rbr_status ex_poll_then_wait(rbr_cq *cq, rbr_completion *out, size_t max,
+                             size_t *n, int32_t timeout_ms);
 
 /* Waits up to timeout_ms for the next completion into *c, which must be a
  * success of `opcode`; returns 0, or -1 after saying what came instead. */

@@ -23,16 +23,13 @@ namespace {
 /* The next completion of `cq`, waiting up to 5 s; throws if none comes or it failed. */
 rbr::completion next(rbr::completion_queue &cq)
 {
-    for (;;) {
-        if (auto c = cq.poll_one()) {
-            if (c->status != RBR_WC_SUCCESS)
-                throw std::runtime_error("completion of opcode " + std::to_string(c->opcode) +
-                                         " failed: status " + std::to_string(c->status));
-            return *c;
-        }
-        if (!cq.wait(5000ms))
-            throw std::runtime_error("no completion within 5 s");
-    }
+    rbr::completion c{};
+    if (cq.poll_wait(&c, 1, 5000ms) == 0)
+        throw std::runtime_error("no completion within 5 s");
+    if (c.status != RBR_WC_SUCCESS)
+        throw std::runtime_error("completion of opcode " + std::to_string(c.opcode) +
+                                 " failed: status " + std::to_string(c.status));
+    return c;
 }
 
 /* Accepts one connection on `l` (a listener of `ctx`) and echoes `count` messages. */

@@ -104,6 +104,9 @@ void errors(const std::string &prefix)
     /* Polling a queue with room for no record. */
     rbr::completion c;
     CHECK(cq.poll(&c, 0, ec) == 0 && ec.value() == RBR_ERR_INVALID);
+    CHECK(cq.poll_wait(&c, 0, 0ms, ec) == 0 && ec.value() == RBR_ERR_INVALID);
+    CHECK(cq.poll_wait(&c, 1, 10ms, ec) == 0 && !ec);
+    CHECK(cq.poll_wait(&c, 1, 0ms) == 0);
     CHECK(cq.fd() >= 0);
     CHECK(!cq.wait(0ms));
 }

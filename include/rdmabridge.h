@@ -881,6 +881,25 @@ rbr_status rbr_cq_wait(struct rbr_cq *cq,
                        int32_t timeout_ms);
 
 /**
+ * rbr_cq_poll and rbr_cq_wait in one call, as a program that polls until RBR_EMPTY and then
+ * waits would make them: takes up to `max` completions into `out[0..max]`, oldest first, and
+ * when none is there waits for the first - polling for as long as rbr_cq_wait would, handing
+ * what it finds straight into `out` (rbr_cq_wait then rbr_cq_poll pass it through the queue
+ * in between), then sleeping as rbr_cq_wait does. Returns RBR_OK with `*n >= 1`, or
+ * RBR_ERR_TIMEOUT (nothing written) when `timeout_ms` passes first; -1 waits forever; below -1
+ * and `max` 0 are RBR_ERR_INVALID. Several threads may call it on one queue; each completion
+ * goes to one of them.
+ *
+ * # Safety
+ * `out` must be writable for `max` records; `n` must be writable.
+ */
+rbr_status rbr_cq_poll_wait(struct rbr_cq *cq,
+                            struct rbr_completion *out,
+                            size_t max,
+                            size_t *n,
+                            int32_t timeout_ms);
+
+/**
  * Writes into `*fd` a descriptor for epoll/poll/select that is readable exactly while
  * completions (including connection events) are queued: level-triggered, no lost wake-up.
  * The pattern: poll until RBR_EMPTY, then sleep on the descriptor. (With RBR_PROGRESS_CALLER,

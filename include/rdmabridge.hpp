@@ -320,6 +320,30 @@ public:
         return detail::check(s, ec);
     }
 
+    /** Takes up to `max` completions into `out`, oldest first, waiting up to `timeout` for
+     *  the first when none is there (see rbr_cq_poll_wait); 0 when the timeout passed first.
+     *  A negative timeout waits without limit. */
+    std::size_t poll_wait(completion *out, std::size_t max, std::chrono::milliseconds timeout)
+    {
+        std::size_t n = 0;
+        rbr_status s = rbr_cq_poll_wait(get(), out, max, &n, detail::to_ms(timeout));
+        if (s == RBR_ERR_TIMEOUT)
+            return 0;
+        detail::check(s, "rbr_cq_poll_wait");
+        return n;
+    }
+    std::size_t poll_wait(completion *out, std::size_t max, std::chrono::milliseconds timeout,
+                          std::error_code &ec) noexcept
+    {
+        std::size_t n = 0;
+        rbr_status s = rbr_cq_poll_wait(get(), out, max, &n, detail::to_ms(timeout));
+        if (s == RBR_ERR_TIMEOUT) {
+            ec.clear();
+            return 0;
+        }
+        return detail::check(s, ec) ? n : 0;
+    }
+
     /** The queue's level-triggered descriptor for epoll/poll/select (see rbr_cq_fd); owned
      *  by the queue. */
     int fd() const

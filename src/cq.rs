@@ -540,21 +540,79 @@ impl CompletionQueue {
         }
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
+        let found = self.spin(start, timeout, || {
+            self.fill_from_sources(false) > 0 || !self.queue.is_empty()
+        });
+        if found {
+            self.note_wait(start, true);
+            return Ok(true);
+        }
+        self.sleep_until(start, deadline)
+    }
+
+    /// Takes up to `max` completions, oldest first, handing them to `take`, and waits for the
+    /// first if there is none: polls as [`poll_with`](Self::poll_with) does - handing what it
+    /// finds straight over, without the queue in between - for as long as [`wait`](Self::wait)
+    /// would poll, then sleeps as it does. Returns how many it took: 0 only when the timeout
+    /// passed (`None` = forever) first.
+    pub fn poll_wait_with(
+        &self,
+        max: usize,
+        timeout: Option<Duration>,
+        take: &mut dyn FnMut(Completion),
+    ) -> Result<usize> {
+        let n = self.poll_with(max, take);
+        if n > 0 || max == 0 {
+            return Ok(n);
+        }
+        let start = Instant::now();
+        let deadline = timeout.map(|t| start + t);
+        let mut n = 0;
+        if self.spin(start, timeout, || {
+            n = self.poll_with(max, take);
+            n > 0
+        }) {
+            self.note_wait(start, true);
+            return Ok(n);
+        }
+        // Another thread may take what woke this one: sleep again until the deadline.
+        while self.sleep_until(start, deadline)? {
+            let n = self.poll_with(max, take);
+            if n > 0 {
+                return Ok(n);
+            }
+        }
+        Ok(0)
+    }
+
+    /// Calls `found` in a loop (and spins between calls) until it returns true, for the spin
+    /// budget of a wait that began at `start` (see [`spin_budget`](Self::spin_budget)), at most
+    /// `timeout`. Returns whether it returned true.
+    fn spin(
+        &self,
+        start: Instant,
+        timeout: Option<Duration>,
+        mut found: impl FnMut() -> bool,
+    ) -> bool {
         let spin_end = start + self.spin_budget().min(timeout.unwrap_or(SPIN_MAX));
         let mut round = 0u32;
         loop {
-            if self.fill_from_sources(false) > 0 || !self.queue.is_empty() {
-                self.note_wait(start, true);
-                return Ok(true);
+            if found() {
+                return true;
             }
             // The clock is read every 16th round only: on some machines it costs more than a
             // round of polling.
             round = round.wrapping_add(1);
             if round % 16 == 1 && Instant::now() >= spin_end {
-                break;
+                return false;
             }
             std::hint::spin_loop();
         }
+    }
+
+    /// The sleeping part of a wait that began at `start`: until a completion is queued
+    /// (`Ok(true)`) or `deadline` (`Ok(false)`).
+    fn sleep_until(&self, start: Instant, deadline: Option<Instant>) -> Result<bool> {
         loop {
             let r = self.ready.watching(|| self.sleep(deadline));
             match r {
@@ -776,6 +834,46 @@ impl Reporter {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn poll_wait_with_hands_over_what_is_queued_at_once() {
+        let cq = CompletionQueue::new().unwrap();
+        let r = Reporter {
+            cq: cq.clone(),
+            conn_id: 1,
+            context: 0,
+            peer: String::new(),
+        };
+        for i in 0..3 {
+            cq.push(r.record(i, Opcode::Send, WcStatus::Success, 0, None));
+        }
+        let mut got = Vec::new();
+        let n = cq
+            .poll_wait_with(2, Some(Duration::from_secs(5)), &mut |c| got.push(c.wr_id))
+            .unwrap();
+        assert_eq!((n, got.as_slice()), (2, &[0, 1][..]));
+        let n = cq
+            .poll_wait_with(2, Some(Duration::from_secs(5)), &mut |c| got.push(c.wr_id))
+            .unwrap();
+        assert_eq!((n, got.as_slice()), (1, &[0, 1, 2][..]));
+    }
+
+    #[test]
+    fn poll_wait_with_times_out_having_taken_nothing() {
+        let cq = CompletionQueue::new().unwrap();
+        let t = Instant::now();
+        let n = cq
+            .poll_wait_with(4, Some(Duration::from_millis(30)), &mut |c| {
+                panic!("nothing was queued, yet {c:?} came")
+            })
+            .unwrap();
+        assert_eq!(n, 0);
+        assert!(
+            t.elapsed() >= Duration::from_millis(30),
+            "{:?}",
+            t.elapsed()
+        );
+    }
 
     fn queue(spin: Duration) -> Arc<CompletionQueue> {
         CompletionQueue::with_options(CqOptions {

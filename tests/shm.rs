@@ -36,7 +36,7 @@ suite_over_shm!(
     slot_is_free_once_its_completion_is_seen,
     idle_connection_stays_up_and_reports_nothing,
     sleepers_wake_for_late_completions_in_both_progress_modes,
-    two_threads_polling_one_queue_take_each_completion_once,
+    threads_polling_one_queue_take_each_completion_once,
     threads_posting_on_one_connection_deliver_each_message_once,
     destroying_a_connection_wakes_threads_waiting_on_its_queue,
     c_destroying_a_connection_wakes_a_thread_in_rbr_cq_wait,

@@ -325,6 +325,55 @@ pub unsafe extern "C" fn rbr_cq_wait(cq: *mut rbr_cq, timeout_ms: i32) -> rbr_st
     })
 }
 
+/// rbr_cq_poll and rbr_cq_wait in one call, as a program that polls until RBR_EMPTY and then
+/// waits would make them: takes up to `max` completions into `out[0..max]`, oldest first, and
+/// when none is there waits for the first - polling for as long as rbr_cq_wait would, handing
+/// what it finds straight into `out` (rbr_cq_wait then rbr_cq_poll pass it through the queue
+/// in between), then sleeping as rbr_cq_wait does. Returns RBR_OK with `*n >= 1`, or
+/// RBR_ERR_TIMEOUT (nothing written) when `timeout_ms` passes first; -1 waits forever; below -1
+/// and `max` 0 are RBR_ERR_INVALID. Several threads may call it on one queue; each completion
+/// goes to one of them.
+///
+/// # Safety
+/// `out` must be writable for `max` records; `n` must be writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_cq_poll_wait(
+    cq: *mut rbr_cq,
+    out: *mut rbr_completion,
+    max: usize,
+    n: *mut usize,
+    timeout_ms: i32,
+) -> rbr_status {
+    ffi_body!({
+        let cq = arg_ref!(cq);
+        let out = out_ptr!(out);
+        let n = out_ptr!(n);
+        if max == 0 {
+            return fail(Error::invalid("max is 0"));
+        }
+        let timeout = match timeout_arg(timeout_ms) {
+            Ok(t) => t,
+            Err(s) => return s,
+        };
+        let mut got = 0;
+        let r = cq.inner.poll_wait_with(max, timeout, &mut |c| {
+            // SAFETY: poll_wait_with hands over at most `max` records and `out` is writable
+            // for `max` (caller contract).
+            unsafe { out.add(got).write(c.into()) };
+            got += 1;
+        });
+        match r {
+            Ok(0) => fail(Error::Timeout("waiting for a completion")),
+            Ok(_) => {
+                // SAFETY: `n` is non-NULL and writable (caller contract).
+                unsafe { n.write(got) };
+                RBR_OK
+            }
+            Err(e) => fail(e),
+        }
+    })
+}
+
 /// Writes into `*fd` a descriptor for epoll/poll/select that is readable exactly while
 /// completions (including connection events) are queued: level-triggered, no lost wake-up.
 /// The pattern: poll until RBR_EMPTY, then sleep on the descriptor. (With RBR_PROGRESS_CALLER,

@@ -659,9 +659,10 @@ pub fn sleepers_wake_for_late_completions_in_both_progress_modes(net: &Net) {
     }
 }
 
-/// In both progress modes, two threads polling one queue (one busy-polling, one waiting) take
-/// every completion exactly once, and each connection's completions in order.
-pub fn two_threads_polling_one_queue_take_each_completion_once(net: &Net) {
+/// In both progress modes, three threads polling one queue (busy-polling; polling, then
+/// waiting; and with poll_wait_with) take every completion exactly once, and each connection's
+/// completions in order.
+pub fn threads_polling_one_queue_take_each_completion_once(net: &Net) {
     const N: u64 = 3000;
     const SLOTS: usize = 32;
     for progress in [Progress::Caller, Progress::Thread] {
@@ -682,32 +683,48 @@ pub fn two_threads_polling_one_queue_take_each_completion_once(net: &Net) {
         let seen = std::sync::Mutex::new(vec![0u32; N as usize]);
         let taken = std::sync::atomic::AtomicU64::new(0);
         std::thread::scope(|t| {
-            for busy in [true, false] {
+            // One thread busy-polls, one polls and waits when it finds nothing, one takes up
+            // to four at a time with poll_wait_with (polling, then sleeping, in one call).
+            for how in ["busy", "poll, then wait", "poll_wait_with"] {
                 let (s, scq, mr, seen, taken) = (&s, &scq, &mr, &seen, &taken);
                 t.spawn(move || {
                     let deadline = Instant::now() + Duration::from_secs(120);
                     let mut last = None;
+                    let mut batch = Vec::new();
                     while taken.load(std::sync::atomic::Ordering::SeqCst) < N {
                         assert!(Instant::now() < deadline, "{progress:?}: stalled");
-                        let Some(r) = scq.poll() else {
-                            if !busy {
-                                scq.wait(Some(Duration::from_millis(50))).unwrap();
+                        match how {
+                            "busy" => batch.extend(scq.poll()),
+                            "poll, then wait" => match scq.poll() {
+                                Some(r) => batch.push(r),
+                                None => {
+                                    scq.wait(Some(Duration::from_millis(50))).unwrap();
+                                }
+                            },
+                            _ => {
+                                let got = scq
+                                    .poll_wait_with(4, Some(Duration::from_millis(50)), &mut |c| {
+                                        batch.push(c)
+                                    })
+                                    .unwrap();
+                                assert!(got == batch.len() && got <= 4, "{progress:?}: {got}");
                             }
-                            continue;
-                        };
-                        assert_eq!((r.opcode, r.status), (Opcode::Recv, WcStatus::Success));
-                        let slot = r.wr_id as usize;
-                        let k = read_u64(mr, slot * 8);
-                        // This thread's share of the messages comes out in sending order.
-                        assert!(
-                            last.is_none_or(|l| l < k),
-                            "{progress:?}: {k} after {last:?}"
-                        );
-                        last = Some(k);
-                        seen.lock().unwrap()[k as usize] += 1;
-                        taken.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        if k + (SLOTS as u64) < N {
-                            s.post_recv(mr, slot * 8, 8, slot as u64).unwrap();
+                        }
+                        for r in batch.drain(..) {
+                            assert_eq!((r.opcode, r.status), (Opcode::Recv, WcStatus::Success));
+                            let slot = r.wr_id as usize;
+                            let k = read_u64(mr, slot * 8);
+                            // This thread's share of the messages comes out in sending order.
+                            assert!(
+                                last.is_none_or(|l| l < k),
+                                "{progress:?} ({how}): {k} after {last:?}"
+                            );
+                            last = Some(k);
+                            seen.lock().unwrap()[k as usize] += 1;
+                            taken.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            if k + (SLOTS as u64) < N {
+                                s.post_recv(mr, slot * 8, 8, slot as u64).unwrap();
+                            }
                         }
                     }
                 });
