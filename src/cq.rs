@@ -119,8 +119,11 @@ pub struct CqOptions {
     /// How long [`CompletionQueue::wait`] keeps polling before it sleeps, at the least.
     /// With [`Progress::Caller`], while completions keep coming soon after waits start, a wait
     /// polls longer: up to four times the longest recent wait (a figure that shrinks by an
-    /// eighth with every wait that is shorter), never past 1 ms, so that a steady
-    /// exchange whose round trip is near `spin` does not fall into the sleeping path. After a
+    /// eighth with every wait that is shorter), and at least twice the longest recent wait
+    /// that slept and was woken within 1 ms (a figure that shrinks by a 16384th with every
+    /// wait that did not sleep: waking up cost more than polling on would have), never past
+    /// 1 ms, so that a steady exchange whose round trip is near `spin`, or that is held up
+    /// now and then, does not fall into the sleeping path. After a
     /// wait longer than 1 ms (the queue went idle, or waking up took that long),
     /// waits poll for `spin` again, except the first and every 16th of a run of such waits,
     /// which poll for 1 ms to find out whether completions come soon again.
@@ -205,6 +208,11 @@ pub struct CompletionQueue {
     recent_wait: AtomicU64,
     /// How many waits in a row lasted longer than [`SPIN_ADAPT_MAX`].
     long_waits: AtomicU32,
+    /// Twice the longest recent wait that slept and still found its completion within
+    /// [`SPIN_ADAPT_MAX`], in nanoseconds, shrinking by a 16384th with every wait that did not
+    /// sleep: waking up cost more than polling on would have, so waits poll at least this
+    /// long for a good while (see [`CqOptions::spin`]).
+    slept_wait: AtomicU64,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -242,6 +250,7 @@ impl CompletionQueue {
             polls: AtomicU64::new(0),
             recent_wait: AtomicU64::new(0),
             long_waits: AtomicU32::new(0),
+            slept_wait: AtomicU64::new(0),
         }))
     }
 
@@ -544,7 +553,7 @@ impl CompletionQueue {
             self.fill_from_sources(false) > 0 || !self.queue.is_empty()
         });
         if found {
-            self.note_wait(start, true);
+            self.note_wait(start, true, false);
             return Ok(true);
         }
         self.sleep_until(start, deadline)
@@ -572,7 +581,7 @@ impl CompletionQueue {
             n = self.poll_with(max, take);
             n > 0
         }) {
-            self.note_wait(start, true);
+            self.note_wait(start, true, false);
             return Ok(n);
         }
         // Another thread may take what woke this one: sleep again until the deadline.
@@ -620,7 +629,7 @@ impl CompletionQueue {
                 // up to date now, so sleep again.
                 Ok(true) if self.queue.is_empty() => continue,
                 Ok(found) => {
-                    self.note_wait(start, found);
+                    self.note_wait(start, found, true);
                     return Ok(found);
                 }
                 r => return r,
@@ -651,16 +660,17 @@ impl CompletionQueue {
             };
         }
         let recent = Duration::from_nanos(self.recent_wait.load(Ordering::Relaxed));
-        spin.max((recent * 4).min(SPIN_ADAPT_MAX))
+        let slept = Duration::from_nanos(self.slept_wait.load(Ordering::Relaxed));
+        spin.max((recent * 4).max(slept).min(SPIN_ADAPT_MAX))
     }
 
     /// Notes how long a wait that began at `start` took (`found`: it ended with a completion,
-    /// else by its timeout), for [`spin_budget`](Self::spin_budget).
-    fn note_wait(&self, start: Instant, found: bool) {
-        self.note_took(start.elapsed(), found);
+    /// else by its timeout; `slept`: it went to sleep), for [`spin_budget`](Self::spin_budget).
+    fn note_wait(&self, start: Instant, found: bool, slept: bool) {
+        self.note_took(start.elapsed(), found, slept);
     }
 
-    fn note_took(&self, took: Duration, found: bool) {
+    fn note_took(&self, took: Duration, found: bool, slept: bool) {
         // Relaxed throughout: hints only (see spin_budget); racing waiters may each lose an
         // update.
         if took > SPIN_ADAPT_MAX {
@@ -677,6 +687,17 @@ impl CompletionQueue {
         self.recent_wait
             .store(took.max(recent - recent / 8), Ordering::Relaxed);
         self.long_waits.store(0, Ordering::Relaxed);
+        // A wait that slept and was woken within SPIN_ADAPT_MAX would have done better polling
+        // on: the next ones poll that long (twice it), and only slowly less, so that an
+        // occasional late completion (the machine was busy elsewhere for a moment) does not
+        // put every wait after it through the slow wake-up again.
+        let slept_wait = self.slept_wait.load(Ordering::Relaxed);
+        let slept_wait = if slept {
+            slept_wait.max(took.saturating_mul(2))
+        } else {
+            slept_wait - slept_wait / 16384
+        };
+        self.slept_wait.store(slept_wait, Ordering::Relaxed);
     }
 
     /// Sleeps until the descriptor is readable, as a watcher (see [`Readiness::watching`]).
@@ -888,36 +909,66 @@ mod tests {
         let us = Duration::from_micros;
         let q = queue(us(50));
         assert_eq!(q.spin_budget(), us(50), "a new queue polls for its spin");
-        q.note_took(us(100), true);
+        q.note_took(us(100), true, false);
         assert_eq!(
             q.spin_budget(),
             us(400),
             "four times the longest recent wait"
         );
         // A shorter wait shrinks the figure by an eighth: 100 -> 87.5 us.
-        q.note_took(us(10), true);
+        q.note_took(us(10), true, false);
         assert_eq!(q.spin_budget(), us(350));
         // Never below the spin, never past SPIN_ADAPT_MAX.
         for _ in 0..64 {
-            q.note_took(us(1), true);
+            q.note_took(us(1), true, false);
         }
         assert_eq!(q.spin_budget(), us(50));
-        q.note_took(SPIN_ADAPT_MAX, true);
+        q.note_took(SPIN_ADAPT_MAX, true, false);
         assert_eq!(q.spin_budget(), SPIN_ADAPT_MAX);
         // A short timeout changes nothing.
-        q.note_took(us(5), false);
+        q.note_took(us(5), false, false);
         assert_eq!(q.spin_budget(), SPIN_ADAPT_MAX);
+    }
+
+    #[test]
+    fn a_wait_that_slept_and_was_woken_soon_keeps_later_waits_polling_that_long() {
+        let us = Duration::from_micros;
+        let q = queue(us(50));
+        q.note_took(us(20), true, false);
+        assert_eq!(q.spin_budget(), us(80));
+        // Woken 300 us after it began: the next waits poll for twice that.
+        q.note_took(us(300), true, true);
+        assert_eq!(q.spin_budget(), us(1200).min(SPIN_ADAPT_MAX));
+        let q = queue(us(50));
+        q.note_took(us(200), true, true);
+        // Short waits shrink four times the recent wait fast, the slept figure slowly.
+        for _ in 0..1000 {
+            q.note_took(us(20), true, false);
+        }
+        let b = q.spin_budget();
+        assert!(b > us(370) && b < us(400), "{b:?}");
+        // Long sleeps leave it at the spin (the queue is idle) until a wait is short again.
+        let long = SPIN_ADAPT_MAX + us(1);
+        q.note_took(long, true, true);
+        q.note_took(long, true, true);
+        assert_eq!(q.spin_budget(), us(50));
+        q.note_took(us(20), true, false);
+        assert!(q.spin_budget() > us(370));
+        // A sleep that ended by its timeout says nothing.
+        let q = queue(us(50));
+        q.note_took(us(200), false, true);
+        assert_eq!(q.spin_budget(), us(50));
     }
 
     #[test]
     fn after_long_waits_only_every_16th_polls_long_until_one_is_short() {
         let us = Duration::from_micros;
         let q = queue(us(50));
-        q.note_took(us(100), true);
+        q.note_took(us(100), true, false);
         let long = SPIN_ADAPT_MAX + us(1);
         let mut budgets = Vec::new();
         for _ in 0..33 {
-            q.note_took(long, true);
+            q.note_took(long, true, false);
             budgets.push(q.spin_budget());
         }
         for (i, b) in budgets.iter().enumerate() {
@@ -925,28 +976,28 @@ mod tests {
             assert_eq!(*b, if probe { SPIN_ADAPT_MAX } else { us(50) }, "wait {i}");
         }
         // A probe that finds a completion soon ends the run.
-        q.note_took(us(30), true);
+        q.note_took(us(30), true, false);
         assert_eq!(q.spin_budget(), us(120));
     }
 
     #[test]
     fn zero_spin_progress_threads_and_a_long_spin_keep_the_spin_as_set() {
         let q = queue(Duration::ZERO);
-        q.note_took(Duration::from_micros(100), true);
+        q.note_took(Duration::from_micros(100), true, false);
         assert_eq!(q.spin_budget(), Duration::ZERO);
         let q = CompletionQueue::with_options(CqOptions {
             progress: Progress::Thread,
             spin: DEFAULT_SPIN,
         })
         .unwrap();
-        q.note_took(Duration::from_micros(100), true);
+        q.note_took(Duration::from_micros(100), true, false);
         assert_eq!(
             q.spin_budget(),
             DEFAULT_SPIN,
             "progress threads: spin exactly"
         );
         let q = queue(SPIN_MAX);
-        q.note_took(Duration::from_micros(100), true);
+        q.note_took(Duration::from_micros(100), true, false);
         assert_eq!(q.spin_budget(), SPIN_MAX);
     }
 }

@@ -159,8 +159,11 @@ pub struct rbr_cq_options {
     /// How long `rbr_cq_wait` keeps polling before it sleeps, at the least, in microseconds
     /// (at most 1000000). With RBR_PROGRESS_CALLER, while completions keep coming soon after
     /// waits start, a wait polls longer: up to four times the longest recent wait (a figure
-    /// that shrinks by an eighth with every shorter wait), never past 1000 us, so that a
-    /// steady exchange whose round trip is near spin_us does not fall into sleeping. After a
+    /// that shrinks by an eighth with every shorter wait), and at least twice the longest
+    /// recent wait that slept and was woken within 1000 us (a figure that shrinks by a
+    /// 16384th with every wait that did not sleep: waking up cost more than polling on), never
+    /// past 1000 us, so that a steady exchange whose round trip is near spin_us, or that is
+    /// held up now and then, does not fall into sleeping. After a
     /// wait longer than 1000 us (the queue went idle, or waking up took that long), waits poll
     /// for spin_us again, except the first and every 16th of a run of such waits, which poll
     /// for 1000 us to find out whether completions come soon again. With RBR_PROGRESS_THREAD
