@@ -285,10 +285,18 @@ impl CompletionQueue {
         // a sign of life.
         self.polls
             .store(self.polls.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-        let mut n = self.pop_into(max, take);
+        // `pop_into` looks at the queue's count first too; looking here keeps an empty poll
+        // from calling it at all.
+        let mut n = if self.ready.none_pending() {
+            0
+        } else {
+            self.pop_into(max, take)
+        };
         if n < max && self.nsources.load(Ordering::Relaxed) > 0 {
             n += self.poll_sources(max - n, take);
-            n += self.pop_into(max - n, take);
+            if !self.ready.none_pending() {
+                n += self.pop_into(max - n, take);
+            }
             // No arming here for a sleeper on the descriptor: once it has been asked for, the
             // library's threads keep the devices' completion events armed (see `fd`).
         }
@@ -392,7 +400,10 @@ impl CompletionQueue {
             ..
         } = &mut *guard;
         let len = scan.len();
-        if len > 0 {
+        if len == 1 {
+            // The usual case with verbs: one device CQ for all the connections.
+            f(&*scan[0]);
+        } else if len > 1 {
             let start = self.next_source.fetch_add(1, Ordering::Relaxed) % len;
             for i in 0..len {
                 f(&*scan[(start + i) % len]);
@@ -536,6 +547,13 @@ impl CompletionQueue {
     /// Whether no completion is queued right now (not counting any still in a device).
     pub fn is_empty(&self) -> bool {
         self.queue.is_empty()
+    }
+
+    /// Whether nothing is queued, in one load: `false` may still mean an empty queue (a
+    /// completion on its way in or out), `true` never means a queued one.
+    #[inline]
+    pub(crate) fn surely_empty(&self) -> bool {
+        self.ready.none_pending()
     }
 
     /// Waits until at least one completion is queued or the timeout passes (`None` = forever).

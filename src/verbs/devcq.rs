@@ -438,7 +438,7 @@ impl Source for DevCq {
         match direct {
             // Under the poll lock nothing of these connections is on its way into the queue
             // from the device, so an empty queue means no older record of theirs waits there.
-            Some(take) if cq.is_empty() => self.drain(&mut ps, max, true, take),
+            Some(take) if cq.surely_empty() => self.drain(&mut ps, max, true, take),
             _ => self.drain(&mut ps, max, true, &mut |c| cq.push(c)),
         }
     }

@@ -599,7 +599,9 @@ impl Conn {
         });
         if let Some(c) = st.credits.as_mut() {
             c.posted += 1;
-            self.sh.push_credits(&mut st);
+            if c.push_due() {
+                self.sh.push_credits(&mut st);
+            }
         }
         Ok(())
     }
