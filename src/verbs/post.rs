@@ -154,10 +154,8 @@ impl Shared {
     /// On failure the work comes back with the error number, so that held work keeps its place.
     #[allow(clippy::result_large_err)] // the error path is rare; the work is moved, not copied
     fn post_user(&self, st: &mut PostState, h: Held) -> std::result::Result<(), (i32, Held)> {
-        let seq = st.next_seq;
         // SAFETY: ibv_send_wr is plain data; zero is a valid start.
         let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = (seq & SEQ_MASK) | self.tag;
         let mut f = 0;
         // The device only reads the list during the post; local copies keep it live that long.
         let mut send_sge;
@@ -237,6 +235,37 @@ impl Shared {
                 }
             }
         }
+        wr.send_flags = f;
+        let (op, wr_id, signaled) = (h.opcode(), h.wr_id, h.signaled);
+        // SAFETY: the work request and its SGEs are live locals; the local memory is valid
+        // until the work completes (held by `mrs`) or, inline, copied during the call (from
+        // the caller's slice or region, which the posting call holds, or from the staging slot
+        // that no later send reuses before this one left).
+        match unsafe { self.post_wr(st, &mut wr, wr_id, op, signaled, h.mrs) } {
+            Ok(()) => Ok(()),
+            Err((r, mrs)) => Err((r, Held { mrs, ..h })),
+        }
+    }
+
+    /// Hands the caller's `wr` (all but its id and signaling filled in) to the device as the
+    /// next of the send queue, and notes it in the ledger with the regions it uses. On failure
+    /// the regions come back with the error number.
+    ///
+    /// # Safety
+    /// `wr` and its SGEs are valid for the call, and the local memory they name until the
+    /// work completes (held by `mrs`) or, inline, for the call.
+    #[inline]
+    unsafe fn post_wr(
+        &self,
+        st: &mut PostState,
+        wr: &mut sys::ibv_send_wr,
+        wr_id: u64,
+        op: Opcode,
+        signaled: bool,
+        mrs: Regions,
+    ) -> std::result::Result<(), (i32, Regions)> {
+        let seq = st.next_seq;
+        wr.wr_id = (seq & SEQ_MASK) | self.tag;
         // The device reports unsignaled work to nobody, so its slot is freed only by a later
         // reported completion: of the work requests in a row the caller left unsignaled (sends
         // and one-sided operations alike), every SIGNAL_EVERY-th (or every other one, on a
@@ -245,20 +274,17 @@ impl Shared {
         let period = SIGNAL_EVERY
             .min(self.info.send_queue_depth.div_ceil(2))
             .max(1);
-        let hw_signaled = h.signaled || st.unsignaled_run + 1 >= period;
+        let hw_signaled = signaled || st.unsignaled_run + 1 >= period;
         if hw_signaled {
-            f |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            wr.send_flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
-        wr.send_flags = f;
         let mut bad = std::ptr::null_mut();
-        // SAFETY: the QP is live while `closed` is false (callers check it under the lock); the
-        // work request and its SGEs are live locals; the local memory is valid until the work
-        // completes (held by `mrs`) or, inline, copied during the call (from the caller's slice
-        // or region, which the posting call holds, or from the staging slot that no later send
-        // reuses before this one left). The remote side is the peer device's to check.
-        let r = unsafe { sys::ibv_post_send(self.qp, &mut wr, &mut bad) };
+        // SAFETY: the QP is live while `closed` is false (callers check it under the lock);
+        // the work request and its memory as the caller promises. The remote side is the peer
+        // device's to check.
+        let r = unsafe { sys::ibv_post_send(self.qp, wr, &mut bad) };
         if r != 0 {
-            return Err((r, h));
+            return Err((r, mrs));
         }
         st.next_seq += 1;
         st.unsignaled_run = if hw_signaled {
@@ -268,12 +294,12 @@ impl Shared {
         };
         st.sends.push_back(SendEntry {
             seq,
-            wr_id: h.wr_id,
-            op: h.opcode(),
-            signaled: h.signaled,
+            wr_id,
+            op,
+            signaled,
             internal: false,
             hw_signaled,
-            _mrs: h.mrs,
+            _mrs: mrs,
         });
         Ok(())
     }
@@ -463,18 +489,66 @@ impl Conn {
         let signaled = wr.signaled;
         let ptr = wr.ptr().cast_mut();
         match wr.payload {
+            // Small enough to travel inside the work request: copied now, so the device reads
+            // no memory for it (nor needs its key) and the region need not be held until it
+            // completes.
+            Payload::Region { .. } if len > 0 && len <= self.sh.info.max_inline as usize => {
+                self.send_inline(ptr, len, wr.wr_id, signaled)
+            }
             Payload::Region { mr, .. } => {
                 let lkey = mr.verbs_lkey(&self.sh.pd)?;
-                if len > 0 && len <= self.sh.info.max_inline as usize {
-                    // Small enough to travel inside the work request: copied now, so the
-                    // device reads no memory for it and the region need not be held until it
-                    // completes.
-                    return self.post_send_raw(ptr, len, lkey, wr.wr_id, signaled, true, None);
-                }
                 self.post_send_raw(ptr, len, lkey, wr.wr_id, signaled, false, Some(mr.clone()))
             }
-            Payload::Inline(_) => self.post_send_raw(ptr, len, 0, wr.wr_id, signaled, true, None),
+            Payload::Inline(_) => self.send_inline(ptr, len, wr.wr_id, signaled),
         }
+    }
+
+    /// An inline send of `len` bytes at `ptr` (readable for the call): straight to the device
+    /// when it may go at once, without building the work that waits for credits.
+    fn send_inline(&self, ptr: *mut u8, len: usize, wr_id: u64, signaled: bool) -> Result<()> {
+        let mut st = self.sh.lock();
+        if st.closed
+            || st.user_work >= self.sh.info.send_queue_depth as usize
+            || st
+                .credits
+                .as_ref()
+                .is_some_and(|c| !c.held.is_empty() || !c.available())
+        {
+            // Refused, or held for credits: the general way says which, or holds it.
+            drop(st);
+            return self.post_send_raw(ptr, len, 0, wr_id, signaled, true, None);
+        }
+        let mut sge = sys::ibv_sge {
+            addr: ptr as u64,
+            length: len as u32,
+            lkey: 0,
+        };
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = sys::ibv_send_flags::IBV_SEND_INLINE.0;
+        // SAFETY: `wr` and `sge` are live locals; the bytes are the caller's slice or a range
+        // of its region that check_region found inside it, readable for this call, and the
+        // device copies them during the post.
+        if let Err((r, _)) = unsafe {
+            self.sh.post_wr(
+                &mut st,
+                &mut wr,
+                wr_id,
+                Opcode::Send,
+                signaled,
+                Regions::default(),
+            )
+        } {
+            return Err(post_error(r, "send"));
+        }
+        st.user_work += 1;
+        if let Some(c) = st.credits.as_mut() {
+            c.sent += 1;
+        }
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -80,6 +80,7 @@ impl Registrations {
     /// The local and remote keys of `addr..addr+len` in `pd`, registering it on first use
     /// (with the access flags the region was made with: what its remote key allows is what a
     /// peer may do).
+    #[inline]
     fn keys(&self, pd: &Arc<Pd>, addr: *mut u8, len: usize, access: Access) -> Result<(u32, u32)> {
         // The first registration's keys, without the lock.
         if let Some(&(at, lkey, rkey)) = self.first.get()
@@ -87,6 +88,19 @@ impl Registrations {
         {
             return Ok((lkey, rkey));
         }
+        self.keys_locked(pd, addr, len, access)
+    }
+
+    /// [`keys`](Self::keys) for a region used in another domain than its first, or not yet.
+    #[cold]
+    #[inline(never)]
+    fn keys_locked(
+        &self,
+        pd: &Arc<Pd>,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<(u32, u32)> {
         let mut regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((_, mr)) = regs.iter().find(|(p, _)| Arc::ptr_eq(p, pd)) {
             // SAFETY: registrations stay live until `self` is dropped.
