@@ -16,8 +16,12 @@
  *   rlat  one read of SIZE bytes at a time; prints its completion time (the
  *         full round trip, as ib_read_lat reports it), p50 and p99;
  *   rbw   streaming reads with up to WINDOW outstanding; MB/s.
- * Both sides busy-poll (rbr_cq_poll), as the stock tools do.  Before each
- * test the client sends a control message; the server answers when ready.
+ * Both sides busy-poll (rbr_cq_poll), as the stock tools do; with -P the
+ * server waits for control messages in rbr_cq_poll_wait instead (it sleeps
+ * while the client reads or streams writes, needing no CPU of its own, as
+ * perftest's server does in ib_read_lat, ib_read_bw and ib_write_bw; in wlat
+ * it still busy-reads its memory).  Before each test the client sends a
+ * control message; the server answers when ready.
  *
  * Output, one line per measurement:
  *   RESULT wlat SIZE p50_us=X p99_us=X avg_us=X iters=N
@@ -26,7 +30,7 @@
  *   RESULT rbw SIZE mb_s=X count=N window=W
  *
  * Usage: rbr_rma_bench -r server|client [-a ADDR] [-t TESTS] [-s SIZES]
- *                      [-n ITERS] [-b BYTES] [-w WINDOW] [-T SECS]
+ *                      [-n ITERS] [-b BYTES] [-w WINDOW] [-T SECS] [-P]
  *   -t TESTS   comma list of wlat, wbw, rlat, rbw (default all)
  *   -s SIZES   comma list (K/M suffixes), at most MAX_SIZE (default 8,4096,
  *              65536,1048576)
@@ -35,6 +39,7 @@
  *   -b BYTES   bytes per bandwidth test (default 1G; at least 100 ops)
  *   -w WINDOW  operations outstanding while streaming (default 64)
  *   -T SECS    give up when one wait takes longer (default 30)
+ *   -P         passive server (see above; the client ignores it)
  */
 #ifndef _POSIX_C_SOURCE
 #define _POSIX_C_SOURCE 200809L
@@ -76,11 +81,16 @@ struct side {
     uint64_t done;   /* ... known complete */
     int ctl_waiting; /* a control message came in while polling for others */
     uint32_t ctl_len;
+    int passive; /* -P: wait for control messages in rbr_cq_poll_wait */
+    int sleepy;  /* ... and one is being waited for now */
 };
 
 static int poll_cq(struct side *s, rbr_completion *wc, size_t *n)
 {
-    rbr_status st = ex_busy_poll(s->cq, wc, BATCH, n, s->timeout_ns);
+    rbr_status st =
+        s->sleepy ? ex_wait_completions(s->cq, wc, BATCH, n,
+                                        (int32_t)(s->timeout_ns / 1000000))
+                  : ex_busy_poll(s->cq, wc, BATCH, n, s->timeout_ns);
 
     if (st == RBR_ERR_TIMEOUT) {
         ex_error("no completion in time (posted %llu, done %llu)",
@@ -150,9 +160,13 @@ static int await_msg(struct side *s, uint32_t *len)
     rbr_completion wc[BATCH];
     size_t n;
 
+    s->sleepy = s->passive;
     while (!s->ctl_waiting)
-        if (poll_cq(s, wc, &n))
+        if (poll_cq(s, wc, &n)) {
+            s->sleepy = 0;
             return -1;
+        }
+    s->sleepy = 0;
     s->ctl_waiting = 0;
     *len = s->ctl_len;
     return 0;
@@ -345,7 +359,7 @@ int main(int argc, char **argv)
 
     memset(&s, 0, sizeof s);
     ex_set_progname(argv[0]);
-    while ((ch = getopt(argc, argv, "r:a:t:s:n:b:w:T:")) != -1) {
+    while ((ch = getopt(argc, argv, "r:a:t:s:n:b:w:T:P")) != -1) {
         char buf[256], *save = NULL, *tok;
 
         switch (ch) {
@@ -397,13 +411,17 @@ int main(int argc, char **argv)
                 goto usage;
             break;
         case 'T':
-            if (ex_parse_size(optarg, &secs) || secs == 0) goto usage;
+            if (ex_parse_size(optarg, &secs) || secs == 0 || secs > 2000000)
+                goto usage;
             break;
+        case 'P': s.passive = 1; break;
         default: goto usage;
         }
     }
     if (server < 0)
         goto usage;
+    if (!server)
+        s.passive = 0;
     s.timeout_ns = (int64_t)secs * 1000000000;
     rbr_conn_options_init(&copts);
     copts.send_queue_depth = 1024;
@@ -492,7 +510,7 @@ out:
 usage:
     fprintf(stderr,
             "usage: %s -r server|client [-a ADDR] [-t wlat,wbw,rlat,rbw] "
-            "[-s SIZES] [-n ITERS] [-b BYTES] [-w WINDOW] [-T SECS]\n",
+            "[-s SIZES] [-n ITERS] [-b BYTES] [-w WINDOW] [-T SECS] [-P]\n",
             argv[0]);
     return 2;
 }

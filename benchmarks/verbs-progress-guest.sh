@@ -5,7 +5,9 @@
 #   throughput: ib_send_bw -R from 64 KiB up     vs  rbr_client streaming, window 32
 #   one-sided:  ib_write_lat / ib_read_lat -R at 2 B and 4 KiB, ib_write_bw / ib_read_bw -R from
 #               64 KiB up  vs  rbr_rma_bench (write ping-pong polling memory, read round
-#               trips, streaming writes and reads, window 32; busy polling, as perftest)
+#               trips, streaming writes and reads, window 32; the client busy-polls, and the
+#               server, idle while the client reads or streams writes, waits sleeping for the
+#               next test (-P), as perftest's server does)
 #   setup:      cmtime (N connections)           vs  rbr_close_loop (N connect + accept + close,
 #               one after another, both ends in one process); connections per second
 # rdmabridge runs as rbr-caller (progress on the caller's thread, the default), rbr-thread
@@ -165,8 +167,9 @@ pair() { # PROGRAM TEST SIZE COUNT [EXTRA...]
 # -W both wait with rbr_cq_poll_wait, with -Y with rbr_cq_poll then rbr_cq_wait.
 bench() { pair rbr_bench "$@"; } # TEST SIZE COUNT [-W|-Y]
 
-# rbr_rma_bench: TEST (wlat, rlat, wbw, rbw).
-rma() { pair rbr_rma_bench "$@"; } # TEST SIZE COUNT
+# rbr_rma_bench: TEST (wlat, rlat, wbw, rbw); its server sleeps between the control messages
+# (-P), as perftest's does while the client reads or streams writes.
+rma() { pair rbr_rma_bench "$@" -P; } # TEST SIZE COUNT
 
 record() { echo "RESULT $*" | tee -a "$results"; }
 

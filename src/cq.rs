@@ -628,12 +628,16 @@ impl CompletionQueue {
                 return true;
             }
             // The clock is read every 16th round only: on some machines it costs more than a
-            // round of polling.
+            // round of polling. The same goes for the pause that lets a sibling hardware thread
+            // run: each round is a whole poll already, and under emulation (qemu's TCG) a pause
+            // leaves the translated code, which costs more than a round.
             round = round.wrapping_add(1);
-            if round % 16 == 1 && Instant::now() >= spin_end {
-                return false;
+            if round % 16 == 1 {
+                if Instant::now() >= spin_end {
+                    return false;
+                }
+                std::hint::spin_loop();
             }
-            std::hint::spin_loop();
         }
     }
 
