@@ -551,6 +551,7 @@ impl CompletionQueue {
 
     /// Whether nothing is queued, in one load: `false` may still mean an empty queue (a
     /// completion on its way in or out), `true` never means a queued one.
+    #[cfg(feature = "verbs")]
     #[inline]
     pub(crate) fn surely_empty(&self) -> bool {
         self.ready.none_pending()
