@@ -566,16 +566,15 @@ impl CompletionQueue {
         if !self.queue.is_empty() {
             return Ok(true);
         }
-        let start = Instant::now();
-        let deadline = timeout.map(|t| start + t);
-        let found = self.spin(start, timeout, || {
+        let mut start = None;
+        if self.spin(&mut start, timeout, || {
             self.fill_from_sources(false) > 0 || !self.queue.is_empty()
-        });
-        if found {
-            self.note_wait(start, true, false);
+        }) {
+            self.note_spun(start);
             return Ok(true);
         }
-        self.sleep_until(start, deadline)
+        let start = start.expect("a spin that gave up read the clock");
+        self.sleep_until(start, timeout.map(|t| start + t))
     }
 
     /// Takes up to `max` completions, oldest first, handing them to `take`, and waits for the
@@ -593,16 +592,17 @@ impl CompletionQueue {
         if n > 0 || max == 0 {
             return Ok(n);
         }
-        let start = Instant::now();
-        let deadline = timeout.map(|t| start + t);
+        let mut start = None;
         let mut n = 0;
-        if self.spin(start, timeout, || {
+        if self.spin(&mut start, timeout, || {
             n = self.poll_with(max, take);
             n > 0
         }) {
-            self.note_wait(start, true, false);
+            self.note_spun(start);
             return Ok(n);
         }
+        let start = start.expect("a spin that gave up read the clock");
+        let deadline = timeout.map(|t| start + t);
         // Another thread may take what woke this one: sleep again until the deadline.
         while self.sleep_until(start, deadline)? {
             let n = self.poll_with(max, take);
@@ -614,15 +614,18 @@ impl CompletionQueue {
     }
 
     /// Calls `found` in a loop (and spins between calls) until it returns true, for the spin
-    /// budget of a wait that began at `start` (see [`spin_budget`](Self::spin_budget)), at most
-    /// `timeout`. Returns whether it returned true.
+    /// budget of a wait (see [`spin_budget`](Self::spin_budget)), at most `timeout`. Returns
+    /// whether it returned true. The wait's start goes into `start`, read with the clock's
+    /// first look, which comes only after 16 rounds (at once with a zero budget): a wait that
+    /// ends sooner never reads the clock. It always has when this returns false.
     fn spin(
         &self,
-        start: Instant,
+        start: &mut Option<Instant>,
         timeout: Option<Duration>,
         mut found: impl FnMut() -> bool,
     ) -> bool {
-        let spin_end = start + self.spin_budget().min(timeout.unwrap_or(SPIN_MAX));
+        let budget = self.spin_budget().min(timeout.unwrap_or(SPIN_MAX));
+        let every = if budget.is_zero() { 1 } else { 16 };
         let mut round = 0u32;
         loop {
             if found() {
@@ -633,13 +636,20 @@ impl CompletionQueue {
             // run: each round is a whole poll already, and under emulation (qemu's TCG) a pause
             // leaves the translated code, which costs more than a round.
             round = round.wrapping_add(1);
-            if round % 16 == 1 {
-                if Instant::now() >= spin_end {
+            if round % every == 0 {
+                let now = Instant::now();
+                if now >= *start.get_or_insert(now) + budget {
                     return false;
                 }
                 std::hint::spin_loop();
             }
         }
+    }
+
+    /// Notes a wait that found a completion while polling: one that never read the clock
+    /// (it ended within 16 rounds) took no time worth the name.
+    fn note_spun(&self, start: Option<Instant>) {
+        self.note_took(start.map_or(Duration::ZERO, |s| s.elapsed()), true, false);
     }
 
     /// The sleeping part of a wait that began at `start`: until a completion is queued
