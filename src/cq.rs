@@ -285,8 +285,7 @@ impl CompletionQueue {
         // a sign of life.
         self.polls
             .store(self.polls.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-        // `pop_into` looks at the queue's count first too; looking here keeps an empty poll
-        // from calling it at all.
+        // The queue's count first: an empty poll then calls nothing to look at the queue.
         let mut n = if self.ready.none_pending() {
             0
         } else {
@@ -303,11 +302,9 @@ impl CompletionQueue {
         n
     }
 
+    /// Takes up to `max` queued completions into `take`. Its callers look at the queue's count
+    /// first (one load, where asking the queue itself costs a fence).
     fn pop_into(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
-        // One load, where asking the queue itself costs a fence.
-        if self.ready.none_pending() {
-            return 0;
-        }
         let mut n = 0;
         while n < max {
             match self.pop() {
