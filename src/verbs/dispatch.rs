@@ -185,9 +185,7 @@ pub(super) fn unpark(
 /// After completions were delivered to a connection: owed credit writes go out, and its turn
 /// runs when it just failed (to tear it down) or is closing (it waits for its flushes).
 fn settle(sh: &Shared, st: &mut PostState, failed_before: bool) {
-    if st.credits.as_ref().is_some_and(|c| c.push_due()) {
-        sh.push_credits(st);
-    }
+    sh.push_credits(st);
     if (!failed_before && st.failed.is_some()) || st.closed {
         sh.reg.wake();
     }

@@ -403,16 +403,23 @@ impl Shared {
     }
 
     /// Writes this side's count of receives posted into the peer's credit word, if due (see
-    /// [`Credits::push_due`]) and possible; otherwise notes it as owed.
+    /// [`Credits::push_due`]) and possible; otherwise notes it as owed. Inlined: on most
+    /// calls (every receive posted, every delivery) nothing is due.
+    #[inline]
     pub(super) fn push_credits(&self, st: &mut PostState) {
+        if st.credits.as_ref().is_some_and(Credits::push_due) {
+            self.push_due_credits(st);
+        }
+    }
+
+    /// [`push_credits`](Self::push_credits) once a write is due.
+    #[inline(never)]
+    fn push_due_credits(&self, st: &mut PostState) {
         if st.closed || st.failed.is_some() {
             return;
         }
         let internal_out = st.internal_out;
         let Some(c) = st.credits.as_mut() else { return };
-        if !c.push_due() {
-            return;
-        }
         let Some(peer) = c.peer else {
             c.owed = true;
             return;
@@ -503,18 +510,37 @@ impl Conn {
         }
     }
 
+    /// Whether the caller's send-queue work may go to the device now: `Err` when the
+    /// connection is down or its send queue is full; `Ok(false)` when it needs a receive at
+    /// the peer (`credit`) that the peer has not posted yet, or others wait for one before it.
+    fn may_post(&self, st: &PostState, credit: bool) -> Result<bool> {
+        if st.closed {
+            return Err(Error::Disconnected);
+        }
+        if st.user_work >= self.sh.info.send_queue_depth as usize {
+            return Err(Error::QueueFull("send"));
+        }
+        Ok(!(credit
+            && st
+                .credits
+                .as_ref()
+                .is_some_and(|c| !c.held.is_empty() || !c.available())))
+    }
+
+    /// Counts the caller's work just handed to the device (`credit`: it took one).
+    fn count_posted(st: &mut PostState, credit: bool) {
+        st.user_work += 1;
+        if credit && let Some(c) = st.credits.as_mut() {
+            c.sent += 1;
+        }
+    }
+
     /// An inline send of `len` bytes at `ptr` (readable for the call): straight to the device
     /// when it may go at once, without building the work that waits for credits.
     fn send_inline(&self, ptr: *mut u8, len: usize, wr_id: u64, signaled: bool) -> Result<()> {
         let mut st = self.sh.lock();
-        if st.closed
-            || st.user_work >= self.sh.info.send_queue_depth as usize
-            || st
-                .credits
-                .as_ref()
-                .is_some_and(|c| !c.held.is_empty() || !c.available())
-        {
-            // Refused, or held for credits: the general way says which, or holds it.
+        if !self.may_post(&st, true)? {
+            // Held for credits: the general way holds it.
             drop(st);
             return self.post_send_raw(ptr, len, 0, wr_id, signaled, true, None);
         }
@@ -544,10 +570,7 @@ impl Conn {
         } {
             return Err(post_error(r, "send"));
         }
-        st.user_work += 1;
-        if let Some(c) = st.credits.as_mut() {
-            c.sent += 1;
-        }
+        Self::count_posted(&mut st, true);
         Ok(())
     }
 
@@ -581,17 +604,12 @@ impl Conn {
     /// posted yet (or others wait before it), holds it for credits.
     fn submit(&self, mut h: Held) -> Result<()> {
         let mut st = self.sh.lock();
-        if st.closed {
-            return Err(Error::Disconnected);
-        }
-        if st.user_work >= self.sh.info.send_queue_depth as usize {
-            return Err(Error::QueueFull("send"));
-        }
         let credit = h.needs_credit();
-        if credit
-            && let Some(c) = st.credits.as_mut()
-            && (!c.held.is_empty() || !c.available())
-        {
+        if !self.may_post(&st, credit)? {
+            let c = st
+                .credits
+                .as_mut()
+                .expect("work waits for credits only toward a library peer");
             // The peer has no receive for it yet: held, and started in order when credits
             // arrive. An inline send's bytes are copied now, as the caller may reuse them.
             if let Work::Send {
@@ -622,10 +640,7 @@ impl Conn {
         if let Err((r, _)) = self.sh.post_user(&mut st, h) {
             return Err(post_error(r, "send"));
         }
-        st.user_work += 1;
-        if credit && let Some(c) = st.credits.as_mut() {
-            c.sent += 1;
-        }
+        Self::count_posted(&mut st, credit);
         Ok(())
     }
 
@@ -673,10 +688,8 @@ impl Conn {
         });
         if let Some(c) = st.credits.as_mut() {
             c.posted += 1;
-            if c.push_due() {
-                self.sh.push_credits(&mut st);
-            }
         }
+        self.sh.push_credits(&mut st);
         Ok(())
     }
 
