@@ -550,7 +550,7 @@ impl Handler for CqTurns {
         }
         let Some(mut ps) = try_lock(&d.poll) else {
             // A poller holds it (and moves the completions meanwhile).
-            return Next::Yield;
+            return self.busy();
         };
         if ps.retired {
             return Next::Done;
@@ -573,9 +573,26 @@ impl Handler for CqTurns {
             self.pending = false;
         }
         if ps.parked > 0 {
-            Next::Yield
+            self.busy()
         } else {
             Next::Wait(None)
+        }
+    }
+}
+
+impl CqTurns {
+    /// What a turn that found a thread of the program in its way (holding the poll lock, or a
+    /// connection's lock so that completions stayed parked) does next. With caller progress
+    /// and nobody asleep on or watching the queue, nothing: the program's next poll takes
+    /// what the device has and delivers the parked completions first, and a thread that
+    /// goes to sleep arms the device and polls once more itself. Otherwise the turn must
+    /// finish the work (queue what came, re-arm the device for the sleeper): it comes back
+    /// soon, letting the holder run meanwhile.
+    fn busy(&self) -> Next {
+        if self.d.caller_polls && !self.d.cq.watched() {
+            Next::Wait(None)
+        } else {
+            Next::Yield
         }
     }
 }
