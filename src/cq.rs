@@ -4,7 +4,7 @@
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::SegQueue;
@@ -190,7 +190,7 @@ pub struct CompletionQueue {
     opts: CqOptions,
     /// Connections whose completions callers take from the device or the rings
     /// ([`Progress::Caller`]).
-    sources: Mutex<Sources>,
+    sources: parking_lot::Mutex<Sources>,
     nsources: AtomicUsize,
     /// Connections looked at on every poll (`Sources::scan` and `Sources::active`).
     nscan: AtomicUsize,
@@ -242,7 +242,7 @@ impl CompletionQueue {
             queue: SegQueue::new(),
             ready: Readiness::new(EventFd::new().map_err(Error::CompletionQueue)?),
             opts,
-            sources: Mutex::new(Sources::default()),
+            sources: parking_lot::Mutex::new(Sources::default()),
             nsources: AtomicUsize::new(0),
             nscan: AtomicUsize::new(0),
             board: OnceLock::new(),
@@ -354,8 +354,8 @@ impl CompletionQueue {
         self.each_source(|s| s.arm());
     }
 
-    fn lock_sources(&self) -> MutexGuard<'_, Sources> {
-        self.sources.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_sources(&self) -> parking_lot::MutexGuard<'_, Sources> {
+        self.sources.lock()
     }
 
     /// Calls `f` with every connection.
@@ -384,10 +384,8 @@ impl CompletionQueue {
         if marked.is_none() && self.nscan.load(Ordering::Relaxed) == 0 {
             return;
         }
-        let mut guard = match self.sources.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return,
+        let Some(mut guard) = self.sources.try_lock() else {
+            return;
         };
         let Sources {
             scan,

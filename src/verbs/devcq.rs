@@ -27,7 +27,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use rdma_sys as sys;
 
@@ -61,7 +61,7 @@ pub(crate) struct DevCq {
     /// How many members have sends held for credits (pollers then start those whose credits
     /// arrived).
     held: Arc<AtomicUsize>,
-    poll: Mutex<PollState>,
+    poll: parking_lot::Mutex<PollState>,
     /// The CQ's own driver turns (completion events, and its end).
     reg: Registration,
 }
@@ -209,7 +209,7 @@ impl DevCq {
             max_cqe,
             notify_armed: AtomicBool::new(false),
             held: Arc::new(AtomicUsize::new(0)),
-            poll: Mutex::new(PollState {
+            poll: parking_lot::Mutex::new(PollState {
                 members: IdMap::default(),
                 parked: 0,
                 users: 1,
@@ -237,8 +237,8 @@ impl DevCq {
         Ok(d)
     }
 
-    fn lock(&self) -> MutexGuard<'_, PollState> {
-        self.poll.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, PollState> {
+        self.poll.lock()
     }
 
     /// Makes room for one more connection needing `need` entries; returns its tag.
@@ -310,6 +310,7 @@ impl DevCq {
     /// Polls the device for about `max` records and delivers them (parked ones first).
     /// `blocking`: a caller's poll, which may wait for connections' locks; else a driver turn,
     /// which parks what it cannot deliver at once. Returns how many records it emitted.
+    #[inline(always)]
     fn drain(
         &self,
         ps: &mut PollState,

@@ -9,8 +9,10 @@
 
 use std::collections::VecDeque;
 use std::io;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+
+use parking_lot::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use rdma_sys as sys;
@@ -136,18 +138,17 @@ const LOCK_TRIES: u32 = 64;
 /// `m`'s lock if it comes free at once (see [`LOCK_TRIES`]).
 pub(super) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
     for _ in 0..LOCK_TRIES {
-        match m.try_lock() {
-            Ok(g) => return Some(g),
-            Err(TryLockError::Poisoned(p)) => return Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => std::hint::spin_loop(),
+        if let Some(g) = m.try_lock() {
+            return Some(g);
         }
+        std::hint::spin_loop();
     }
     None
 }
 
 impl Shared {
     pub(super) fn lock(&self) -> MutexGuard<'_, PostState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock()
     }
 
     /// Hands a piece of the caller's work to the device (`st.user_work` already counts it).
@@ -254,7 +255,7 @@ impl Shared {
     /// # Safety
     /// `wr` and its SGEs are valid for the call, and the local memory they name until the
     /// work completes (held by `mrs`) or, inline, for the call.
-    #[inline]
+    #[inline(always)]
     unsafe fn post_wr(
         &self,
         st: &mut PostState,
@@ -537,6 +538,7 @@ impl Conn {
 
     /// An inline send of `len` bytes at `ptr` (readable for the call): straight to the device
     /// when it may go at once, without building the work that waits for credits.
+    #[inline]
     fn send_inline(&self, ptr: *mut u8, len: usize, wr_id: u64, signaled: bool) -> Result<()> {
         let mut st = self.sh.lock();
         if !self.may_post(&st, true)? {

@@ -399,7 +399,7 @@ impl Conn {
             atomics: res.limits.atomics,
             tag: res.att.tag,
             held_conns: res.att.devcq.held_conns(),
-            state: std::sync::Mutex::new(PostState {
+            state: parking_lot::Mutex::new(PostState {
                 closed: false,
                 failed: None,
                 next_seq: 0,
