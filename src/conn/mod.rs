@@ -291,6 +291,7 @@ impl Connection {
 
     /// Sends `len` bytes at `offset` of `mr`. The bytes must not change until the send
     /// completes. Fails with [`Error::QueueFull`] when the send queue is full.
+    #[inline]
     pub fn post_send(
         &self,
         mr: &Arc<MemoryRegion>,
@@ -304,6 +305,7 @@ impl Connection {
     }
 
     /// Sends `data`, copied before this returns (at most the granted `max_inline` bytes).
+    #[inline]
     pub fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
         let wr = SendRequest::inline(data, self.imp.info().max_inline, wr_id, flags)?;
         self.imp.send(wr)
@@ -311,6 +313,7 @@ impl Connection {
 
     /// Posts a receive of up to `len` bytes into `mr` at `offset` (needs
     /// [`crate::Access::LOCAL_WRITE`]). Messages fill receives in the order they were posted.
+    #[inline]
     pub fn post_recv(
         &self,
         mr: &Arc<MemoryRegion>,

@@ -53,6 +53,7 @@ pub(crate) struct SendRequest<'a> {
 
 impl<'a> SendRequest<'a> {
     /// A send of `len` bytes at `offset` of `mr`, a region of `ctx`.
+    #[inline]
     pub(crate) fn region(
         ctx: &Arc<ContextInner>,
         mr: &'a Arc<MemoryRegion>,
@@ -76,6 +77,7 @@ impl<'a> SendRequest<'a> {
     }
 
     /// A send of `data`, copied at post time; at most `max_inline` bytes.
+    #[inline]
     pub(crate) fn inline(
         data: &'a [u8],
         max_inline: u32,
@@ -127,6 +129,7 @@ pub(crate) struct RecvRequest<'a> {
 }
 
 impl<'a> RecvRequest<'a> {
+    #[inline]
     pub(crate) fn new(
         ctx: &Arc<ContextInner>,
         mr: &'a Arc<MemoryRegion>,
@@ -337,6 +340,7 @@ fn remote_target(remote: &RemoteRegion, offset: u64, len: u64) -> Result<u64> {
 }
 
 /// Only known flags.
+#[inline]
 fn check_send_flags(flags: SendFlags) -> Result<()> {
     if flags.0 & !SendFlags::ALL.0 != 0 {
         return Err(Error::invalid(format!("unknown send flags {:#x}", flags.0)));
@@ -346,6 +350,7 @@ fn check_send_flags(flags: SendFlags) -> Result<()> {
 
 /// The region belongs to the connection's context, the range lies inside it, and its length
 /// fits a completion. Returns the start of the range.
+#[inline]
 fn check_region(
     mr: &MemoryRegion,
     ctx: &Arc<ContextInner>,
