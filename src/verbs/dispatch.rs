@@ -216,44 +216,53 @@ pub(super) fn complete(
     }
     let seq = wc.wr_id & SEQ_MASK;
     if wc.wr_id & RECV_BIT != 0 {
-        while st.recvs.front().is_some_and(|e| at_or_before(e.seq, seq)) {
+        // Usually the oldest receive is the one that completed: the loop ends with it.
+        while let Some(e) = st.recvs.front() {
+            let this = e.seq & SEQ_MASK == seq;
+            if !this && !at_or_before(e.seq, seq) {
+                break;
+            }
             let e = st.recvs.pop_front().expect("front exists");
             if let Some(c) = st.credits.as_mut() {
                 c.consumed += 1;
             }
-            let this = e.seq & SEQ_MASK == seq;
-            let (op, status, len, imm) = if this {
+            n += 1;
+            if this {
                 let op = if wc.write_imm {
                     Opcode::RecvWriteImm
                 } else {
                     Opcode::Recv
                 };
-                (op, status, wc.byte_len, wc.imm)
-            } else {
-                (Opcode::Recv, WcStatus::Flushed, 0, None)
-            };
-            emit(sh.report.record(e.wr_id, op, status, len, imm));
-            n += 1;
+                emit(sh.report.record(e.wr_id, op, status, wc.byte_len, wc.imm));
+                break;
+            }
+            emit(
+                sh.report
+                    .record(e.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None),
+            );
         }
     } else {
         // The send queue completes in order (sends and one-sided operations alike): the
         // unsignaled work before `seq` finished successfully. Each record carries the opcode
         // the ledger noted at posting (a device's opcode is undefined on an error).
-        while st.sends.front().is_some_and(|e| at_or_before(e.seq, seq)) {
+        while let Some(e) = st.sends.front() {
+            let this = e.seq & SEQ_MASK == seq;
+            if !this && !at_or_before(e.seq, seq) {
+                break;
+            }
             let e = st.sends.pop_front().expect("front exists");
             if e.internal {
                 st.internal_out -= 1;
             } else {
                 st.user_work -= 1;
             }
-            let s = if e.seq & SEQ_MASK == seq {
-                status
-            } else {
-                WcStatus::Success
-            };
+            let s = if this { status } else { WcStatus::Success };
             if !e.internal && (e.signaled || s != WcStatus::Success) {
                 emit(sh.report.record(e.wr_id, e.op, s, 0, None));
                 n += 1;
+            }
+            if this {
+                break;
             }
         }
     }
