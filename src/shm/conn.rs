@@ -7,7 +7,9 @@
 use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::conn::{
     ConnInfo, ConnOptions, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest, Transport,
@@ -102,17 +104,13 @@ impl Shared {
     pub(crate) fn lock(&self) -> FlowGuard<'_> {
         FlowGuard {
             gate: &self.gate,
-            flow: self.flow.lock().unwrap_or_else(|p| p.into_inner()),
+            flow: self.flow.lock(),
         }
     }
 
     /// The flow's lock if it is free now.
     pub(crate) fn try_lock(&self) -> Option<FlowGuard<'_>> {
-        let flow = match self.flow.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return None,
-        };
+        let flow = self.flow.try_lock()?;
         Some(FlowGuard {
             gate: &self.gate,
             flow,
@@ -120,11 +118,11 @@ impl Shared {
     }
 
     pub(crate) fn lock_imports(&self) -> MutexGuard<'_, ImportCache> {
-        self.imports.lock().unwrap_or_else(|p| p.into_inner())
+        self.imports.lock()
     }
 
     pub(crate) fn lock_inbox(&self) -> MutexGuard<'_, Inbox> {
-        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+        self.inbox.lock()
     }
 
     /// Wakes the connection's background work if it sleeps.
