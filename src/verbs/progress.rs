@@ -257,7 +257,16 @@ impl Engine {
                         return Next::Yield;
                     };
                     let outstanding = st.outstanding();
+                    // A peer that disconnects because one of this side's work requests failed
+                    // there (a receive too small, say) may be heard of before the device reports
+                    // the failure here: when it comes, with the flushes, it says why the
+                    // connection ended. (Flushes themselves fail nothing.)
+                    let end = match (end, st.failed) {
+                        (End::Peer, Some(status)) => End::Failed(status),
+                        (end, _) => end,
+                    };
                     drop(st);
+                    self.stage = Stage::Flush(end, deadline);
                     let now = Instant::now();
                     if outstanding && now < deadline {
                         // Flushes come as completions; their delivery wakes this connection.
