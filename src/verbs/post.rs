@@ -11,10 +11,9 @@ use std::collections::VecDeque;
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-use parking_lot::{Mutex, MutexGuard};
 use std::time::Duration;
 
+use parking_lot::{Mutex, MutexGuard};
 use rdma_sys as sys;
 
 use crate::conn::{ConnInfo, Payload, RdmaOp, RdmaRequest, RecvRequest, SGE_MAX, SendRequest};

@@ -210,15 +210,6 @@ impl Engine {
         }
     }
 
-    /// Reads what came on the CM channel once the connection is ending (its own disconnect's
-    /// event among it): it changes nothing then, and left unread it would keep the channel's
-    /// descriptor ready, making every round of the driver a turn of this connection while it
-    /// waits for its flushes.
-    fn discard_cm_events(&mut self) {
-        let Some(ch) = self.ch.as_ref() else { return };
-        while let Ok(Some(_)) = ch.get_event(Some(Instant::now())) {}
-    }
-
     /// Posts a keepalive when nothing is outstanding on the send queue (so the queue pair has
     /// been idle for a whole keepalive period); a busy connection needs none.
     /// (Unsignaled credit writes that finished long ago do not count: the device reports
@@ -352,7 +343,11 @@ impl Handler for Engine {
             };
             self.stage = Stage::Close(end);
         } else if ready.fd(0) {
-            self.discard_cm_events();
+            // What comes on the CM channel once the connection is ending (its own disconnect's
+            // event among it) changes nothing, but left unread it would keep the descriptor
+            // ready, making every round of the driver a turn of this connection while it waits
+            // for its flushes.
+            let _ = self.read_cm_events();
         }
         self.teardown()
     }
