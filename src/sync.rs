@@ -11,3 +11,74 @@ pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize};
 pub(crate) use loom::sync::Mutex;
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
+
+/// A lock for a hot path whose holders never sleep: taking it is one atomic exchange, and
+/// letting it go is a plain release store (a mutex's release is an atomic read-modify-write,
+/// since it must find out whether a waiter sleeps). A thread that finds it held spins a
+/// little, then yields its CPU until the holder lets go, so a holder's longest hold (a copy)
+/// bounds every wait.
+pub(crate) struct SpinLock<T> {
+    held: std::sync::atomic::AtomicBool,
+    value: std::cell::UnsafeCell<T>,
+}
+
+// SAFETY: the lock hands out the value to one thread at a time.
+unsafe impl<T: Send> Send for SpinLock<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SpinLock<T> {}
+
+impl<T> SpinLock<T> {
+    pub(crate) fn new(value: T) -> Self {
+        SpinLock {
+            held: std::sync::atomic::AtomicBool::new(false),
+            value: std::cell::UnsafeCell::new(value),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn lock(&self) -> SpinGuard<'_, T> {
+        use std::sync::atomic::Ordering;
+        // Acquire: what the last holder did comes before what this one does.
+        while self.held.swap(true, Ordering::Acquire) {
+            let mut spins = 0u32;
+            while self.held.load(Ordering::Relaxed) {
+                if spins < 64 {
+                    spins += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        SpinGuard { lock: self }
+    }
+}
+
+pub(crate) struct SpinGuard<'a, T> {
+    lock: &'a SpinLock<T>,
+}
+
+impl<T> std::ops::Deref for SpinGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: the guard holds the lock.
+        unsafe { &*self.lock.value.get() }
+    }
+}
+
+impl<T> std::ops::DerefMut for SpinGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: the guard holds the lock.
+        unsafe { &mut *self.lock.value.get() }
+    }
+}
+
+impl<T> Drop for SpinGuard<'_, T> {
+    #[inline]
+    fn drop(&mut self) {
+        // Release: pairs with the next holder's Acquire.
+        self.lock
+            .held
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+}

@@ -267,21 +267,33 @@ impl ConnRequest {
 #[derive(Debug)]
 pub struct Connection {
     imp: Box<dyn ConnSeam>,
+    /// What the transport granted, and its context: fixed for the connection's life, kept
+    /// here so that a post checks against them without calls through the seam.
+    info: ConnInfo,
+    ctx: Arc<ContextInner>,
 }
 
 impl Connection {
     pub(crate) fn new(imp: impl ConnSeam + 'static) -> Self {
-        Connection { imp: Box::new(imp) }
+        let info = imp.info();
+        let ctx = imp.context().clone();
+        Connection {
+            imp: Box::new(imp),
+            info,
+            ctx,
+        }
     }
 
     /// The connection's id, echoed in its completions.
+    #[inline]
     pub fn id(&self) -> u64 {
-        self.info().id
+        self.info.id
     }
 
     /// What was granted.
+    #[inline]
     pub fn info(&self) -> ConnInfo {
-        self.imp.info()
+        self.info
     }
 
     /// The private data the peer sent when it accepted (client) or requested (server).
@@ -300,14 +312,14 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
-        let wr = SendRequest::region(self.imp.context(), mr, offset, len, wr_id, flags)?;
+        let wr = SendRequest::region(&self.ctx, mr, offset, len, wr_id, flags)?;
         self.imp.send(wr)
     }
 
     /// Sends `data`, copied before this returns (at most the granted `max_inline` bytes).
     #[inline]
     pub fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
-        let wr = SendRequest::inline(data, self.imp.info().max_inline, wr_id, flags)?;
+        let wr = SendRequest::inline(data, self.info.max_inline, wr_id, flags)?;
         self.imp.send(wr)
     }
 
@@ -321,7 +333,7 @@ impl Connection {
         len: usize,
         wr_id: u64,
     ) -> Result<()> {
-        let wr = RecvRequest::new(self.imp.context(), mr, offset, len, wr_id)?;
+        let wr = RecvRequest::new(&self.ctx, mr, offset, len, wr_id)?;
         self.imp.recv(wr)
     }
 
@@ -340,7 +352,7 @@ impl Connection {
     /// ([`Error::InvalidArgument`] beyond that, until some are dropped); dropping a region
     /// waits for the peer's accesses to it in progress (a bounded time).
     pub fn pack_region(&self, mr: &Arc<MemoryRegion>) -> Result<[u8; REMOTE_DESC_LEN]> {
-        if !mr.same_context(self.imp.context()) {
+        if !mr.same_context(&self.ctx) {
             return Err(Error::invalid("memory region belongs to another context"));
         }
         let remote =
@@ -482,10 +494,9 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
-        let ctx = self.imp.context();
         let wr = RdmaRequest::transfer(
-            ctx,
-            self.id(),
+            &self.ctx,
+            self.info.id,
             op,
             local,
             remote,
@@ -493,7 +504,7 @@ impl Connection {
             wr_id,
             flags,
         )?;
-        self.imp.rdma(wr)
+        self.imp.rdma(&wr)
     }
 
     /// Posts an atomic.
@@ -508,10 +519,9 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
-        let ctx = self.imp.context();
         let wr = RdmaRequest::atomic(
-            ctx,
-            self.id(),
+            &self.ctx,
+            self.info.id,
             op,
             local,
             local_offset,
@@ -520,7 +530,7 @@ impl Connection {
             wr_id,
             flags,
         )?;
-        self.imp.rdma(wr)
+        self.imp.rdma(&wr)
     }
 
     /// Starts an orderly disconnect. Outstanding work completes (flushed), then a
@@ -574,7 +584,7 @@ pub(crate) mod seam {
         /// carry. Calling it again for the same region returns the same key.
         fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64>;
         /// Posts a one-sided operation that passed the core's checks ([`wr`]).
-        fn rdma(&self, wr: RdmaRequest<'_>) -> Result<()>;
+        fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()>;
         fn disconnect(&self);
     }
 }
@@ -655,7 +665,7 @@ macro_rules! transport_seam {
                     <$conn>::expose(self, mr)
                 }
 
-                fn rdma(&self, wr: RdmaRequest<'_>) -> Result<()> {
+                fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
                     <$conn>::rdma(self, wr)
                 }
 

@@ -180,40 +180,42 @@ pub unsafe extern "C" fn rbr_conn_remote_from_raw(
     })
 }
 
-/// Reads a C segment list (`NULL` allowed when `n` is 0) into segments the core checks.
+/// Checks a C segment list (`NULL` allowed when `n` is 0): at most `SGE_MAX` entries, each
+/// naming a region. Returns the entries, which [`sge`] turns into segments the core checks.
 ///
 /// # Safety
 /// `sgl` readable for `n` entries whose non-NULL `mr` are live.
-unsafe fn segments<'a>(
-    sgl: *const rbr_sge,
-    n: usize,
-    out: &mut [Option<Sge<'a>>; SGE_MAX],
-) -> Result<usize, rbr_status> {
+unsafe fn segments<'a>(sgl: *const rbr_sge, n: usize) -> Result<&'a [rbr_sge], rbr_status> {
     if n > SGE_MAX {
         return Err(fail(Error::invalid(format!(
             "{n} local segments; at most {SGE_MAX}"
         ))));
     }
     if n == 0 {
-        return Ok(0);
+        return Ok(&[]);
     }
     if sgl.is_null() {
         return Err(null_arg("sgl"));
     }
-    for (i, slot) in out.iter_mut().enumerate().take(n) {
-        // SAFETY: `sgl` is readable for `n` entries (contract).
-        let e = unsafe { &*sgl.add(i) };
-        // SAFETY: a non-NULL `mr` is a live region (contract).
-        let Some(mr) = (unsafe { e.mr.as_ref::<'a>() }) else {
-            return Err(null_arg("sgl[i].mr"));
-        };
-        *slot = Some(Sge {
-            mr: &mr.inner,
-            offset: e.offset,
-            len: e.len,
-        });
+    // SAFETY: `sgl` is readable for `n` entries (contract).
+    let list = unsafe { std::slice::from_raw_parts(sgl, n) };
+    if list.iter().any(|e| e.mr.is_null()) {
+        return Err(null_arg("sgl[i].mr"));
     }
-    Ok(n)
+    Ok(list)
+}
+
+/// An entry of a list [`segments`] passed.
+///
+/// # Safety
+/// `e.mr` is a live region (non-NULL: checked by `segments`).
+unsafe fn sge<'a>(e: &rbr_sge) -> Sge<'a> {
+    Sge {
+        // SAFETY: the caller's contract.
+        mr: unsafe { &(*e.mr).inner },
+        offset: e.offset,
+        len: e.len,
+    }
 }
 
 /// The body of the three transfer calls.
@@ -233,13 +235,13 @@ unsafe fn post_transfer(
 ) -> rbr_status {
     let conn = arg_ref!(conn);
     let remote: RemoteRegion = arg_ref!(remote).into();
-    let mut segs = [None; SGE_MAX];
     // SAFETY: the caller's contract.
-    let n = match unsafe { segments(sgl, nsge, &mut segs) } {
-        Ok(n) => n,
+    let list = match unsafe { segments(sgl, nsge) } {
+        Ok(l) => l,
         Err(s) => return s,
     };
-    let local = segs[..n].iter().map(|s| s.expect("filled by segments"));
+    // SAFETY: `segments` checked every entry's region is non-NULL; live by contract.
+    let local = list.iter().map(|e| unsafe { sge(e) });
     status(
         conn.inner
             .transfer(op, local, &remote, remote_offset, wr_id, SendFlags(flags)),

@@ -28,6 +28,7 @@ use crate::shm::flow::{Flow, RecvWr, SendSrc};
 use crate::shm::notice::Board;
 use crate::shm::onesided::{self, Exports, ImportCache, Inbox};
 use crate::shm::segment::Segment;
+use crate::sync::{SpinGuard, SpinLock};
 
 /// State shared by the users of a connection, the pollers of its completion queue, and its
 /// background work on the driver.
@@ -44,8 +45,8 @@ pub(crate) struct Shared {
     gate: AtomicUsize,
     /// The peer's region the last one-sided operation reached (see `onesided.rs`). Taken
     /// after the flow's lock when both are held, and alone by the lock-free one-sided path;
-    /// never by pollers.
-    imports: Mutex<ImportCache>,
+    /// never by pollers. A spin lock: it is held for an access or a look-up, never across a wait.
+    imports: SpinLock<ImportCache>,
     /// The connection's segment, this side's index in it, and the peer's process when this
     /// side may reach its memory (as the flow has them; fixed for the connection's life).
     seg: Arc<Segment>,
@@ -117,7 +118,8 @@ impl Shared {
         })
     }
 
-    pub(crate) fn lock_imports(&self) -> MutexGuard<'_, ImportCache> {
+    #[inline]
+    pub(crate) fn lock_imports(&self) -> SpinGuard<'_, ImportCache> {
         self.imports.lock()
     }
 
@@ -337,7 +339,7 @@ impl Conn {
             ctx,
             gate: AtomicUsize::new(flow.gate()),
             flow: Mutex::new(flow),
-            imports: Mutex::new(ImportCache::default()),
+            imports: SpinLock::new(ImportCache::default()),
             seg,
             side,
             peer_pid,
@@ -439,10 +441,10 @@ impl Conn {
     /// else, and whatever that path declines, runs under the flow's lock - so that it cannot
     /// complete after the connection's disconnect record - and a write with immediate data then
     /// queues its record like a send.
-    pub(crate) fn rdma(&self, wr: RdmaRequest<'_>) -> Result<()> {
+    pub(crate) fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
         if !wr.signaled
             && !matches!(wr.op, RdmaOp::Write { imm: Some(_) })
-            && self.unlocked_rdma(&wr)
+            && self.unlocked_rdma(wr)
         {
             return Ok(());
         }
@@ -483,7 +485,7 @@ impl Conn {
     }
 
     /// A one-sided operation under the flow's lock (see `rdma`).
-    fn locked_rdma(&self, wr: RdmaRequest<'_>) -> Result<()> {
+    fn locked_rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
         let opcode = match wr.op {
             RdmaOp::Write { .. } => Opcode::Write,
             RdmaOp::Read => Opcode::Read,
@@ -518,7 +520,7 @@ impl Conn {
         };
         let peer_side = 1 - flow.side();
         let result = match cache.get(key, seen) {
-            Some(imp) => onesided::run(imp, &wr, flow.seg(), peer_side, flow.peer_pid()),
+            Some(imp) => onesided::run(imp, wr, flow.seg(), peer_side, flow.peer_pid()),
             None => Err(onesided::Refused::Denied),
         };
         let was_busy = flow.busy();

@@ -17,7 +17,7 @@
 //!
 //! **Accesses** run on the poster's thread. Each one is checked against the import (key,
 //! range, access; the length of a mapping was checked against the memfd's size when it was
-//! mapped), then raises the slot's `busy` count, checks that `live` still holds the key, copies
+//! mapped), then raises the slot's `busy` word, checks that `live` still holds the key, copies
 //! or runs the atomic instruction on the mapping (no system call), and lowers `busy`. A check
 //! that fails touches nothing: the operation completes with
 //! [`WcStatus::RemoteAccess`](crate::WcStatus::RemoteAccess) and the connection fails.
@@ -713,6 +713,8 @@ fn needs(op: RdmaOp) -> u32 {
 
 /// Runs the checked request `wr` on the peer's region `imp`. `seg`/`peer_side`: where the
 /// peer's export table is; `peer_pid`: the peer's process when this side may reach its memory.
+/// The caller holds the connection's import cache lock (accesses through one connection run
+/// one at a time).
 pub(crate) fn run(
     imp: &Import,
     wr: &RdmaRequest<'_>,
@@ -741,9 +743,11 @@ pub(crate) fn run(
     let Some(entry) = seg.export(peer_side, imp.slot) else {
         return Err(Refused::Denied);
     };
-    // SeqCst, raise then look: pairs with the owner's clear of `live` and look at `busy`
+    // This side's accesses through one connection run one at a time (under its import
+    // cache's lock), so `busy` has one writer here: an exchange raises it, and a store lowers
+    // it. SeqCst, raise then look: pairs with the owner's clear of `live` and look at `busy`
     // (Dekker): if the key is still there, the owner waits for the lowering below.
-    entry.busy.fetch_add(1, Ordering::SeqCst);
+    entry.busy.swap(1, Ordering::SeqCst);
     let r = if entry.live.load(Ordering::SeqCst) != imp.key {
         Err(Refused::Withdrawn)
     } else {
@@ -763,7 +767,7 @@ pub(crate) fn run(
         }
     };
     // Release: our accesses come before the owner, seeing 0, lets the memory go.
-    entry.busy.fetch_sub(1, Ordering::Release);
+    entry.busy.store(0, Ordering::Release);
     r
 }
 

@@ -68,14 +68,14 @@ pub(crate) struct Ctrl<'a> {
 /// One entry of a side's export table, through which the peer reaches one region.
 ///
 /// The owner writes `live`: the region's key while the peer may reach it, 0 otherwise. The
-/// peer raises `busy` around every access, and looks at `live` only after raising it (both
-/// SeqCst); the owner, to withdraw a region, clears `live` and then waits for `busy` to be 0
+/// peer raises `busy` (to 1: its accesses through the connection run one at a time) around
+/// every access, and looks at `live` only after raising it (both SeqCst); the owner, to withdraw a region, clears `live` and then waits for `busy` to be 0
 /// (both SeqCst). Whichever of the two comes second sees the other: either the access finds
 /// the region withdrawn and touches nothing, or the owner waits until it is over.
 pub(crate) struct Export<'a> {
     /// The region's key while it is reachable; 0 otherwise.
     pub(crate) live: &'a AtomicU64,
-    /// Accesses of the peer in progress.
+    /// Nonzero while the peer accesses the region.
     pub(crate) busy: &'a AtomicU64,
 }
 

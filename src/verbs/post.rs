@@ -703,7 +703,7 @@ impl Conn {
     /// Posts a checked one-sided operation. A write with immediate takes one of the peer's
     /// receives, so toward a library peer it waits for a credit like a send, in order with
     /// the sends; the others go to the device at once.
-    pub(crate) fn rdma(&self, wr: RdmaRequest<'_>) -> Result<()> {
+    pub(crate) fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
         let rkey = u32::try_from(wr.remote.key).map_err(|_| {
             Error::invalid(format!(
                 "key {:#x} is not a verbs remote key (they are 32 bits)",
