@@ -12,11 +12,11 @@ pub(crate) use loom::sync::Mutex;
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
 
-/// A lock for a hot path whose holders never sleep: taking it is one atomic exchange, and
-/// letting it go is a plain release store (a mutex's release is an atomic read-modify-write,
-/// since it must find out whether a waiter sleeps). A thread that finds it held spins a
-/// little, then yields its CPU until the holder lets go, so a holder's longest hold (a copy)
-/// bounds every wait.
+/// A lock for a hot path whose holders never wait for another thread (they copy, or make a
+/// system call that does not block): taking it is one atomic exchange, and letting it go is a
+/// plain release store (a mutex's release is an atomic read-modify-write, since it must find
+/// out whether a waiter sleeps). A thread that finds it held spins a little, then yields its
+/// CPU until the holder lets go, so a holder's longest hold (a large copy) bounds every wait.
 pub(crate) struct SpinLock<T> {
     held: std::sync::atomic::AtomicBool,
     value: std::cell::UnsafeCell<T>,
@@ -52,6 +52,18 @@ impl<T> SpinLock<T> {
         }
         SpinGuard { lock: self }
     }
+
+    /// The lock if it is free now.
+    #[inline]
+    pub(crate) fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
+        use std::sync::atomic::Ordering;
+        // Acquire: as in `lock`. (The guard is made only once the lock is taken: dropping
+        // one lets the lock go.)
+        if self.held.load(Ordering::Relaxed) || self.held.swap(true, Ordering::Acquire) {
+            return None;
+        }
+        Some(SpinGuard { lock: self })
+    }
 }
 
 pub(crate) struct SpinGuard<'a, T> {
@@ -80,5 +92,55 @@ impl<T> Drop for SpinGuard<'_, T> {
         self.lock
             .held
             .store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::SpinLock;
+
+    #[test]
+    fn a_failed_try_lock_leaves_the_lock_held() {
+        let l = SpinLock::new(0u32);
+        let g = l.lock();
+        assert!(l.try_lock().is_none());
+        // Still held: the failed attempt let nothing go.
+        assert!(l.try_lock().is_none());
+        drop(g);
+        let g = l.try_lock().expect("free once the holder let go");
+        assert!(l.try_lock().is_none());
+        drop(g);
+    }
+
+    #[test]
+    fn holders_exclude_each_other() {
+        const THREADS: u64 = 4;
+        const EACH: u64 = 50_000;
+        let l = SpinLock::new((0u64, 0u64));
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let l = &l;
+                s.spawn(move || {
+                    let mut done = 0;
+                    while done < EACH {
+                        // Half the threads only try, as pollers do.
+                        let g = if t % 2 == 0 {
+                            Some(l.lock())
+                        } else {
+                            l.try_lock()
+                        };
+                        if let Some(mut g) = g {
+                            // Two plain updates a racing holder would tear apart.
+                            let v = g.0;
+                            g.0 = v + 1;
+                            g.1 += 1;
+                            done += 1;
+                        }
+                    }
+                });
+            }
+        });
+        let g = l.lock();
+        assert_eq!(*g, (THREADS * EACH, THREADS * EACH));
     }
 }

@@ -37,9 +37,10 @@ pub(crate) struct Shared {
     /// Where this connection's completions go.
     pub(crate) report: Reporter,
     pub(crate) ctx: Arc<ContextInner>,
-    /// The data path. Held briefly by whoever posts, polls or drives; taken through
-    /// [`Shared::lock`], whose guard publishes `gate` as it lets go.
-    flow: Mutex<Flow>,
+    /// The data path. Held briefly by whoever posts, polls or drives, never across a wait for
+    /// another thread (a spin lock); taken through [`Shared::lock`], whose guard publishes
+    /// `gate` as it lets go.
+    flow: SpinLock<Flow>,
     /// [`Flow::gate`] as of the last release of the flow's lock: what the lock-free one-sided
     /// path reads instead of taking that lock (see [`Conn::rdma`]).
     gate: AtomicUsize,
@@ -76,7 +77,7 @@ pub(crate) struct Shared {
 /// the lock, so the publications follow the lock's order and the last one is always current.
 pub(crate) struct FlowGuard<'a> {
     gate: &'a AtomicUsize,
-    flow: MutexGuard<'a, Flow>,
+    flow: SpinGuard<'a, Flow>,
 }
 
 impl Deref for FlowGuard<'_> {
@@ -338,7 +339,7 @@ impl Conn {
             },
             ctx,
             gate: AtomicUsize::new(flow.gate()),
-            flow: Mutex::new(flow),
+            flow: SpinLock::new(flow),
             imports: SpinLock::new(ImportCache::default()),
             seg,
             side,
