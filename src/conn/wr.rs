@@ -163,11 +163,11 @@ pub struct Sge<'a> {
 }
 
 #[allow(dead_code)] // read by the transports' one-sided paths
-/// A checked local segment: inside its region, which belongs to the connection's context.
+/// A checked local segment: `len` bytes at `ptr`, inside `mr`, a region of the connection's
+/// context.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LocalSeg<'a> {
     pub(crate) mr: &'a Arc<MemoryRegion>,
-    pub(crate) offset: usize,
     pub(crate) len: usize,
     pub(crate) ptr: *mut u8,
 }
@@ -203,7 +203,8 @@ pub(crate) struct RdmaRequest<'a> {
     pub(crate) nsegs: usize,
     /// Total bytes of the local segments.
     pub(crate) len: usize,
-    pub(crate) remote: RemoteRegion,
+    /// The key of the remote region (as the peer gave it).
+    pub(crate) key: u64,
     /// The target address: the region's address plus the caller's offset.
     pub(crate) remote_addr: u64,
 }
@@ -244,7 +245,6 @@ impl<'a> RdmaRequest<'a> {
                 .ok_or_else(|| Error::invalid("operation longer than 4 GiB - 1"))?;
             segs[i] = Some(LocalSeg {
                 mr: s.mr,
-                offset: s.offset,
                 len: s.len,
                 ptr,
             });
@@ -257,7 +257,7 @@ impl<'a> RdmaRequest<'a> {
             segs,
             nsegs,
             len,
-            remote: *remote,
+            key: remote.key,
             remote_addr,
         })
     }
@@ -296,7 +296,6 @@ impl<'a> RdmaRequest<'a> {
         let mut segs = [None; SGE_MAX];
         segs[0] = Some(LocalSeg {
             mr: local,
-            offset: local_offset,
             len: 8,
             ptr,
         });
@@ -307,7 +306,7 @@ impl<'a> RdmaRequest<'a> {
             segs,
             nsegs: 1,
             len: 8,
-            remote: *remote,
+            key: remote.key,
             remote_addr,
         })
     }

@@ -477,7 +477,7 @@ impl Conn {
         let cache = self.sh.lock_imports();
         // Acquire: pairs with the inbox's count of what it forgot.
         let seen = self.sh.imports_forgotten.load(Ordering::Acquire);
-        let Some(imp) = cache.get(wr.remote.key, seen) else {
+        let Some(imp) = cache.get(wr.key, seen) else {
             return false;
         };
         // The cache's lock keeps `imp` (and its mapping) alive through the access: teardown
@@ -495,7 +495,7 @@ impl Conn {
         };
         let mut flow = self.sh.lock();
         flow.claim_send()?;
-        let key = wr.remote.key;
+        let key = wr.key;
         let mut cache = self.sh.lock_imports();
         // Acquire: pairs with the inbox's count of what it forgot.
         let seen = self.sh.imports_forgotten.load(Ordering::Acquire);

@@ -784,7 +784,7 @@ unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
                 // SAFETY: `s.ptr` is readable for `s.len` bytes (checked by the core, the
                 // region held by the request); the segments add up to `wr.len`.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(s.ptr.cast_const(), pos, s.len);
+                    copy(s.ptr.cast_const(), pos, s.len);
                     pos = pos.add(s.len);
                 }
             }
@@ -793,7 +793,7 @@ unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
             for s in wr.segs() {
                 // SAFETY: as for writes; `s.ptr` is writable (LOCAL_WRITE, checked).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(pos.cast_const(), s.ptr, s.len);
+                    copy(pos.cast_const(), s.ptr, s.len);
                     pos = pos.add(s.len);
                 }
             }
@@ -815,6 +815,27 @@ unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
             let s: &LocalSeg<'_> = wr.segs().next().expect("an atomic has its local word");
             // SAFETY: the local word is 8 bytes, 8-aligned and writable (checked by the core).
             unsafe { s.ptr.cast::<u64>().write(old) };
+        }
+    }
+}
+
+/// Copies `len` bytes: a word of 8 or 4 bytes (the size of a flag or a counter, whose
+/// latency counts) as one load and one store, anything else with `memcpy`.
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`.
+#[inline(always)]
+unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: the caller's contract; unaligned accesses of exactly `len` bytes.
+    unsafe {
+        match len {
+            8 => dst
+                .cast::<u64>()
+                .write_unaligned(src.cast::<u64>().read_unaligned()),
+            4 => dst
+                .cast::<u32>()
+                .write_unaligned(src.cast::<u32>().read_unaligned()),
+            _ => std::ptr::copy_nonoverlapping(src, dst, len),
         }
     }
 }

@@ -704,10 +704,10 @@ impl Conn {
     /// receives, so toward a library peer it waits for a credit like a send, in order with
     /// the sends; the others go to the device at once.
     pub(crate) fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
-        let rkey = u32::try_from(wr.remote.key).map_err(|_| {
+        let rkey = u32::try_from(wr.key).map_err(|_| {
             Error::invalid(format!(
                 "key {:#x} is not a verbs remote key (they are 32 bits)",
-                wr.remote.key
+                wr.key
             ))
         })?;
         let atomic = matches!(wr.op, RdmaOp::FetchAdd { .. } | RdmaOp::CmpSwap { .. });

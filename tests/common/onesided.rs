@@ -106,7 +106,8 @@ pub fn one_sided_operations_move_verified_data_at_all_sizes(net: &Net) {
     let recv_buf = ctx.alloc_mr(16, Access::LOCAL_WRITE).unwrap();
     unsafe { recv_buf.write(0, &[0xee; 16]) }.unwrap();
     let mut wr = 0;
-    for size in [1usize, 7, 4096, 65536 + 5, 1 << 20, max] {
+    // 12 and 24 B: segments of 4 and 8 B, which shm copies as single words.
+    for size in [1usize, 7, 12, 24, 4096, 65536 + 5, 1 << 20, max] {
         // Unaligned on both ends, except at the largest size.
         let (loff, roff) = if size == max { (0, 0) } else { (3, 61) };
         let data = pattern(size as u64, size);
