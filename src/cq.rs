@@ -11,6 +11,7 @@ use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
 use crate::shm::notice::{Board, SLOTS};
+use crate::sync::{SpinGuard, SpinLock};
 use crate::sys::{self, EventFd};
 
 mod ready;
@@ -189,8 +190,10 @@ pub struct CompletionQueue {
     ready: Readiness,
     opts: CqOptions,
     /// Connections whose completions callers take from the device or the rings
-    /// ([`Progress::Caller`]).
-    sources: parking_lot::Mutex<Sources>,
+    /// ([`Progress::Caller`]). A spin lock, taken on every poll that has connections to look
+    /// at: its holders wait for nothing longer than a device CQ's or a connection's lock,
+    /// which are held briefly.
+    sources: SpinLock<Sources>,
     nsources: AtomicUsize,
     /// Connections looked at on every poll (`Sources::scan` and `Sources::active`).
     nscan: AtomicUsize,
@@ -242,7 +245,7 @@ impl CompletionQueue {
             queue: SegQueue::new(),
             ready: Readiness::new(EventFd::new().map_err(Error::CompletionQueue)?),
             opts,
-            sources: parking_lot::Mutex::new(Sources::default()),
+            sources: SpinLock::new(Sources::default()),
             nsources: AtomicUsize::new(0),
             nscan: AtomicUsize::new(0),
             board: OnceLock::new(),
@@ -354,7 +357,7 @@ impl CompletionQueue {
         self.each_source(|s| s.arm());
     }
 
-    fn lock_sources(&self) -> parking_lot::MutexGuard<'_, Sources> {
+    fn lock_sources(&self) -> SpinGuard<'_, Sources> {
         self.sources.lock()
     }
 
