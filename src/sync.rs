@@ -12,11 +12,12 @@ pub(crate) use loom::sync::Mutex;
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
 
-/// A lock for a hot path whose holders never wait for another thread (they copy, or make a
-/// system call that does not block): taking it is one atomic exchange, and letting it go is a
-/// plain release store (a mutex's release is an atomic read-modify-write, since it must find
-/// out whether a waiter sleeps). A thread that finds it held spins a little, then yields its
-/// CPU until the holder lets go, so a holder's longest hold (a large copy) bounds every wait.
+/// A lock for a hot path whose holders keep it briefly and never across a sleep (they copy,
+/// make a system call that does not block, or take another lock held as briefly): taking it
+/// is one atomic exchange, and letting it go is a plain release store (a mutex's release is an
+/// atomic read-modify-write, since it must find out whether a waiter sleeps). A thread that
+/// finds it held spins a little, then yields its CPU until the holder lets go, so a holder's
+/// longest hold (a large copy) bounds every wait.
 pub(crate) struct SpinLock<T> {
     held: std::sync::atomic::AtomicBool,
     value: std::cell::UnsafeCell<T>,

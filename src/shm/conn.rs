@@ -37,9 +37,8 @@ pub(crate) struct Shared {
     /// Where this connection's completions go.
     pub(crate) report: Reporter,
     pub(crate) ctx: Arc<ContextInner>,
-    /// The data path. Held briefly by whoever posts, polls or drives, never across a wait for
-    /// another thread (a spin lock); taken through [`Shared::lock`], whose guard publishes
-    /// `gate` as it lets go.
+    /// The data path. Held briefly by whoever posts, polls or drives, never across a sleep (a
+    /// spin lock); taken through [`Shared::lock`], whose guard publishes `gate` as it lets go.
     flow: SpinLock<Flow>,
     /// [`Flow::gate`] as of the last release of the flow's lock: what the lock-free one-sided
     /// path reads instead of taking that lock (see [`Conn::rdma`]).
