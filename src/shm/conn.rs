@@ -45,7 +45,8 @@ pub(crate) struct Shared {
     gate: AtomicUsize,
     /// The peer's region the last one-sided operation reached (see `onesided.rs`). Taken
     /// after the flow's lock when both are held, and alone by the lock-free one-sided path;
-    /// never by pollers. A spin lock: it is held for an access or a look-up, never across a wait.
+    /// never by pollers. A spin lock: it is held for an access or a look-up, never across a
+    /// sleep (the locked path may take the offer inbox's lock, held as briefly).
     imports: SpinLock<ImportCache>,
     /// The connection's segment, this side's index in it, and the peer's process when this
     /// side may reach its memory (as the flow has them; fixed for the connection's life).
