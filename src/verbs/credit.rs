@@ -9,6 +9,12 @@
 //! to the device); otherwise it is held by the library and started, in order, when the count
 //! grows.
 //!
+//! The count also rides on every send: a send goes as a SEND with immediate whose immediate
+//! is the low 32 bits of the sender's count, which the receiving library takes (and reports
+//! no immediate: the caller's sends carry none). So two peers that both send - a ping-pong, a
+//! request and its reply - tell each other their counts for free, and credit writes, each one
+//! more work request on the wire, go out only toward a peer that receives more than it sends.
+//!
 //! A write with immediate consumes one of the peer's receives too: it counts as a send here,
 //! waits in the same queue, in order with sends, and the receive it takes counts as consumed
 //! at the peer like any other. One-sided operations without an immediate consume nothing and
@@ -160,7 +166,8 @@ impl CreditMr {
         Remote::decode(&h[..EXT_LEN]).expect("EXT_LEN bytes")
     }
 
-    /// The peer's count of receives posted, as its last credit write left it.
+    /// The peer's count of receives posted, as its last credit write left it (see also
+    /// [`Credits::peer_seen`]).
     pub(crate) fn peer_count(&self) -> u64 {
         // Acquire: pairs with nothing in this process (the device writes the word); it keeps
         // later reads from moving before this one.
@@ -268,8 +275,11 @@ pub(crate) struct Credits {
     pub(crate) sent: u64,
     /// Caller's receives posted.
     pub(crate) posted: u64,
-    /// The count last written to the peer.
+    /// The count last told the peer (by a credit write, or on a send).
     pub(crate) pushed: u64,
+    /// The peer's count as the immediates of its sends told it (its credit writes tell it
+    /// too, in the block's word: the larger of the two holds).
+    pub(crate) peer_seen: u64,
     /// Caller's receives seen completed (by a message, by a write with immediate, or
     /// flushed).
     pub(crate) consumed: u64,
@@ -297,6 +307,7 @@ impl Credits {
             sent: 0,
             posted: 0,
             pushed: 0,
+            peer_seen: 0,
             consumed: 0,
             low: u64::from((recv_depth / 4).clamp(1, 16)),
             owed: false,
@@ -309,7 +320,30 @@ impl Credits {
     /// Whether the peer is known to have a receive posted for one more send (or write with
     /// immediate).
     pub(crate) fn available(&self) -> bool {
-        self.mr.peer_count() > self.sent
+        self.peer_seen > self.sent || self.mr.peer_count() > self.sent
+    }
+
+    /// The immediate this side's sends carry: its count of receives posted (low 32 bits), in
+    /// network byte order, as the device takes it. Once the send is posted, [`told`] notes
+    /// that the peer will know the count.
+    ///
+    /// [`told`]: Self::told
+    pub(crate) fn imm_for_send(&self) -> u32 {
+        (self.posted as u32).to_be()
+    }
+
+    /// A send carrying [`imm_for_send`](Self::imm_for_send) was posted: the peer learns the
+    /// count from it, so no credit write is owed for it.
+    pub(crate) fn told(&mut self) {
+        self.pushed = self.posted;
+        self.owed = false;
+    }
+
+    /// Takes the peer's count from the immediate of a send of its (host byte order). The
+    /// count only grows, and a send carries it as it was when posted: a value behind the one
+    /// known (modulo 2^32) is an older count and changes nothing.
+    pub(crate) fn note_peer_imm(&mut self, imm: u32) {
+        self.peer_seen = advance(self.peer_seen, imm);
     }
 
     /// Whether a credit write should go out now (lazily: only when the peer's credit as this
@@ -331,5 +365,36 @@ impl Credits {
         self.staging_next = self.staging_next.wrapping_add(1);
         self.staging[at..at + data.len()].copy_from_slice(data);
         self.staging[at..].as_mut_ptr()
+    }
+}
+
+/// The count `known` brought up to the one whose low 32 bits are `low`, if that one is not
+/// behind it (modulo 2^32: counts move by far less than 2^31 between two sends).
+fn advance(known: u64, low: u32) -> u64 {
+    let ahead = low.wrapping_sub(known as u32);
+    if ahead < 1 << 31 {
+        known + u64::from(ahead)
+    } else {
+        known
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::advance;
+
+    #[test]
+    fn a_count_from_an_immediate_only_moves_forward() {
+        assert_eq!(advance(0, 0), 0);
+        assert_eq!(advance(0, 5), 5);
+        assert_eq!(advance(5, 5), 5);
+        // An older count (a send posted before the one already seen) changes nothing.
+        assert_eq!(advance(9, 5), 9);
+        // Across the 32-bit wrap, in both directions.
+        let near = (1u64 << 32) - 2;
+        assert_eq!(advance(near, 3), (1 << 32) + 3);
+        assert_eq!(advance((1 << 32) + 3, u32::MAX), (1 << 32) + 3);
+        // Far past 2^32 the high bits come from what is known.
+        assert_eq!(advance((7 << 32) + 10, 12), (7 << 32) + 12);
     }
 }

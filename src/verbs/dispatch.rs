@@ -9,6 +9,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use rdma_sys as sys;
 
@@ -186,6 +187,11 @@ pub(super) fn unpark(
 /// runs when it just failed (to tear it down) or is closing (it waits for its flushes).
 fn settle(sh: &Shared, st: &mut PostState, failed_before: bool) {
     sh.push_credits(st);
+    // A message of the peer's may have brought credits for sends held for them.
+    // Relaxed: only changed under the state lock, which is held.
+    if sh.has_held.load(Ordering::Relaxed) {
+        sh.pump(st);
+    }
     if (!failed_before && st.failed.is_some()) || st.closed {
         sh.reg.wake();
     }
@@ -228,12 +234,19 @@ pub(super) fn complete(
             }
             n += 1;
             if this {
-                let op = if wc.write_imm {
-                    Opcode::RecvWriteImm
-                } else {
-                    Opcode::Recv
+                let (op, imm) = match (wc.write_imm, st.credits.as_mut()) {
+                    (true, _) => (Opcode::RecvWriteImm, wc.imm),
+                    // A library peer's send: its immediate is the peer's count of receives
+                    // posted, the library's, not the caller's (see `credit.rs`).
+                    (false, Some(c)) => {
+                        if let (WcStatus::Success, Some(count)) = (status, wc.imm) {
+                            c.note_peer_imm(count);
+                        }
+                        (Opcode::Recv, None)
+                    }
+                    (false, None) => (Opcode::Recv, wc.imm),
                 };
-                emit(sh.report.record(e.wr_id, op, status, wc.byte_len, wc.imm));
+                emit(sh.report.record(e.wr_id, op, status, wc.byte_len, imm));
                 break;
             }
             emit(

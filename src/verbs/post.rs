@@ -174,7 +174,7 @@ impl Shared {
                 };
                 wr.sg_list = &mut send_sge;
                 wr.num_sge = if len == 0 { 0 } else { 1 };
-                wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+                set_send_opcode(st, &mut wr);
                 if inline {
                     f |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
                 }
@@ -242,7 +242,10 @@ impl Shared {
         // the caller's slice or region, which the posting call holds, or from the staging slot
         // that no later send reuses before this one left).
         match unsafe { self.post_wr(st, &mut wr, wr_id, op, signaled, h.mrs) } {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                note_told(st, &wr);
+                Ok(())
+            }
             Err((r, mrs)) => Err((r, Held { mrs, ..h })),
         }
     }
@@ -554,7 +557,7 @@ impl Conn {
         let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.sg_list = &mut sge;
         wr.num_sge = 1;
-        wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+        set_send_opcode(&st, &mut wr);
         wr.send_flags = sys::ibv_send_flags::IBV_SEND_INLINE.0;
         // SAFETY: `wr` and `sge` are live locals; the bytes are the caller's slice or a range
         // of its region that check_region found inside it, readable for this call, and the
@@ -571,6 +574,7 @@ impl Conn {
         } {
             return Err(post_error(r, "send"));
         }
+        note_told(&mut st, &wr);
         Self::count_posted(&mut st, true);
         Ok(())
     }
@@ -766,6 +770,27 @@ impl Drop for Conn {
         // flush deadline (`progress::FLUSH_WAIT`). When this returns the disconnect has been
         // reported and every resource of the connection is gone.
         self.sh.reg.wait_finished();
+    }
+}
+
+/// Makes `wr` a send of the caller's: toward a library peer a SEND with immediate carrying
+/// this side's count of receives posted (see `credit.rs`), else a plain SEND.
+fn set_send_opcode(st: &PostState, wr: &mut sys::ibv_send_wr) {
+    match &st.credits {
+        Some(c) => {
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
+            wr.imm_data_invalidated_rkey_union.imm_data = c.imm_for_send();
+        }
+        None => wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND,
+    }
+}
+
+/// After `wr` was posted: a send that carried this side's count told the peer of it.
+fn note_told(st: &mut PostState, wr: &sys::ibv_send_wr) {
+    if wr.opcode == sys::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM
+        && let Some(c) = st.credits.as_mut()
+    {
+        c.told();
     }
 }
 

@@ -6,9 +6,10 @@
 use crate::verbs::credit::{FLAG_CREDITS, Remote};
 
 const MAGIC: [u8; 4] = *b"RBRv";
-/// Version 2: library peers speak credits (see [`crate::verbs::credit`]). A version-1 peer is
-/// treated as a plain librdmacm program, and treats this one as such: plain RC both ways.
-const PREAMBLE_VERSION: u8 = 2;
+/// Version 3: library peers speak credits (see [`crate::verbs::credit`]), and their sends
+/// carry the sender's count in the immediate. A peer of another version is treated as a plain
+/// librdmacm program, and treats this one as such: plain RC both ways.
+const PREAMBLE_VERSION: u8 = 3;
 const PREAMBLE: usize = 8;
 
 /// The private data of a library peer: magic, version, flags, length of the caller's data, the
@@ -60,9 +61,12 @@ mod tests {
     fn plain_and_other_version_data_pass_through_untouched() {
         let plain = b"RBRx-not-ours".to_vec();
         assert_eq!(parse_preamble(&plain), (false, plain.clone()));
-        let mut v1 = with_preamble(b"x", 0, &[]);
-        v1[4] = 1;
-        assert_eq!(parse_preamble(&v1), (false, v1.clone()));
+        // Earlier versions (2: credits without the count on sends) are plain peers.
+        for version in [1, 2, 4] {
+            let mut other = with_preamble(b"x", FLAG_CREDITS, &[]);
+            other[4] = version;
+            assert_eq!(parse_preamble(&other), (false, other.clone()));
+        }
         // A length past the end is not a preamble either.
         let mut long = with_preamble(b"abc", 0, &[]);
         long[6] = 200;
