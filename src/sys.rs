@@ -143,3 +143,41 @@ pub(crate) fn poll_one(
     }];
     Ok(poll(&mut p, timeout)? > 0)
 }
+
+/// `membarrier(2)` commands (linux/membarrier.h), not in the libc crate.
+const MEMBARRIER_CMD_QUERY: libc::c_int = 0;
+const MEMBARRIER_CMD_GLOBAL_EXPEDITED: libc::c_int = 1 << 1;
+const MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED: libc::c_int = 1 << 2;
+
+fn membarrier(cmd: libc::c_int) -> libc::c_long {
+    // SAFETY: membarrier takes two integers and touches no memory of ours.
+    unsafe { libc::syscall(libc::SYS_membarrier, cmd, 0, 0) }
+}
+
+/// Whether this process takes part in system-wide barriers: registered for the kernel's
+/// expedited global barrier (so that another process's [`global_barrier`] orders the memory
+/// accesses of this one's threads), and able to issue one itself. Decided once per process;
+/// false where the kernel lacks them or a sandbox forbids them.
+pub(crate) fn barriers() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let need = MEMBARRIER_CMD_GLOBAL_EXPEDITED | MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED;
+        let query = membarrier(MEMBARRIER_CMD_QUERY);
+        query >= 0
+            && query as libc::c_int & need == need
+            && membarrier(MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED) == 0
+            && membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED) == 0
+    })
+}
+
+/// A memory barrier on every thread, in every process taking part in [`barriers`], that runs
+/// now: when this returns, each of their stores made before it is visible to this thread, as
+/// if they had run a full fence. A few microseconds (an interrupt to each CPU running one of
+/// them). Only after [`barriers`] said true.
+pub(crate) fn global_barrier() -> io::Result<()> {
+    if membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED) == 0 {
+        Ok(())
+    } else {
+        Err(last_os_error())
+    }
+}

@@ -44,7 +44,7 @@ use crate::error::{Error, Result};
 use crate::log::log;
 use crate::mr::{Access, Exposure, MemoryRegion};
 use crate::shm::flow::{BYE, WAKE};
-use crate::shm::segment::{EXPORT_SLOTS, READS_PEER_YES, Segment};
+use crate::shm::segment::{BARRIERS_YES, EXPORT_SLOTS, Export, READS_PEER_YES, Segment};
 use crate::sys::cvt;
 
 /// Offer packet: a region the sender lets its peer reach.
@@ -244,10 +244,29 @@ impl Exports {
     /// Clears the slot's key, then waits until no access of the peer is in progress there.
     fn withdraw(&self, slot: usize) {
         let entry = self.seg.export(self.side, slot).expect("slot in range");
-        // SeqCst: the clear comes before the read of `busy` (Dekker with `Access::begin`).
-        entry.live.store(0, Ordering::SeqCst);
-        wait_idle(entry.busy, self.peer_proc);
+        close_entry(&entry, self.peer_proc, crate::sys::barriers());
     }
+}
+
+/// The owner's side of an export's protocol (see [`Export`]): clears `live`, then waits until
+/// `busy` is 0 (bounded, see the module docs), with a full barrier between the two; with
+/// `barriers` (the process takes part in them, as its `barriers` word told the peer) a
+/// system-wide one, which makes a plain store of the peer's raise visible.
+fn close_entry(entry: &Export<'_>, peer: libc::pid_t, barriers: bool) {
+    // SeqCst: the clear comes before the read of `busy` (Dekker with `guarded`).
+    entry.live.store(0, Ordering::SeqCst);
+    // A peer told (`barriers`) that this side issues a system-wide barrier here raises `busy`
+    // with a plain store: the barrier makes that store visible before the look.
+    if barriers && let Err(e) = crate::sys::global_barrier() {
+        // Not seen in practice (the same call worked when the process started); a store of
+        // the peer's is visible within nanoseconds, so a long look at `busy` stands in.
+        log!(Error, "the system-wide barrier of a withdrawal failed: {e}");
+        let until = Instant::now() + Duration::from_millis(10);
+        while Instant::now() < until && entry.busy.load(Ordering::SeqCst) == 0 {
+            std::hint::spin_loop();
+        }
+    }
+    wait_idle(entry.busy, peer);
 }
 
 impl Exposure for Exports {
@@ -743,30 +762,50 @@ pub(crate) fn run(
     let Some(entry) = seg.export(peer_side, imp.slot) else {
         return Err(Refused::Denied);
     };
-    // This side's accesses through one connection run one at a time (under its import
-    // cache's lock), so `busy` has one writer here: an exchange raises it, and a store lowers
-    // it. SeqCst, raise then look: pairs with the owner's clear of `live` and look at `busy`
-    // (Dekker): if the key is still there, the owner waits for the lowering below.
-    entry.busy.swap(1, Ordering::SeqCst);
-    let r = if entry.live.load(Ordering::SeqCst) != imp.key {
-        Err(Refused::Withdrawn)
+    // Relaxed: the owner wrote it once, before it offered the region.
+    let plain = seg.ctrl(peer_side).barriers.load(Ordering::Relaxed) == BARRIERS_YES;
+    guarded(&entry, imp.key, plain, || match imp.target {
+        // SAFETY: `off..off+len` lies inside the mapping (checked above against the import's
+        // length, which `Import::map` checked against the file), the mapping stays while
+        // `imp` lives, and it is writable where the access needs it (writes and atomics need
+        // an offer that made it writable).
+        Target::Mapped { base, .. } => unsafe {
+            mapped(base.as_ptr().add(off), wr);
+            Ok(())
+        },
+        Target::Process => match peer_pid {
+            Some(pid) => process(pid, wr).map_err(|_| Refused::Denied),
+            None => Err(Refused::Denied),
+        },
+    })
+    .unwrap_or(Err(Refused::Withdrawn))
+}
+
+/// The accessing side of an export's protocol (see [`Export`]): raises `busy`, runs `access`
+/// if `live` still holds `key` (`None` if not: withdrawn), and lowers `busy`. `owner_barriers`:
+/// the owner said it issues a system-wide barrier when it withdraws.
+///
+/// This side's accesses through one connection run one at a time (under its import cache's
+/// lock), so `busy` has one writer here: it is raised to 1 and lowered by a store. Raise then
+/// look, with a full barrier between (Dekker with the owner's clear of `live` and look at
+/// `busy`): if the key is still there, the owner waits for the lowering. The barrier is the
+/// owner's system-wide one when it issues those and this process takes part in them (which
+/// keeps an atomic read-modify-write off every access); an exchange otherwise.
+#[inline(always)]
+fn guarded<R>(
+    entry: &Export<'_>,
+    key: u64,
+    owner_barriers: bool,
+    access: impl FnOnce() -> R,
+) -> Option<R> {
+    if owner_barriers && crate::sys::barriers() {
+        entry.busy.store(1, Ordering::Relaxed);
+        std::sync::atomic::compiler_fence(Ordering::SeqCst);
     } else {
-        match imp.target {
-            // SAFETY: `off..off+len` lies inside the mapping (checked above against the
-            // import's length, which `Import::map` checked against the file), the mapping
-            // stays while `imp` lives, and it is writable where the access needs it (writes
-            // and atomics need an offer that made it writable).
-            Target::Mapped { base, .. } => unsafe {
-                mapped(base.as_ptr().add(off), wr);
-                Ok(())
-            },
-            Target::Process => match peer_pid {
-                Some(pid) => process(pid, wr).map_err(|_| Refused::Denied),
-                None => Err(Refused::Denied),
-            },
-        }
-    };
-    // Release: our accesses come before the owner, seeing 0, lets the memory go.
+        entry.busy.swap(1, Ordering::SeqCst);
+    }
+    let r = (entry.live.load(Ordering::SeqCst) == key).then(access);
+    // Release: the access comes before the owner, seeing 0, lets the memory go.
     entry.busy.store(0, Ordering::Release);
     r
 }
@@ -919,6 +958,57 @@ mod tests {
         });
         assert_eq!(busy.load(Ordering::SeqCst), 0);
         assert!(t.elapsed() >= Duration::from_millis(50));
+    }
+
+    /// The export protocol under a race, in both barrier modes: an accessor keeps accessing
+    /// (writing the key it used into `touched`, as a write into the region would) while the
+    /// owner withdraws; once the withdrawal has returned, no access may run.
+    #[test]
+    fn no_access_runs_after_its_withdrawal_returned() {
+        use std::sync::atomic::AtomicBool;
+        const ROUNDS: u64 = 20_000;
+        let (seg, _fd) = Segment::create(64 * 1024).unwrap();
+        let pid = std::process::id() as libc::pid_t;
+        for owner_barriers in [false, true] {
+            let entry = seg.export(0, 0).unwrap();
+            let touched = AtomicU64::new(0);
+            let target = AtomicU64::new(0);
+            let stop = AtomicBool::new(false);
+            let mut late = 0;
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        let k = target.load(Ordering::Acquire);
+                        if k != 0 {
+                            guarded(&entry, k, owner_barriers, || {
+                                touched.store(k, Ordering::Relaxed)
+                            });
+                        }
+                    }
+                });
+                for k in 1..=ROUNDS {
+                    entry.live.store(k, Ordering::SeqCst);
+                    target.store(k, Ordering::Release);
+                    while touched.load(Ordering::Relaxed) != k {
+                        std::hint::spin_loop();
+                    }
+                    close_entry(&entry, pid, owner_barriers && crate::sys::barriers());
+                    // The region's memory goes here; an access from now on would touch it.
+                    touched.store(0, Ordering::Relaxed);
+                    for _ in 0..50 {
+                        std::hint::spin_loop();
+                    }
+                    if touched.load(Ordering::SeqCst) != 0 {
+                        late += 1;
+                    }
+                }
+                stop.store(true, Ordering::Relaxed);
+            });
+            assert_eq!(
+                late, 0,
+                "barriers {owner_barriers}: accesses after the withdrawal returned"
+            );
+        }
     }
 
     #[test]
