@@ -182,8 +182,9 @@ impl Engine {
             next = next.min(at);
         }
         if Shared::credit_busy(&st) {
-            // Sends wait for credits, which arrive as an RDMA write (no completion): look at
-            // the word again soon, backing off while nothing comes.
+            // Sends wait for credits, which arrive on a message of the peer's (its delivery
+            // starts them) or as an RDMA write (no completion): look at the word again soon,
+            // backing off while nothing comes.
             next = next.min(now + self.credit_poll);
             self.credit_poll = (self.credit_poll * 2).min(CREDIT_POLL_MAX);
         } else {
