@@ -24,8 +24,7 @@ use crate::mr::MemoryRegion;
 use crate::shm::notice::Board;
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{
-    BARRIERS_YES, FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES,
-    Segment,
+    FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES, Segment,
 };
 use crate::shm::{bell, direct};
 
@@ -200,12 +199,6 @@ impl Flow {
         };
         // Release: nothing to order before it, but the peer reads it with Acquire.
         seg.ctrl(side).reads_peer.store(reads, Ordering::Release);
-        if crate::sys::barriers() {
-            // Relaxed: the peer reads it only after an offer, which the socket orders after.
-            seg.ctrl(side)
-                .barriers
-                .store(BARRIERS_YES, Ordering::Relaxed);
-        }
         let cap = seg.cap();
         // SAFETY: the cursors and rings live in `seg`, which the flow owns: the mapping lasts
         // as long as the producer and consumer can be used (they touch no memory when

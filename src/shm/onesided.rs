@@ -44,7 +44,7 @@ use crate::error::{Error, Result};
 use crate::log::log;
 use crate::mr::{Access, Exposure, MemoryRegion};
 use crate::shm::flow::{BYE, WAKE};
-use crate::shm::segment::{BARRIERS_YES, EXPORT_SLOTS, Export, READS_PEER_YES, Segment};
+use crate::shm::segment::{EXPORT_SLOTS, Export, READS_PEER_YES, Segment};
 use crate::sys::cvt;
 
 /// Offer packet: a region the sender lets its peer reach.
@@ -244,28 +244,15 @@ impl Exports {
     /// Clears the slot's key, then waits until no access of the peer is in progress there.
     fn withdraw(&self, slot: usize) {
         let entry = self.seg.export(self.side, slot).expect("slot in range");
-        close_entry(&entry, self.peer_proc, crate::sys::barriers());
+        close_entry(&entry, self.peer_proc);
     }
 }
 
 /// The owner's side of an export's protocol (see [`Export`]): clears `live`, then waits until
-/// `busy` is 0 (bounded, see the module docs), with a full barrier between the two; with
-/// `barriers` (the process takes part in them, as its `barriers` word told the peer) a
-/// system-wide one, which makes a plain store of the peer's raise visible.
-fn close_entry(entry: &Export<'_>, peer: libc::pid_t, barriers: bool) {
+/// `busy` is 0 (bounded, see the module docs).
+fn close_entry(entry: &Export<'_>, peer: libc::pid_t) {
     // SeqCst: the clear comes before the read of `busy` (Dekker with `guarded`).
     entry.live.store(0, Ordering::SeqCst);
-    // A peer told (`barriers`) that this side issues a system-wide barrier here raises `busy`
-    // with a plain store: the barrier makes that store visible before the look.
-    if barriers && let Err(e) = crate::sys::global_barrier() {
-        // Not seen in practice (the same call worked when the process started); a store of
-        // the peer's is visible within nanoseconds, so a long look at `busy` stands in.
-        log!(Error, "the system-wide barrier of a withdrawal failed: {e}");
-        let until = Instant::now() + Duration::from_millis(10);
-        while Instant::now() < until && entry.busy.load(Ordering::SeqCst) == 0 {
-            std::hint::spin_loop();
-        }
-    }
     wait_idle(entry.busy, peer);
 }
 
@@ -762,9 +749,7 @@ pub(crate) fn run(
     let Some(entry) = seg.export(peer_side, imp.slot) else {
         return Err(Refused::Denied);
     };
-    // Relaxed: the owner wrote it once, before it offered the region.
-    let plain = seg.ctrl(peer_side).barriers.load(Ordering::Relaxed) == BARRIERS_YES;
-    guarded(&entry, imp.key, plain, || match imp.target {
+    guarded(&entry, imp.key, || match imp.target {
         // SAFETY: `off..off+len` lies inside the mapping (checked above against the import's
         // length, which `Import::map` checked against the file), the mapping stays while
         // `imp` lives, and it is writable where the access needs it (writes and atomics need
@@ -782,28 +767,19 @@ pub(crate) fn run(
 }
 
 /// The accessing side of an export's protocol (see [`Export`]): raises `busy`, runs `access`
-/// if `live` still holds `key` (`None` if not: withdrawn), and lowers `busy`. `owner_barriers`:
-/// the owner said it issues a system-wide barrier when it withdraws.
+/// if `live` still holds `key` (`None` if not: withdrawn), and lowers `busy`.
 ///
 /// This side's accesses through one connection run one at a time (under its import cache's
-/// lock), so `busy` has one writer here: it is raised to 1 and lowered by a store. Raise then
-/// look, with a full barrier between (Dekker with the owner's clear of `live` and look at
-/// `busy`): if the key is still there, the owner waits for the lowering. The barrier is the
-/// owner's system-wide one when it issues those and this process takes part in them (which
-/// keeps an atomic read-modify-write off every access); an exchange otherwise.
+/// lock), so `busy` has one writer here: an exchange raises it, and a store lowers it. Raise
+/// then look, with a full barrier between (the exchange; Dekker with the owner's clear of
+/// `live` and look at `busy`): if the key is still there, the owner waits for the lowering.
+/// A plain store for the raise with a system-wide barrier on the owner's side
+/// (`membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`) was tried and is not sound: the kernel can
+/// skip a CPU that runs a thread of a registered process (seen on Linux 6.18: no interrupt to
+/// that CPU in 10,000 barriers), and the race test below then caught a late access.
 #[inline(always)]
-fn guarded<R>(
-    entry: &Export<'_>,
-    key: u64,
-    owner_barriers: bool,
-    access: impl FnOnce() -> R,
-) -> Option<R> {
-    if owner_barriers && crate::sys::barriers() {
-        entry.busy.store(1, Ordering::Relaxed);
-        std::sync::atomic::compiler_fence(Ordering::SeqCst);
-    } else {
-        entry.busy.swap(1, Ordering::SeqCst);
-    }
+fn guarded<R>(entry: &Export<'_>, key: u64, access: impl FnOnce() -> R) -> Option<R> {
+    entry.busy.swap(1, Ordering::SeqCst);
     let r = (entry.live.load(Ordering::SeqCst) == key).then(access);
     // Release: the access comes before the owner, seeing 0, lets the memory go.
     entry.busy.store(0, Ordering::Release);
@@ -960,7 +936,7 @@ mod tests {
         assert!(t.elapsed() >= Duration::from_millis(50));
     }
 
-    /// The export protocol under a race, in both barrier modes: an accessor keeps accessing
+    /// The export protocol under a race, an accessor keeps accessing
     /// (writing the key it used into `touched`, as a write into the region would) while the
     /// owner withdraws; once the withdrawal has returned, no access may run.
     #[test]
@@ -969,7 +945,7 @@ mod tests {
         const ROUNDS: u64 = 20_000;
         let (seg, _fd) = Segment::create(64 * 1024).unwrap();
         let pid = std::process::id() as libc::pid_t;
-        for owner_barriers in [false, true] {
+        {
             let entry = seg.export(0, 0).unwrap();
             let touched = AtomicU64::new(0);
             let target = AtomicU64::new(0);
@@ -980,9 +956,7 @@ mod tests {
                     while !stop.load(Ordering::Relaxed) {
                         let k = target.load(Ordering::Acquire);
                         if k != 0 {
-                            guarded(&entry, k, owner_barriers, || {
-                                touched.store(k, Ordering::Relaxed)
-                            });
+                            guarded(&entry, k, || touched.store(k, Ordering::Relaxed));
                         }
                     }
                 });
@@ -992,7 +966,7 @@ mod tests {
                     while touched.load(Ordering::Relaxed) != k {
                         std::hint::spin_loop();
                     }
-                    close_entry(&entry, pid, owner_barriers && crate::sys::barriers());
+                    close_entry(&entry, pid);
                     // The region's memory goes here; an access from now on would touch it.
                     touched.store(0, Ordering::Relaxed);
                     for _ in 0..50 {
@@ -1004,10 +978,7 @@ mod tests {
                 }
                 stop.store(true, Ordering::Relaxed);
             });
-            assert_eq!(
-                late, 0,
-                "barriers {owner_barriers}: accesses after the withdrawal returned"
-            );
+            assert_eq!(late, 0, "accesses after the withdrawal returned");
         }
     }
 

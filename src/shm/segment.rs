@@ -5,8 +5,7 @@
 //! - `0`: magic `u64`, version `u32`, ring capacity `u32`.
 //! - `CTRL + side * CTRL_STRIDE`: the control words one side writes (`side` 0 = the connecting
 //!   side, 1 = the accepting side): `sleeping` and `want_mark` (u32 each), `recv_posted`
-//!   (u64), `fatal` (u64), `reads_peer` and `barriers` (u32 each), each but the last on its
-//!   own cache line pair.
+//!   (u64), `fatal` (u64), `reads_peer` (u32), each on its own cache line pair.
 //! - `RING + dir * RING_STRIDE`: the cursor of ring `dir` (ring `d` carries side `d`'s
 //!   messages): `head`, written by the consumer (the records announce themselves, see
 //!   `ring.rs`).
@@ -64,34 +63,21 @@ pub(crate) struct Ctrl<'a> {
     /// [`DIRECT`](crate::shm::ring::DIRECT) records, and expose caller memory to it.
     /// [`READS_PEER_NO`] once it found it cannot; 0 until that side's connection started.
     pub(crate) reads_peer: &'a AtomicU32,
-    /// [`BARRIERS_YES`] once that side has found it withdraws its regions with a system-wide
-    /// barrier (see [`Export`]): the other may then raise `busy` with a plain store. Written
-    /// once, before the connection starts; 0 otherwise.
-    pub(crate) barriers: &'a AtomicU32,
 }
 
 /// One entry of a side's export table, through which the peer reaches one region.
 ///
 /// The owner writes `live`: the region's key while the peer may reach it, 0 otherwise. The
 /// peer raises `busy` (to 1: its accesses through the connection run one at a time) around
-/// every access, and looks at `live` only after raising it; the owner, to withdraw a region,
-/// clears `live` and then waits for `busy` to be 0. Each side puts a full barrier between
-/// its store and its load (Dekker), so whichever of the two comes second sees the other:
-/// either the access finds the region withdrawn and touches nothing, or the owner waits until
-/// it is over. The barriers: SeqCst on both sides; or, when the owner says (`barriers`) that
-/// it issues a system-wide barrier (`membarrier`) after its clear and the peer's process takes
-/// part in those, a plain store on the peer's side, which keeps an atomic read-modify-write
-/// off every access.
+/// every access, and looks at `live` only after raising it (both SeqCst); the owner, to withdraw a region, clears `live` and then waits for `busy` to be 0
+/// (both SeqCst). Whichever of the two comes second sees the other: either the access finds
+/// the region withdrawn and touches nothing, or the owner waits until it is over.
 pub(crate) struct Export<'a> {
     /// The region's key while it is reachable; 0 otherwise.
     pub(crate) live: &'a AtomicU64,
     /// Nonzero while the peer accesses the region.
     pub(crate) busy: &'a AtomicU64,
 }
-
-/// `barriers`: that side issues a system-wide barrier between clearing an export's `live`
-/// and looking at its `busy`.
-pub(crate) const BARRIERS_YES: u32 = 1;
 
 /// `reads_peer`: that side can reach the other's memory.
 pub(crate) const READS_PEER_YES: u32 = 1;
@@ -215,7 +201,6 @@ impl Segment {
             recv_posted: self.u64_at(b + 128),
             fatal: self.u64_at(b + 256),
             reads_peer: self.u32_at(b + 384),
-            barriers: self.u32_at(b + 388),
         }
     }
 
