@@ -17,7 +17,7 @@ use rdmabridge::{
 /// The wire format of the handshake and the layout of the shared segment, as documented in
 /// `src/shm/handshake.rs` and `src/shm/segment.rs`: a hostile peer knows them too.
 const MAGIC: u32 = 0x3152_4252;
-const VERSION: u16 = 2;
+const VERSION: u16 = 3;
 const HELLO: u16 = 1;
 const ACCEPT: u16 = 2;
 const NO_SLOT: u32 = u32::MAX;
@@ -208,6 +208,44 @@ fn a_forged_oversized_record_ends_the_connection_with_a_protocol_error() {
     unsafe { mr.read(0, &mut bytes) }.unwrap();
     assert!(bytes.iter().all(|&b| b == 0));
     drop(peer);
+}
+
+/// A direct record (a large message the receiver copies itself) naming a region key the peer
+/// never offered: refused, the receive waiting for it is flushed and untouched, the connection
+/// ends. (The peer's hello names no word of its memory to read, so this side does not copy
+/// from its process, and a record without a key is refused the same way.)
+#[test]
+fn a_forged_direct_record_with_an_unknown_key_ends_the_connection() {
+    for key in [0x5eed_u64, 0] {
+        let ctx = Context::new().unwrap();
+        let addr = unique_addr("hostile-direct");
+        let (conn, cq, peer) = accept_hostile(&ctx, &addr);
+        let size = 512 << 10;
+        let mr = ctx.alloc_mr(size, Access::LOCAL_WRITE).unwrap();
+        conn.post_recv(&mr, 0, size, 7).unwrap();
+        // Header words after the stamp: len 16, flags FIRST | LAST | DIRECT, imm, total; the
+        // payload (address, key) after the 32-byte header; then the stamp, last.
+        let mut hdr = Vec::new();
+        for w in [16u32, 1 | 2 | 16, 0, 256 << 10] {
+            hdr.extend_from_slice(&w.to_le_bytes());
+        }
+        peer.poke(DATA + 8, &hdr);
+        let mut payload = Vec::new();
+        payload.extend_from_slice(&(mr.as_ptr() as u64).to_le_bytes());
+        payload.extend_from_slice(&key.to_le_bytes());
+        peer.poke(DATA + 32, &payload);
+        peer.poke(DATA, &1u64.to_le_bytes());
+        peer.ring_peer();
+        assert_failed_by_protocol(&until_disconnected(&cq), 7);
+        let mut bytes = vec![1u8; size];
+        // SAFETY: the receive into these bytes completed (flushed): nothing writes them now.
+        unsafe { mr.read(0, &mut bytes) }.unwrap();
+        assert!(
+            bytes.iter().all(|&b| b == 0),
+            "key {key:#x}: buffer untouched"
+        );
+        drop(peer);
+    }
 }
 
 /// Garbage over both rings and both cursors - what the library reads and what it writes -

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::bell;
 use crate::shm::engine::Engine;
-use crate::shm::flow::{Flow, RecvWr, SendSrc};
+use crate::shm::flow::{Flow, Reach, RecvWr, SendSrc};
 use crate::shm::notice::Board;
 use crate::shm::onesided::{self, Exports, ImportCache, Inbox};
 use crate::shm::segment::Segment;
@@ -47,7 +47,7 @@ pub(crate) struct Shared {
     /// after the flow's lock when both are held, and alone by the lock-free one-sided path;
     /// never by pollers. A spin lock: it is held for an access or a look-up, never across a
     /// sleep (the locked path may take the offer inbox's lock, held as briefly).
-    imports: SpinLock<ImportCache>,
+    imports: Arc<SpinLock<ImportCache>>,
     /// The connection's segment, this side's index in it, and the peer's process when this
     /// side may reach its memory (as the flow has them; fixed for the connection's life).
     seg: Arc<Segment>,
@@ -66,7 +66,7 @@ pub(crate) struct Shared {
     pub(crate) exports: Arc<Exports>,
     /// The reader of the connection's socket and the peer's regions it learned of. Taken
     /// after the flow's lock when both are held.
-    pub(crate) inbox: Mutex<Inbox>,
+    pub(crate) inbox: Arc<Mutex<Inbox>>,
     /// How many imports the inbox forgot so far (its [`Inbox::forgotten`]).
     pub(crate) imports_forgotten: Arc<AtomicU64>,
     /// Polls in a row that moved nothing (see `settle`).
@@ -196,8 +196,8 @@ impl Source for Shared {
             self.idle_polls.load(Ordering::Relaxed).saturating_add(1)
         };
         self.idle_polls.store(idle, Ordering::Relaxed);
-        if flow.failed.is_some() {
-            // The background work tears it down.
+        if flow.failed.is_some() || flow.take_inbox_news() {
+            // The background work tears it down, or has packets of its own to look at.
             drop(flow);
             self.wake.wake();
         } else if flow.busy() {
@@ -319,7 +319,7 @@ impl Conn {
         let driver = ctx.driver.get().map_err(Error::Thread)?;
         let seg = Arc::new(seg);
         let exports = Arc::new(Exports::new(seg.clone(), side, peer_proc, sock.as_raw_fd()));
-        let flow = Flow::new(
+        let mut flow = Flow::new(
             seg.clone(),
             side,
             sock.as_raw_fd(),
@@ -329,6 +329,14 @@ impl Conn {
             peer_pid,
         );
         let inbox = Inbox::default();
+        let imports_forgotten = inbox.forgotten();
+        let inbox = Arc::new(Mutex::new(inbox));
+        let imports = Arc::new(SpinLock::new(ImportCache::default()));
+        flow.set_reach(Reach {
+            exports: exports.clone(),
+            inbox: inbox.clone(),
+            accesses: imports.clone(),
+        });
         let sh = Arc::new(Shared {
             info,
             report: Reporter {
@@ -340,7 +348,7 @@ impl Conn {
             ctx,
             gate: AtomicUsize::new(flow.gate()),
             flow: SpinLock::new(flow),
-            imports: SpinLock::new(ImportCache::default()),
+            imports,
             seg,
             side,
             peer_pid,
@@ -350,8 +358,8 @@ impl Conn {
             slot: slot.as_ref().map(|r| r.slot()),
             idle_polls: AtomicU32::new(0),
             exports,
-            imports_forgotten: inbox.forgotten(),
-            inbox: Mutex::new(inbox),
+            imports_forgotten,
+            inbox,
         });
         // Before the background work starts, so that its teardown's removal always comes after.
         if slot.is_some() {

@@ -103,6 +103,8 @@ impl Engine {
         if let Some(end) = flow.failed {
             return Err(end);
         }
+        // Packets the step read from the socket (a goodbye, an end) are looked at next round.
+        let moved = flow.take_inbox_news() || moved;
         drop(flow);
         if moved {
             self.idle_since = None;
@@ -184,6 +186,10 @@ impl Engine {
         }
         if let Some(end) = flow.failed {
             return Err(end);
+        }
+        if flow.take_inbox_news() {
+            // Packets the step read from the socket (a goodbye, an end): looked at at once.
+            return Ok(Next::Again);
         }
         let help = assist || flow.blocked();
         flow.set_sleeping(help);

@@ -18,15 +18,19 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use parking_lot::Mutex;
+
 use crate::cq::{Completion, Opcode, Reporter, WcStatus};
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::notice::Board;
+use crate::shm::onesided::{self, Exports, ImportCache, Inbox};
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{
     FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES, Segment,
 };
 use crate::shm::{bell, direct};
+use crate::sync::SpinLock;
 
 /// [`Flow::gate`] of a connection that is down: above every send queue's depth.
 pub(crate) const GATE_DOWN: usize = usize::MAX;
@@ -35,6 +39,16 @@ pub(crate) const GATE_DOWN: usize = usize::MAX;
 pub(crate) const WAKE: u8 = 1;
 /// Goodbye packet: an orderly close follows.
 pub(crate) const BYE: u8 = 2;
+
+/// What a flow needs for large messages in one copy through the mapping of a region the
+/// library allocated (see `onesided.rs`): the connection's exports, to expose the region a
+/// send comes from; its inbox, to find the region the peer exposed; and the lock its
+/// one-sided accesses run under, which a copy out of the peer's region takes too.
+pub(crate) struct Reach {
+    pub(crate) exports: Arc<Exports>,
+    pub(crate) inbox: Arc<Mutex<Inbox>>,
+    pub(crate) accesses: Arc<SpinLock<ImportCache>>,
+}
 
 /// Why the connection ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +190,10 @@ pub(crate) struct Flow {
     peer_pid: Option<libc::pid_t>,
     /// The peer can copy from ours, so large sends may go direct (known once it says so).
     peer_reads_us: bool,
+    /// Large messages through a region's mapping (see [`Reach`]); `None` until set.
+    reach: Option<Reach>,
+    /// See [`Flow::take_inbox_news`].
+    inbox_news: bool,
     /// No more posting or progress: the connection is down (set by its driver in teardown).
     pub(crate) closed: bool,
     /// Why the connection must end, as found by whoever drove it; its driver tears it down.
@@ -234,9 +252,16 @@ impl Flow {
             peer_board,
             peer_pid,
             peer_reads_us: false,
+            reach: None,
+            inbox_news: false,
             closed: false,
             failed: None,
         }
+    }
+
+    /// Lets large messages go through a region's mapping, both ways (see [`Reach`]).
+    pub(crate) fn set_reach(&mut self, reach: Reach) {
+        self.reach = Some(reach);
     }
 
     pub(crate) fn check_open(&self) -> Result<()> {
@@ -283,10 +308,14 @@ impl Flow {
         let mut copied = 0;
         let mut keep = Some(keep);
         let mut src = None;
-        if self.pending.is_empty() && self.direct_ok(len) {
+        let mut direct = false;
+        if self.pending.is_empty() && len >= direct::DIRECT_MIN {
             let s = keep.take().expect("not taken yet")();
-            if let SendSrc::Region { mr, .. } = &s {
-                match self.start_direct(ptr, len, wr_id, signaled, mr) {
+            if let SendSrc::Region { mr, .. } = &s
+                && let Some(key) = self.direct_key(len, mr)
+            {
+                direct = true;
+                match self.start_direct(ptr, len, wr_id, signaled, mr, key) {
                     Ok(true) => {
                         self.ring_peer();
                         return Ok(());
@@ -299,7 +328,8 @@ impl Flow {
                 }
             }
             src = Some(s);
-        } else if self.pending.is_empty() {
+        }
+        if self.pending.is_empty() && !direct {
             // SAFETY: the caller's contract.
             match unsafe { self.start_message(ptr, len, wr_id, signaled) } {
                 Ok(Some(n)) if n == len => {
@@ -484,12 +514,25 @@ impl Flow {
         !self.pending.is_empty()
     }
 
-    /// Whether a send of `len` bytes from a region goes direct: it is large, and the peer
-    /// has said it can copy from this process.
-    fn direct_ok(&mut self, len: usize) -> bool {
+    /// How a send of `len` bytes from `mr` goes in one copy (a direct record): `Some(key)` of
+    /// `mr` as exposed to the peer, which copies from its own mapping of it (a region the
+    /// library allocated); `Some(0)` when the peer copies from this process with
+    /// `process_vm_readv`; `None` when the message is smaller than [`direct::DIRECT_MIN`] or
+    /// neither way is open (it goes through the ring).
+    fn direct_key(&mut self, len: usize, mr: &Arc<MemoryRegion>) -> Option<u64> {
         if len < direct::DIRECT_MIN {
-            return false;
+            return None;
         }
+        if let Some(reach) = &self.reach
+            && let Some(key) = reach.exports.expose_for_send(self.sock, mr)
+        {
+            return Some(key);
+        }
+        self.peer_reads_us().then_some(0)
+    }
+
+    /// Whether the peer has said it can copy from this process.
+    fn peer_reads_us(&mut self) -> bool {
         if !self.peer_reads_us {
             self.peer_reads_us = self
                 .seg
@@ -504,6 +547,7 @@ impl Flow {
     /// Starts a message of `len` bytes at `ptr` (inside `mr`) as a direct record if a credit
     /// and room allow; returns whether it did. The send holds `mr` until the peer takes the
     /// record, which it does only after copying the bytes.
+    #[allow(clippy::too_many_arguments)]
     fn start_direct(
         &mut self,
         ptr: *const u8,
@@ -511,11 +555,12 @@ impl Flow {
         wr_id: u64,
         signaled: bool,
         mr: &Arc<MemoryRegion>,
+        key: u64,
     ) -> Result<bool> {
         if !self.has_credit() {
             return Ok(false);
         }
-        if !self.tx.write_direct(ptr as u64, len)? {
+        if !self.tx.write_direct(ptr as u64, key, len)? {
             return Ok(false);
         }
         self.msgs_started += 1;
@@ -714,11 +759,11 @@ impl Flow {
             };
             let len = wr.len;
             if let Some(mr) = region
-                && self.direct_ok(len)
+                && let Some(key) = self.direct_key(len, &mr)
             {
                 let wr = self.pending.front().expect("front exists");
                 let (ptr, len, wr_id, signaled) = (wr.ptr(), wr.len, wr.wr_id, wr.signaled);
-                if !self.start_direct(ptr, len, wr_id, signaled, &mr)? {
+                if !self.start_direct(ptr, len, wr_id, signaled, &mr, key)? {
                     break;
                 }
                 self.pending.pop_front();
@@ -935,11 +980,8 @@ impl Flow {
         emit: &mut dyn FnMut(Completion),
     ) -> std::result::Result<(), ReceiveError> {
         let whole = ring::FIRST | ring::LAST;
-        // Only a peer told it may send direct records does; one is a whole message.
-        let Some(pid) = self.peer_pid else {
-            return Err(ReceiveError::Protocol);
-        };
-        if self.filling || rec.flags & whole != whole || rec.len != 8 {
+        // A direct record is a whole message.
+        if self.filling || rec.flags & whole != whole || rec.len != ring::DIRECT_PAYLOAD {
             return Err(ReceiveError::Protocol);
         }
         let Some(wr) = self.recvs.front() else {
@@ -952,13 +994,71 @@ impl Flow {
             .mr
             .slice_ptr(wr.offset, rec.total)
             .map_err(|_| ReceiveError::Protocol)?;
-        // SAFETY: the payload is 8 bytes inside the ring (checked by `peek`).
-        let addr = u64::from_le_bytes(unsafe { rec.payload.cast::<[u8; 8]>().read_unaligned() });
+        // SAFETY: the payload is DIRECT_PAYLOAD bytes inside the ring (checked by `peek`).
+        let payload = unsafe {
+            rec.payload
+                .cast::<[u8; ring::DIRECT_PAYLOAD]>()
+                .read_unaligned()
+        };
+        let addr = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"));
+        let key = u64::from_le_bytes(payload[8..].try_into().expect("8 bytes"));
         // The receive's range was bounds-checked against its region, which the work request
-        // holds; a bad address of the peer's fails the copy, not this process.
-        direct::copy_from(pid, addr, dst, rec.total).map_err(|_| ReceiveError::Protocol)?;
+        // holds; a bad address or key of the peer's fails the copy, not this process.
+        if key != 0 {
+            self.copy_mapped(key, addr, dst, rec.total)?;
+        } else {
+            // Only a peer told it may copy from this process sends such records.
+            let Some(pid) = self.peer_pid else {
+                return Err(ReceiveError::Protocol);
+            };
+            direct::copy_from(pid, addr, dst, rec.total).map_err(|_| ReceiveError::Protocol)?;
+        }
         self.deliver(Opcode::Recv, rec.total, None, report, emit)?;
         Ok(())
+    }
+
+    /// Copies a large message of `len` bytes at the peer's `addr` out of the peer's region it
+    /// exposed under `key` (see `direct_key`), mapped here, into `dst`.
+    fn copy_mapped(
+        &mut self,
+        key: u64,
+        addr: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> std::result::Result<(), ReceiveError> {
+        let Some(reach) = &self.reach else {
+            return Err(ReceiveError::Protocol);
+        };
+        let mut news = false;
+        let import = {
+            let mut inbox = reach.inbox.lock();
+            match inbox.get(key) {
+                Some(i) => Some(i),
+                None => {
+                    // The offer went out before the record did: it is in the socket.
+                    news = inbox.drain(self.sock);
+                    inbox.get(key)
+                }
+            }
+        };
+        let copied = import.ok_or(ReceiveError::Protocol).and_then(|import| {
+            // Accesses through one connection run one at a time (see `onesided::guarded`).
+            let _one = reach.accesses.lock();
+            // SAFETY: `dst` is writable for `len` bytes (a posted receive's range, checked by
+            // the caller); the peer's mapping is not this side's memory.
+            unsafe { onesided::copy_mapped(&import, addr, dst, len, &self.seg, 1 - self.side) }
+                .map_err(|_| ReceiveError::Protocol)
+        });
+        // Doorbells or a goodbye read here are the background work's (see `take_inbox_news`).
+        self.inbox_news |= news;
+        copied
+    }
+
+    /// Whether a receive read doorbells or a goodbye from the socket on the way (see
+    /// `copy_mapped`): whoever drove the flow then wakes the connection's background work,
+    /// whose news they are. Reading it clears it.
+    pub(crate) fn take_inbox_news(&mut self) -> bool {
+        std::mem::take(&mut self.inbox_news)
     }
 
     /// Tells the peer it has news: marks its notice board (so its pollers look at this

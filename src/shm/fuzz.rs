@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 use crate::conn::{RdmaOp, RdmaRequest, Sge, Transport, pack_remote, unpack_remote};
 use crate::mr::{Access, MemoryRegion};
 use crate::shm::onesided::{Inbox, OFFER, REVOKED, Refused, run};
-use crate::shm::ring::{Consumer, Producer};
+use crate::shm::ring::{self, Consumer, Producer};
 use crate::shm::segment::Segment;
 use crate::{Context, SendFlags};
 
@@ -167,10 +167,11 @@ pub fn ring(data: &[u8]) {
                 let Some(p) = tx.as_mut() else { continue };
                 let (addr, total) = (input.u64(), usize::from(input.u16()));
                 let r = if input.u8() & 1 == 0 {
-                    // A direct message is never shorter than its 8-byte record (flow.rs sends
-                    // only large ones so).
-                    p.write_direct(addr, total.max(8))
-                        .map(|ok| ok.then(|| addr.to_le_bytes().to_vec()))
+                    // A direct message is never shorter than its record (flow.rs sends only
+                    // large ones so).
+                    let key = input.u64();
+                    p.write_direct(addr, key, total.max(ring::DIRECT_PAYLOAD))
+                        .map(|ok| ok.then(|| [addr.to_le_bytes(), key.to_le_bytes()].concat()))
                 } else {
                     p.write_imm(addr as u32, total).map(|ok| ok.then(Vec::new))
                 };

@@ -28,8 +28,9 @@ use crate::shm::segment::{DEFAULT_RING_CAP, Segment};
 use crate::sys::{self, cvt};
 
 const MAGIC: u32 = 0x3152_4252; // "RBR1"
-/// Version 2: notice boards.
-const VERSION: u16 = 2;
+/// Version 2: notice boards. Version 3: a direct record carries a key (a large message copied
+/// out of the mapping of the region it is in).
+const VERSION: u16 = 3;
 const HELLO: u16 = 1;
 const ACCEPT: u16 = 2;
 const REJECT: u16 = 3;

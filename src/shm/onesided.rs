@@ -59,6 +59,10 @@ const OFFER_LEN: usize = 40;
 /// Offer kinds: caller memory (reached through the kernel), or a memfd that comes along.
 const KIND_PROCESS: u32 = 0;
 const KIND_MAPPED: u32 = 1;
+/// At most this many of a connection's export slots in use when a region is exposed only so
+/// that the peer may copy large messages out of it (see [`Exports::expose_for_send`]): the
+/// rest stay for the program's own regions.
+const SEND_SLOTS: usize = 64;
 /// Longest a revocation waits for the peer's accesses in progress.
 pub(crate) const REVOKE_WAIT: Duration = Duration::from_secs(10);
 /// Longest exposing caller memory waits for the peer to say whether it can reach it (it says
@@ -226,6 +230,31 @@ impl Exports {
         let weak: Weak<dyn Exposure> = Arc::downgrade(self) as Weak<dyn Exposure>;
         mr.add_exposure(weak);
         Ok(key)
+    }
+
+    /// The key under which the peer may copy a large message straight out of `mr`, a region
+    /// the library allocated, exposing it now if it is not yet (its offer is then in the
+    /// peer's socket before the message's record can be in its ring). `None` when it cannot
+    /// be - caller memory, the connection ending, [`SEND_SLOTS`] slots in use, an offer that
+    /// did not go out - and the message goes another way. The exposure gives the peer no
+    /// access the region's flags do not: it lasts, as any, until the region or the
+    /// connection goes.
+    pub(crate) fn expose_for_send(
+        self: &Arc<Self>,
+        sock: RawFd,
+        mr: &Arc<MemoryRegion>,
+    ) -> Option<u64> {
+        mr.memfd()?;
+        {
+            let st = self.lock();
+            if let Some(&(key, _)) = st.by_mr.get(&mr.id()) {
+                return Some(key);
+            }
+            if st.used.iter().filter(|u| **u).count() >= SEND_SLOTS {
+                return None;
+            }
+        }
+        self.expose(sock, mr, false).ok()
     }
 
     /// The connection ended: every region is withdrawn, and no access of the peer to any of
@@ -764,6 +793,39 @@ pub(crate) fn run(
         },
     })
     .unwrap_or(Err(Refused::Withdrawn))
+}
+
+/// Copies `len` bytes at the peer's address `addr`, which must lie inside the region `imp`
+/// maps here, into `dst`, under the export protocol (as a read does): the receiving side of a
+/// large message sent from a region the peer exposed for it. `Err` when the range is not
+/// inside the region, the region is not mapped here, or the peer withdrew it; nothing is
+/// copied then.
+///
+/// # Safety
+/// `dst` is writable for `len` bytes and does not overlap the mapping.
+pub(crate) unsafe fn copy_mapped(
+    imp: &Import,
+    addr: u64,
+    dst: *mut u8,
+    len: usize,
+    seg: &Segment,
+    peer_side: usize,
+) -> std::result::Result<(), Refused> {
+    let Target::Mapped { base, .. } = imp.target else {
+        return Err(Refused::Denied);
+    };
+    let off = addr.checked_sub(imp.addr).ok_or(Refused::Denied)?;
+    match off.checked_add(len as u64) {
+        Some(end) if end <= imp.len => {}
+        _ => return Err(Refused::Denied),
+    }
+    let entry = seg.export(peer_side, imp.slot).ok_or(Refused::Denied)?;
+    guarded(&entry, imp.key, || {
+        // SAFETY: `off..off+len` lies inside the import's length, which `Import::map` checked
+        // against the file and mapped; `dst` is writable for `len` (the caller's contract).
+        unsafe { copy(base.as_ptr().add(off as usize).cast_const(), dst, len) }
+    })
+    .ok_or(Refused::Withdrawn)
 }
 
 /// The accessing side of an export's protocol (see [`Export`]): raises `busy`, runs `access`

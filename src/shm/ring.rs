@@ -27,9 +27,13 @@ pub(crate) const LAST: u32 = 2;
 pub(crate) const IMM: u32 = 4;
 /// Filler up to the end of the ring.
 pub(crate) const PAD: u32 = 8;
-/// The whole message stays in the sender's memory; the payload is its address (`u64`), and
-/// the receiver copies the `total` bytes from there itself (see `flow.rs`).
+/// The whole message stays in the sender's memory; the payload is its address and a key
+/// ([`DIRECT_PAYLOAD`]), and the receiver copies the `total` bytes from there itself (see
+/// `flow.rs`).
 pub(crate) const DIRECT: u32 = 16;
+/// Bytes of a [`DIRECT`] record's payload: the sender's address, and a key (see
+/// [`Producer::write_direct`]).
+pub(crate) const DIRECT_PAYLOAD: usize = 16;
 
 /// A write with immediate data: the bytes are already in the receiver's memory; the record,
 /// with no payload, carries the immediate value and, in `total`, the bytes written, and
@@ -267,13 +271,19 @@ impl<M: Memory> Producer<M> {
         unsafe { self.write_record(src, want, first, ends_message_if_all, imm, total, 0) }
     }
 
-    /// Writes a [`DIRECT`] record for a message of `total` bytes at `addr` in this process.
-    /// Returns whether it fit.
-    pub(crate) fn write_direct(&mut self, addr: u64, total: usize) -> Result<bool> {
-        let b = addr.to_le_bytes();
-        // SAFETY: `b` is readable for its 8 bytes.
-        let r = unsafe { self.write_record(b.as_ptr(), 8, true, true, None, total, DIRECT)? };
-        Ok(r == Some(8))
+    /// Writes a [`DIRECT`] record for a message of `total` bytes at `addr` in this process:
+    /// its payload is the address and `key`, the key under which the region holding the
+    /// message is exposed to the peer (which then copies from its mapping of it), or 0 (the
+    /// peer copies from this process with `process_vm_readv`). Returns whether it fit.
+    pub(crate) fn write_direct(&mut self, addr: u64, key: u64, total: usize) -> Result<bool> {
+        let mut b = [0u8; DIRECT_PAYLOAD];
+        b[..8].copy_from_slice(&addr.to_le_bytes());
+        b[8..].copy_from_slice(&key.to_le_bytes());
+        // SAFETY: `b` is readable for its bytes.
+        let r = unsafe {
+            self.write_record(b.as_ptr(), DIRECT_PAYLOAD, true, true, None, total, DIRECT)?
+        };
+        Ok(r == Some(DIRECT_PAYLOAD))
     }
 
     /// Writes a [`WRITE_IMM`] record for a write of `total` bytes with immediate `imm`.
