@@ -1152,7 +1152,9 @@ void rbr_conn_destroy(struct rbr_conn *conn);
  * process_vm_readv/writev where the kernel lets the peer do so, and otherwise this returns
  * RBR_ERR_UNSUPPORTED, as it does for caller memory with RBR_ACCESS_REMOTE_ATOMIC (atomics
  * need the shared mapping). Over shm at most 256 regions may be reachable through one
- * connection at once (RBR_ERR_INVALID beyond that, until some are destroyed).
+ * connection at once (RBR_ERR_INVALID beyond that, until some are destroyed), counting up to
+ * 64 allocated regions that messages of 256 KiB or more were sent from (the peer copies those
+ * out of its mapping of the region).
  *
  * # Safety
  * `conn`, `mr` live; `desc` writable for RBR_REMOTE_DESC_LEN bytes.

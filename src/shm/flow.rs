@@ -514,13 +514,14 @@ impl Flow {
         !self.pending.is_empty()
     }
 
-    /// How a send of `len` bytes from `mr` goes in one copy (a direct record): `Some(key)` of
-    /// `mr` as exposed to the peer, which copies from its own mapping of it (a region the
-    /// library allocated); `Some(0)` when the peer copies from this process with
-    /// `process_vm_readv`; `None` when the message is smaller than [`direct::DIRECT_MIN`] or
-    /// neither way is open (it goes through the ring).
+    /// How a send of `len` bytes from `mr` goes in one copy (a direct record), when it is at
+    /// least [`direct::DIRECT_MIN`] bytes and the peer may read this process's memory (it
+    /// said so; otherwise the message goes through the ring): `Some(key)` of `mr` as exposed
+    /// to the peer, which copies from its own mapping of it (a region the library allocated;
+    /// the peer can read no more than it already could); `Some(0)` when it copies from this
+    /// process with `process_vm_readv`.
     fn direct_key(&mut self, len: usize, mr: &Arc<MemoryRegion>) -> Option<u64> {
-        if len < direct::DIRECT_MIN {
+        if len < direct::DIRECT_MIN || !self.peer_reads_us() {
             return None;
         }
         if let Some(reach) = &self.reach
@@ -528,7 +529,7 @@ impl Flow {
         {
             return Some(key);
         }
-        self.peer_reads_us().then_some(0)
+        Some(0)
     }
 
     /// Whether the peer has said it can copy from this process.

@@ -236,9 +236,10 @@ impl Exports {
     /// the library allocated, exposing it now if it is not yet (its offer is then in the
     /// peer's socket before the message's record can be in its ring). `None` when it cannot
     /// be - caller memory, the connection ending, [`SEND_SLOTS`] slots in use, an offer that
-    /// did not go out - and the message goes another way. The exposure gives the peer no
-    /// access the region's flags do not: it lasts, as any, until the region or the
-    /// connection goes.
+    /// did not go out - and the message goes another way. The exposure lasts, as any, until
+    /// the region or the connection goes; the peer's process can read the whole region
+    /// meanwhile (its library reads only the messages' bytes), which is why the flow asks
+    /// for it only of a peer that may read this process's memory anyway (`Flow::direct_key`).
     pub(crate) fn expose_for_send(
         self: &Arc<Self>,
         sock: RawFd,
