@@ -107,3 +107,72 @@ fn a_dropped_region_is_unmapped_by_the_peer_while_the_connection_lives() {
         }
     }
 }
+
+/// A large message sent from an allocated region goes through the peer's mapping of the
+/// region (one more mapping of it while it lives, gone soon after it is dropped), and cycles
+/// of that - the region dropped before the connection closes, or after - leave no descriptor
+/// or mapping behind.
+#[test]
+fn large_messages_through_mappings_leak_nothing() {
+    use common::*;
+    use rdmabridge::{Access, ConnOptions, Context, Opcode, SendFlags, WcStatus};
+    let _alone = ALONE.lock().unwrap_or_else(|p| p.into_inner());
+
+    const SIZE: usize = 1 << 20;
+    let ctx = Context::new().unwrap();
+    let wait_maps = |want: usize, what: &str| {
+        let t = std::time::Instant::now();
+        while our_map_count() != want {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(5),
+                "{what}: {} mappings of regions, not {want}",
+                our_map_count()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    let cycle = |ctx: &Context, drop_first: bool| {
+        let dst = ctx.alloc_mr(SIZE, Access::LOCAL_WRITE).unwrap();
+        let base = our_map_count();
+        let o = ConnOptions::default();
+        let (c, ccq, s, scq) = pair(&Net::Shm, ctx, &o, &o);
+        let before = our_map_count();
+        let src = ctx.alloc_mr(SIZE, Access::LOCAL_WRITE).unwrap();
+        unsafe { src.write(0, &pattern(5, SIZE)) }.unwrap();
+        s.post_recv(&dst, 0, SIZE, 1).unwrap();
+        c.post_send(&src, 0, SIZE, 2, SendFlags::SIGNALED).unwrap();
+        for cq in [&scq, &ccq] {
+            assert_eq!(next(cq).status, WcStatus::Success);
+        }
+        let mut got = vec![0u8; SIZE];
+        unsafe { dst.read(0, &mut got) }.unwrap();
+        assert!(got == pattern(5, SIZE));
+        assert_eq!(
+            our_map_count(),
+            before + 2,
+            "the sender's mapping and the peer's"
+        );
+        if drop_first {
+            drop(src);
+            wait_maps(before, "the region dropped");
+            drop((c, s));
+        } else {
+            drop((c, s));
+            drop(src);
+        }
+        for cq in [&ccq, &scq] {
+            while next(cq).opcode != Opcode::Disconnected {}
+        }
+        drop((ccq, scq));
+        wait_maps(base, "the connection closed");
+    };
+    cycle(&ctx, true);
+    let (fds, maps, ours) = (fd_count(), map_count(), our_map_count());
+    for i in 0..20 {
+        cycle(&ctx, i % 2 == 0);
+    }
+    assert_eq!(
+        (fd_count(), map_count(), our_map_count()),
+        (fds, maps, ours)
+    );
+}
