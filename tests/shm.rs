@@ -1253,9 +1253,9 @@ fn faults_echo_server_child() {
     common::faults::echo_server_child();
 }
 
-/// Large messages (256 KiB and more) go in one copy: from a region the library allocated the
-/// receiver copies out of its own mapping of the region, from caller memory with
-/// `process_vm_readv`.
+/// Messages of 1 KiB and more from a region the library allocated go in one copy, the receiver
+/// copying out of its own mapping of the region; from caller memory, messages of 256 KiB and
+/// more, with `process_vm_readv`.
 mod large_messages {
     use super::*;
     use rdmabridge::{Access, CqOptions, MemoryRegion, Opcode, Progress, SendFlags, WcStatus};
@@ -1322,7 +1322,15 @@ mod large_messages {
             let dst = ctx.alloc_mr(MAX, Access::LOCAL_WRITE).unwrap();
             let mut id = 0;
             for src in [&allocated, &caller] {
-                for size in [256 << 10, (256 << 10) + 1, 1 << 20, MAX - 8] {
+                for size in [
+                    1023,
+                    1024,
+                    4096,
+                    (256 << 10) - 1,
+                    256 << 10,
+                    1 << 20,
+                    MAX - 8,
+                ] {
                     for _ in 0..3 {
                         id += 1;
                         let data = pattern(id, size);

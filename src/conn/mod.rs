@@ -350,7 +350,7 @@ impl Connection {
     /// memory with [`crate::Access::REMOTE_ATOMIC`] (atomics need the shared mapping). Over
     /// shm at most 256 regions may be reachable through one connection at once
     /// ([`Error::InvalidArgument`] beyond that, until some are dropped), counting up to 64
-    /// allocated regions that messages of 256 KiB or more were sent from (the peer copies
+    /// allocated regions that messages of 1 KiB or more were sent from (the peer copies
     /// those out of its mapping of the region); dropping a region waits for the peer's
     /// accesses to it in progress (a bounded time).
     pub fn pack_region(&self, mr: &Arc<MemoryRegion>) -> Result<[u8; REMOTE_DESC_LEN]> {

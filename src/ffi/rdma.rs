@@ -96,7 +96,7 @@ impl From<&rbr_remote> for RemoteRegion {
 /// RBR_ERR_UNSUPPORTED, as it does for caller memory with RBR_ACCESS_REMOTE_ATOMIC (atomics
 /// need the shared mapping). Over shm at most 256 regions may be reachable through one
 /// connection at once (RBR_ERR_INVALID beyond that, until some are destroyed), counting up to
-/// 64 allocated regions that messages of 256 KiB or more were sent from (the peer copies those
+/// 64 allocated regions that messages of 1 KiB or more were sent from (the peer copies those
 /// out of its mapping of the region).
 ///
 /// # Safety

@@ -309,7 +309,7 @@ impl Flow {
         let mut keep = Some(keep);
         let mut src = None;
         let mut direct = false;
-        if self.pending.is_empty() && len >= direct::DIRECT_MIN {
+        if self.pending.is_empty() && len >= direct::MAPPED_MIN {
             let s = keep.take().expect("not taken yet")();
             if let SendSrc::Region { mr, .. } = &s
                 && let Some(key) = self.direct_key(len, mr)
@@ -514,14 +514,15 @@ impl Flow {
         !self.pending.is_empty()
     }
 
-    /// How a send of `len` bytes from `mr` goes in one copy (a direct record), when it is at
-    /// least [`direct::DIRECT_MIN`] bytes and the peer may read this process's memory (it
-    /// said so; otherwise the message goes through the ring): `Some(key)` of `mr` as exposed
-    /// to the peer, which copies from its own mapping of it (a region the library allocated;
-    /// the peer can read no more than it already could); `Some(0)` when it copies from this
-    /// process with `process_vm_readv`.
+    /// How a send of `len` bytes from `mr` goes in one copy (a direct record), when the peer
+    /// may read this process's memory (it said so; otherwise the message goes through the
+    /// ring, as it does when `None` is returned): `Some(key)` of `mr` as exposed to the peer,
+    /// which copies from its own mapping of it (a region the library allocated, from
+    /// [`direct::MAPPED_MIN`] bytes; the peer can read no more than it already could);
+    /// `Some(0)` when it copies from this process with `process_vm_readv` (from
+    /// [`direct::DIRECT_MIN`] bytes).
     fn direct_key(&mut self, len: usize, mr: &Arc<MemoryRegion>) -> Option<u64> {
-        if len < direct::DIRECT_MIN || !self.peer_reads_us() {
+        if len < direct::MAPPED_MIN || !self.peer_reads_us() {
             return None;
         }
         if let Some(reach) = &self.reach
@@ -529,7 +530,7 @@ impl Flow {
         {
             return Some(key);
         }
-        Some(0)
+        (len >= direct::DIRECT_MIN).then_some(0)
     }
 
     /// Whether the peer has said it can copy from this process.
@@ -753,7 +754,7 @@ impl Flow {
                 continue;
             }
             let region = match &wr.src {
-                SendSrc::Region { mr, .. } if first && wr.len >= direct::DIRECT_MIN => {
+                SendSrc::Region { mr, .. } if first && wr.len >= direct::MAPPED_MIN => {
                     Some(mr.clone())
                 }
                 _ => None,
