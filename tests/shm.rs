@@ -1306,12 +1306,8 @@ mod large_messages {
         const MAX: usize = (1 << 20) + 24;
         for progress in [Progress::Caller, Progress::Thread] {
             let ctx = Context::new().unwrap();
-            let cq_opts = CqOptions {
-                progress,
-                ..Default::default()
-            };
-            let opts = ConnOptions::default();
-            let p = pair_with(&Net::Shm, &ctx, &opts, &opts, cq_opts);
+            let (o, q) = (ConnOptions::default(), CqOptions::default());
+            let p = pair_with(&Net::Shm, &ctx, &o, &o, CqOptions { progress, ..q });
             let allocated = ctx.alloc_mr(MAX, Access::LOCAL_WRITE).unwrap();
             let mut backing = vec![0u8; MAX];
             // SAFETY: `backing` outlives the region (dropped after it, at the end).
