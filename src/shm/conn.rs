@@ -511,17 +511,11 @@ impl Conn {
             seen
         } else {
             let mut inbox = self.sh.lock_inbox();
-            let import = match inbox.get(key) {
-                Some(i) => Some(i),
-                None => {
-                    // The offer may still be in the socket: read what it holds.
-                    if inbox.drain(flow.sock()) {
-                        // Doorbells or a goodbye meant for the background work: pass them on.
-                        self.sh.wake.wake();
-                    }
-                    inbox.get(key)
-                }
-            };
+            let (import, news) = inbox.find(key, flow.sock());
+            if news {
+                // Doorbells or a goodbye meant for the background work: pass them on.
+                self.sh.wake.wake();
+            }
             // Read under the inbox's lock: whatever it forgets later changes the count.
             let seen = self.sh.imports_forgotten.load(Ordering::Acquire);
             cache.set(seen, import);

@@ -1031,18 +1031,8 @@ impl Flow {
         let Some(reach) = &self.reach else {
             return Err(ReceiveError::Protocol);
         };
-        let mut news = false;
-        let import = {
-            let mut inbox = reach.inbox.lock();
-            match inbox.get(key) {
-                Some(i) => Some(i),
-                None => {
-                    // The offer went out before the record did: it is in the socket.
-                    news = inbox.drain(self.sock);
-                    inbox.get(key)
-                }
-            }
-        };
+        // The offer went out before the record did: if not read yet, it is in the socket.
+        let (import, news) = reach.inbox.lock().find(key, self.sock);
         let copied = import.ok_or(ReceiveError::Protocol).and_then(|import| {
             // Accesses through one connection run one at a time (see `onesided::guarded`).
             let _one = reach.accesses.lock();

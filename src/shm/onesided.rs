@@ -703,6 +703,17 @@ impl Inbox {
         self.imports.get(&key).cloned()
     }
 
+    /// As [`Inbox::get`], reading the socket first when the key is not known yet: its offer
+    /// may still be there. The flag is [`Inbox::drain`]'s: doorbells or a goodbye were read,
+    /// which are the background work's.
+    pub(crate) fn find(&mut self, key: u64, sock: RawFd) -> (Option<Arc<Import>>, bool) {
+        if let Some(i) = self.get(key) {
+            return (Some(i), false);
+        }
+        let news = self.drain(sock);
+        (self.get(key), news)
+    }
+
     /// Forgets the import with `key` (the peer withdrew it); its mapping goes with its last
     /// holder.
     pub(crate) fn forget(&mut self, key: u64) {
