@@ -406,11 +406,15 @@ impl Conn {
             },
             Payload::Inline(data) => SendSrc::Inline(data.into()),
         };
+        let region = match wr.payload {
+            Payload::Region { mr, .. } => Some(mr),
+            Payload::Inline(_) => None,
+        };
         let mut flow = self.sh.lock();
         let was_busy = flow.busy();
         // SAFETY: a checked request's bytes are readable for its length during the call: a
         // range inside a region the caller holds, or the caller's slice.
-        unsafe { flow.post_send(wr.ptr(), wr.len(), wr.wr_id, wr.signaled, keep) }?;
+        unsafe { flow.post_send(wr.ptr(), wr.len(), wr.wr_id, wr.signaled, region, keep) }?;
         drop(flow);
         if !was_busy {
             self.sh.watch_sends();

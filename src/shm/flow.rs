@@ -290,9 +290,10 @@ impl Flow {
         Ok(())
     }
 
-    /// Posts a send of `len` bytes at `ptr`: written into the ring at once when nothing waits
-    /// before it and credits and space allow (the bytes are then no longer needed); otherwise
-    /// queued, with `keep` making the bytes outlive the call.
+    /// Posts a send of `len` bytes at `ptr` (inside `region`, when they are in one): written
+    /// into the ring at once, or started as a direct record, when nothing waits before it and
+    /// credits and space allow (the bytes are then no longer needed, or held with the region);
+    /// otherwise queued, with `keep` making the bytes outlive the call.
     ///
     /// # Safety
     /// `ptr` is readable for `len` bytes during the call.
@@ -302,34 +303,28 @@ impl Flow {
         len: usize,
         wr_id: u64,
         signaled: bool,
+        region: Option<&Arc<MemoryRegion>>,
         keep: impl FnOnce() -> SendSrc,
     ) -> Result<()> {
         self.claim_send()?;
         let mut copied = 0;
-        let mut keep = Some(keep);
-        let mut src = None;
-        let mut direct = false;
-        if self.pending.is_empty() && len >= direct::MAPPED_MIN {
-            let s = keep.take().expect("not taken yet")();
-            if let SendSrc::Region { mr, .. } = &s
-                && let Some(key) = self.direct_key(len, mr)
-            {
-                direct = true;
-                match self.start_direct(ptr, len, wr_id, signaled, mr, key) {
-                    Ok(true) => {
-                        self.ring_peer();
-                        return Ok(());
-                    }
-                    Ok(false) => {}
-                    Err(e) => {
-                        self.fail_protocol();
-                        return Err(e);
-                    }
+        let direct = match region {
+            Some(mr) if self.pending.is_empty() => self.direct_key(len, mr).map(|k| (mr, k)),
+            _ => None,
+        };
+        if let Some((mr, key)) = direct {
+            match self.start_direct(ptr, len, wr_id, signaled, mr, key) {
+                Ok(true) => {
+                    self.ring_peer();
+                    return Ok(());
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    self.fail_protocol();
+                    return Err(e);
                 }
             }
-            src = Some(s);
-        }
-        if self.pending.is_empty() && !direct {
+        } else if self.pending.is_empty() {
             // SAFETY: the caller's contract.
             match unsafe { self.start_message(ptr, len, wr_id, signaled) } {
                 Ok(Some(n)) if n == len => {
@@ -344,10 +339,7 @@ impl Flow {
                 }
             }
         }
-        let src = match src {
-            Some(s) => s,
-            None => keep.take().expect("not taken yet")(),
-        };
+        let src = keep();
         self.pending.push_back(SendWr {
             wr_id,
             signaled,
