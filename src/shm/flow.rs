@@ -192,6 +192,9 @@ pub(crate) struct Flow {
     peer_reads_us: bool,
     /// Large messages through a region's mapping (see [`Reach`]); `None` until set.
     reach: Option<Reach>,
+    /// The id of the region the last message through a mapping came from, and its key: a
+    /// region exposed on the connection stays so while it lives, and ids are never reused.
+    sent_from: Option<(u64, u64)>,
     /// See [`Flow::take_inbox_news`].
     inbox_news: bool,
     /// No more posting or progress: the connection is down (set by its driver in teardown).
@@ -253,6 +256,7 @@ impl Flow {
             peer_pid,
             peer_reads_us: false,
             reach: None,
+            sent_from: None,
             inbox_news: false,
             closed: false,
             failed: None,
@@ -517,9 +521,15 @@ impl Flow {
         if len < direct::MAPPED_MIN || !self.peer_reads_us() {
             return None;
         }
+        if let Some((id, key)) = self.sent_from
+            && id == mr.id()
+        {
+            return Some(key);
+        }
         if let Some(reach) = &self.reach
             && let Some(key) = reach.exports.expose_for_send(self.sock, mr)
         {
+            self.sent_from = Some((mr.id(), key));
             return Some(key);
         }
         (len >= direct::DIRECT_MIN).then_some(0)

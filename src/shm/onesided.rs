@@ -251,7 +251,8 @@ impl Exports {
             if let Some(&(key, _)) = st.by_mr.get(&mr.id()) {
                 return Some(key);
             }
-            if st.used.iter().filter(|u| **u).count() >= SEND_SLOTS {
+            // One entry per slot in use.
+            if st.by_mr.len() >= SEND_SLOTS {
                 return None;
             }
         }
