@@ -319,7 +319,11 @@ impl Conn {
         let driver = ctx.driver.get().map_err(Error::Thread)?;
         let seg = Arc::new(seg);
         let exports = Arc::new(Exports::new(seg.clone(), side, peer_proc, sock.as_raw_fd()));
-        let mut flow = Flow::new(
+        let inbox = Inbox::default();
+        let imports_forgotten = inbox.forgotten();
+        let inbox = Arc::new(Mutex::new(inbox));
+        let imports = Arc::new(SpinLock::new(ImportCache::default()));
+        let flow = Flow::new(
             seg.clone(),
             side,
             sock.as_raw_fd(),
@@ -327,16 +331,12 @@ impl Conn {
             opts.recv_queue_depth,
             peer_board,
             peer_pid,
+            Reach {
+                exports: exports.clone(),
+                inbox: inbox.clone(),
+                accesses: imports.clone(),
+            },
         );
-        let inbox = Inbox::default();
-        let imports_forgotten = inbox.forgotten();
-        let inbox = Arc::new(Mutex::new(inbox));
-        let imports = Arc::new(SpinLock::new(ImportCache::default()));
-        flow.set_reach(Reach {
-            exports: exports.clone(),
-            inbox: inbox.clone(),
-            accesses: imports.clone(),
-        });
         let sh = Arc::new(Shared {
             info,
             report: Reporter {

@@ -190,8 +190,8 @@ pub(crate) struct Flow {
     peer_pid: Option<libc::pid_t>,
     /// The peer can copy from ours, so large sends may go direct (known once it says so).
     peer_reads_us: bool,
-    /// Large messages through a region's mapping (see [`Reach`]); `None` until set.
-    reach: Option<Reach>,
+    /// Messages through a region's mapping (see [`Reach`]).
+    reach: Reach,
     /// The id of the region the last message through a mapping came from, and its key: a
     /// region exposed on the connection stays so while it lives, and ids are never reused.
     sent_from: Option<(u64, u64)>,
@@ -204,6 +204,7 @@ pub(crate) struct Flow {
 }
 
 impl Flow {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         seg: Arc<Segment>,
         side: usize,
@@ -212,6 +213,7 @@ impl Flow {
         recv_depth: u32,
         peer_board: Option<(Board, u32)>,
         peer_pid: Option<libc::pid_t>,
+        reach: Reach,
     ) -> Flow {
         let reads = if peer_pid.is_some() {
             READS_PEER_YES
@@ -255,17 +257,12 @@ impl Flow {
             peer_board,
             peer_pid,
             peer_reads_us: false,
-            reach: None,
+            reach,
             sent_from: None,
             inbox_news: false,
             closed: false,
             failed: None,
         }
-    }
-
-    /// Lets large messages go through a region's mapping, both ways (see [`Reach`]).
-    pub(crate) fn set_reach(&mut self, reach: Reach) {
-        self.reach = Some(reach);
     }
 
     pub(crate) fn check_open(&self) -> Result<()> {
@@ -526,9 +523,7 @@ impl Flow {
         {
             return Some(key);
         }
-        if let Some(reach) = &self.reach
-            && let Some(key) = reach.exports.expose_for_send(self.sock, mr)
-        {
+        if let Some(key) = self.reach.exports.expose_for_send(self.sock, mr) {
             self.sent_from = Some((mr.id(), key));
             return Some(key);
         }
@@ -1030,9 +1025,7 @@ impl Flow {
         dst: *mut u8,
         len: usize,
     ) -> std::result::Result<(), ReceiveError> {
-        let Some(reach) = &self.reach else {
-            return Err(ReceiveError::Protocol);
-        };
+        let reach = &self.reach;
         // The offer went out before the record did: if not read yet, it is in the socket.
         let (import, news) = reach.inbox.lock().find(key, self.sock);
         let copied = import.ok_or(ReceiveError::Protocol).and_then(|import| {
