@@ -2,6 +2,7 @@
 //! plus one pollable descriptor that is readable exactly while completions are queued. With
 //! [`Progress::Caller`] the pollers also take verbs completions straight from the devices.
 
+use std::mem::MaybeUninit;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -15,7 +16,9 @@ use crate::sync::{SpinGuard, SpinLock};
 use crate::sys::{self, EventFd};
 
 mod ready;
+mod sink;
 use ready::Readiness;
+pub(crate) use sink::Sink;
 
 /// What a completion reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +83,18 @@ pub struct Completion {
     pub byte_len: u32,
     /// Immediate data, when the message carried some.
     pub imm: Option<u32>,
+}
+
+/// How many completions a poll that hands them over one by one (through a closure, or as C
+/// records) takes at a time, into slots on the stack.
+pub(crate) const BATCH: usize = 32;
+
+/// Hands the completions in `got` (all initialized) to `take`, in order.
+fn hand_over(got: &[MaybeUninit<Completion>], take: &mut dyn FnMut(Completion)) {
+    for c in got {
+        // SAFETY: the caller's slots are initialized; `Completion` is `Copy`.
+        take(unsafe { c.assume_init_read() });
+    }
 }
 
 /// Who moves a connection's finished work from the device into the queue.
@@ -156,10 +171,10 @@ pub const SPIN_ADAPT_MAX: Duration = Duration::from_millis(1);
 pub(crate) trait Source: Send + Sync {
     /// The connection's id, which the queue removes it by.
     fn key(&self) -> u64;
-    /// Takes finished work from the device (about `max` records), in order. Hands records to
-    /// `direct` when given and nothing is queued yet (so no record overtakes an older one of
-    /// the same connection), else queues them. Returns how many records it produced.
-    fn poll(&self, max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize;
+    /// Takes finished work from the device (about as many records as `out` has room for), in
+    /// order. Hands records to `out`'s slots when it has some and nothing is queued yet (so
+    /// no record overtakes an older one of the same connection), else queues them.
+    fn poll(&self, out: &mut Sink<'_>);
     /// Asks the device for an event on the next completion, which the library's thread
     /// then moves into the queue.
     fn arm(&self);
@@ -272,85 +287,85 @@ impl CompletionQueue {
 
     /// Takes the oldest completion, if any. Never blocks.
     pub fn poll(&self) -> Option<Completion> {
-        let mut got = None;
-        self.poll_with(1, &mut |c| got = Some(c));
-        got
+        let mut slot = [MaybeUninit::uninit()];
+        let n = self.poll_slots(&mut slot);
+        // SAFETY: poll_slots initialized the first `n` slots.
+        (n == 1).then(|| unsafe { slot[0].assume_init_read() })
     }
 
     /// Takes up to `max` completions into `out` (appending). Returns how many were taken.
     pub fn poll_into(&self, out: &mut Vec<Completion>, max: usize) -> usize {
-        self.poll_with(max, &mut |c| out.push(c))
+        out.reserve(max);
+        let len = out.len();
+        let n = self.poll_slots(&mut out.spare_capacity_mut()[..max]);
+        // SAFETY: poll_slots initialized the first `n` spare slots.
+        unsafe { out.set_len(len + n) };
+        n
     }
 
     /// Hands up to `max` completions, oldest first, to `take`. Returns how many. Never blocks.
     pub fn poll_with(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
+        let mut n = 0;
+        let mut chunk = [const { MaybeUninit::uninit() }; BATCH];
+        while n < max {
+            let want = (max - n).min(BATCH);
+            let got = self.poll_slots(&mut chunk[..want]);
+            hand_over(&chunk[..got], take);
+            n += got;
+            if got < want {
+                break;
+            }
+        }
+        n
+    }
+
+    /// Takes up to `slots.len()` completions, oldest first, into the first slots. Returns
+    /// how many (that many slots are initialized). Never blocks.
+    pub(crate) fn poll_slots(&self, slots: &mut [MaybeUninit<Completion>]) -> usize {
         // Not a read-modify-write: pollers racing may count two polls as one, which is still
         // a sign of life.
         self.polls
             .store(self.polls.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        if slots.is_empty() {
+            return 0;
+        }
+        let mut out = Sink::new(slots, self);
         // The queue's count first: an empty poll then calls nothing to look at the queue.
-        let mut n = if self.ready.none_pending() {
-            0
-        } else {
-            self.pop_into(max, take)
-        };
-        if n < max && self.nsources.load(Ordering::Relaxed) > 0 {
-            n += self.poll_sources(max - n, take);
-            if !self.ready.none_pending() {
-                n += self.pop_into(max - n, take);
+        if !self.ready.none_pending() {
+            self.pop_into(&mut out);
+        }
+        if out.room() > 0 && self.nsources.load(Ordering::Relaxed) > 0 {
+            self.each_ready(|s| s.poll(&mut out));
+            if out.room() > 0 && !self.ready.none_pending() {
+                self.pop_into(&mut out);
             }
             // No arming here for a sleeper on the descriptor: once it has been asked for, the
             // library's threads keep the devices' completion events armed (see `fd`).
         }
-        n
+        out.filled()
     }
 
-    /// Takes up to `max` queued completions into `take`. Its callers look at the queue's count
+    /// Takes queued completions into `out`'s free slots. Its callers look at the queue's count
     /// first (one load, where asking the queue itself costs a fence).
-    fn pop_into(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
-        let mut n = 0;
-        while n < max {
+    fn pop_into(&self, out: &mut Sink<'_>) {
+        while out.room() > 0 {
             match self.pop() {
-                Some(c) => {
-                    take(c);
-                    n += 1;
-                }
+                Some(c) => out.put(c),
                 None => break,
             }
         }
-        n
-    }
-
-    /// Takes completions from the devices and rings into `take` (up to `max`; any extra is
-    /// queued), looking only at the connections that may have news.
-    fn poll_sources(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
-        let mut n = 0;
-        {
-            let mut sink = |c: Completion| {
-                if n < max {
-                    take(c);
-                    n += 1;
-                } else {
-                    self.push(c);
-                }
-            };
-            self.each_ready(|s| {
-                s.poll(max, Some(&mut sink));
-            });
-        }
-        n
     }
 
     /// Moves completions into the queue from every connection (`all`) or from those that may
     /// have news. Returns how many.
     fn fill_from_sources(&self, all: bool) -> usize {
-        let mut n = 0;
+        let mut out = Sink::queue(self);
         if all {
-            self.each_source(|s| n += s.poll(usize::MAX, None));
+            self.each_source(|s| s.poll(&mut out));
         } else {
-            self.each_ready(|s| n += s.poll(usize::MAX, None));
+            self.each_ready(|s| s.poll(&mut out));
         }
-        n
+        out.produced()
     }
 
     fn arm_sources(&self) {
@@ -586,14 +601,31 @@ impl CompletionQueue {
         timeout: Option<Duration>,
         take: &mut dyn FnMut(Completion),
     ) -> Result<usize> {
-        let n = self.poll_with(max, take);
-        if n > 0 || max == 0 {
+        let mut chunk = [const { MaybeUninit::uninit() }; BATCH];
+        let want = max.min(BATCH);
+        let got = self.poll_wait_slots(&mut chunk[..want], timeout)?;
+        hand_over(&chunk[..got], take);
+        if got == want && max > want {
+            return Ok(got + self.poll_with(max - want, take));
+        }
+        Ok(got)
+    }
+
+    /// [`poll_wait_with`](Self::poll_wait_with) into the first of `slots` (as many as it
+    /// returns are initialized).
+    pub(crate) fn poll_wait_slots(
+        &self,
+        slots: &mut [MaybeUninit<Completion>],
+        timeout: Option<Duration>,
+    ) -> Result<usize> {
+        let n = self.poll_slots(slots);
+        if n > 0 || slots.is_empty() {
             return Ok(n);
         }
         let mut start = None;
         let mut n = 0;
         if self.spin(&mut start, timeout, || {
-            n = self.poll_with(max, take);
+            n = self.poll_slots(slots);
             n > 0
         }) {
             self.note_spun(start);
@@ -603,7 +635,7 @@ impl CompletionQueue {
         let deadline = timeout.map(|t| start + t);
         // Another thread may take what woke this one: sleep again until the deadline.
         while self.sleep_until(start, deadline)? {
-            let n = self.poll_with(max, take);
+            let n = self.poll_slots(slots);
             if n > 0 {
                 return Ok(n);
             }

@@ -1,9 +1,10 @@
 //! `rbr_cq`: the completion queue and its records.
 
 use std::ffi::c_void;
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-use crate::cq::{DEFAULT_SPIN, SPIN_MAX};
+use crate::cq::{BATCH, DEFAULT_SPIN, SPIN_MAX};
 use crate::ffi::error::{RBR_EMPTY, RBR_OK, fail, rbr_status};
 use crate::ffi::{arg_ref, ffi_body, ffi_body_or, out_ptr, struct_arg, timeout_arg};
 use crate::{Completion, CompletionQueue, CqOptions, Error, Opcode, Progress, WcStatus};
@@ -292,17 +293,46 @@ pub unsafe extern "C" fn rbr_cq_poll(
         if max == 0 {
             return fail(Error::invalid("max is 0"));
         }
-        let mut got = 0;
-        cq.inner.poll_with(max, &mut |c| {
-            // SAFETY: poll_with hands over at most `max` records and `out` is writable for
-            // `max` (caller contract).
-            unsafe { out.add(got).write(c.into()) };
-            got += 1;
-        });
+        let q = &cq.inner;
+        // SAFETY: `out` is writable for `max` records (caller contract).
+        let got =
+            unsafe { poll_out(q, out, max, |first| Ok(q.poll_slots(first))) }.unwrap_or_default();
         // SAFETY: `n` is non-NULL and writable (caller contract).
         unsafe { n.write(got) };
         if got == 0 { RBR_EMPTY } else { RBR_OK }
     })
+}
+
+/// Fills the caller's `max` records at `out` (`max` > 0): the first batch from `first` (a
+/// poll, or a poll that waits), then more with polls while the batches come back full. Each
+/// batch lands in slots on the stack first and is then written out as C records. Returns how
+/// many records it wrote.
+///
+/// # Safety
+/// `out` writable for `max` records.
+unsafe fn poll_out(
+    cq: &CompletionQueue,
+    out: *mut rbr_completion,
+    max: usize,
+    first: impl FnOnce(&mut [MaybeUninit<Completion>]) -> crate::Result<usize>,
+) -> crate::Result<usize> {
+    let mut batch = [const { MaybeUninit::uninit() }; BATCH];
+    let mut want = max.min(BATCH);
+    let mut took = first(&mut batch[..want])?;
+    let mut got = 0;
+    loop {
+        for (i, c) in batch[..took].iter().enumerate() {
+            // SAFETY: the poll initialized the first `took` slots (`Completion` is `Copy`);
+            // got + i < max, and `out` is writable for `max` records (caller contract).
+            unsafe { out.add(got + i).write(c.assume_init_read().into()) };
+        }
+        got += took;
+        if took < want || got == max {
+            return Ok(got);
+        }
+        want = (max - got).min(BATCH);
+        took = cq.poll_slots(&mut batch[..want]);
+    }
 }
 
 /// Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
@@ -358,16 +388,12 @@ pub unsafe extern "C" fn rbr_cq_poll_wait(
             Ok(t) => t,
             Err(s) => return s,
         };
-        let mut got = 0;
-        let r = cq.inner.poll_wait_with(max, timeout, &mut |c| {
-            // SAFETY: poll_wait_with hands over at most `max` records and `out` is writable
-            // for `max` (caller contract).
-            unsafe { out.add(got).write(c.into()) };
-            got += 1;
-        });
+        let q = &cq.inner;
+        // SAFETY: `out` is writable for `max` records (caller contract).
+        let r = unsafe { poll_out(q, out, max, |first| q.poll_wait_slots(first, timeout)) };
         match r {
             Ok(0) => fail(Error::Timeout("waiting for a completion")),
-            Ok(_) => {
+            Ok(got) => {
                 // SAFETY: `n` is non-NULL and writable (caller contract).
                 unsafe { n.write(got) };
                 RBR_OK

@@ -16,7 +16,7 @@ use crate::conn::{
     next_conn_id,
 };
 use crate::cq::{
-    Completion, CompletionQueue, Opcode, Progress, Reporter, SlotReservation, Source, WcStatus,
+    CompletionQueue, Opcode, Progress, Reporter, Sink, SlotReservation, Source, WcStatus,
 };
 use crate::domain::ContextInner;
 use crate::driver::Registration;
@@ -163,31 +163,25 @@ impl Source for Shared {
         self.info.id
     }
 
-    fn poll(&self, max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
+    fn poll(&self, out: &mut Sink<'_>) {
         // A poller never waits for the connection's lock: whoever holds it (a poster, another
         // poller, the background work) is moving the connection right now. The next poll
         // looks again - a connection on the list polled every time stays there, and one
         // looked at for a mark on the board is marked again, so its news is not forgotten.
         let Some(mut flow) = self.try_lock() else {
             self.watch_sends();
-            return 0;
+            return;
         };
         if flow.closed || flow.failed.is_some() {
-            return 0;
+            return;
         }
-        let cq = &self.report.cq;
-        let mut n = 0;
-        let moved = match direct {
-            // Under the lock nothing of this connection is on its way into the queue, so an
-            // empty queue means no older record of it is waiting there.
-            Some(take) if cq.is_empty() => flow.step(&self.report, max, &mut |c| {
-                take(c);
-                n += 1;
-            }),
-            _ => flow.step(&self.report, usize::MAX, &mut |c| {
-                cq.push(c);
-                n += 1;
-            }),
+        let report = &self.report;
+        // Under the lock nothing of this connection is on its way into the queue, so an
+        // empty queue means no older record of it is waiting there.
+        let moved = if out.direct() && report.cq.is_empty() {
+            flow.step(report, out.room(), out)
+        } else {
+            out.queued_only(|q| flow.step(report, usize::MAX, q))
         };
         // Relaxed, load then store: only this connection's pollers count, under its lock.
         let idle = if moved {
@@ -204,7 +198,6 @@ impl Source for Shared {
             drop(flow);
             self.watch_sends();
         }
-        n
     }
 
     fn arm(&self) {

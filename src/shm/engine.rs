@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
 use std::time::{Duration, Instant};
 
-use crate::cq::Opcode;
+use crate::cq::{Opcode, Sink};
 use crate::driver::{Handler, Next, Ready};
 use crate::shm::conn::{FlowGuard, Shared};
 use crate::shm::flow::{BYE, End, send_packet};
@@ -99,7 +99,7 @@ impl Engine {
             return Ok(self.contended());
         };
         let cq = &self.sh.report.cq;
-        let moved = flow.step(&self.sh.report, usize::MAX, &mut |c| cq.push(c));
+        let moved = flow.step(&self.sh.report, usize::MAX, &mut Sink::queue(cq));
         if let Some(end) = flow.failed {
             return Err(end);
         }
@@ -182,7 +182,7 @@ impl Engine {
         let help = assist || flow.blocked();
         if help {
             let cq = &self.sh.report.cq;
-            flow.step(&self.sh.report, usize::MAX, &mut |c| cq.push(c));
+            flow.step(&self.sh.report, usize::MAX, &mut Sink::queue(cq));
         }
         if let Some(end) = flow.failed {
             return Err(end);
@@ -237,7 +237,7 @@ impl Engine {
             return Next::Yield;
         };
         let cq = &self.sh.report.cq;
-        let status = flow.close(end, &self.sh.report, &mut |c| cq.push(c));
+        let status = flow.close(end, &self.sh.report, &mut Sink::queue(cq));
         self.sh.lock_imports().set(0, None);
         drop(flow);
         // Nothing is reachable through the connection any more, either way.

@@ -20,7 +20,7 @@ use std::sync::atomic::Ordering;
 
 use parking_lot::Mutex;
 
-use crate::cq::{Completion, Opcode, Reporter, WcStatus};
+use crate::cq::{Completion, Opcode, Reporter, Sink, WcStatus};
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::notice::Board;
@@ -660,17 +660,12 @@ impl Flow {
 
     /// One pass over everything: fills receives from the incoming ring, completes the sends
     /// the peer took (see below), writes what waits into the outgoing ring, and rings the peer
-    /// if it sleeps and something changed for it. Completions go to `emit` in order. At most
+    /// if it sleeps and something changed for it. Completions go to `out` in order. At most
     /// `limit` messages are taken (the rest wait in the ring for the next step, so that a
     /// poller that asked for that many completions gets them without the surplus going
     /// through the queue). Returns whether anything moved; a reason to end the connection is
     /// left in `failed`.
-    pub(crate) fn step(
-        &mut self,
-        report: &Reporter,
-        limit: usize,
-        emit: &mut dyn FnMut(Completion),
-    ) -> bool {
+    pub(crate) fn step(&mut self, report: &Reporter, limit: usize, out: &mut Sink<'_>) -> bool {
         if self.closed || self.failed.is_some() {
             return false;
         }
@@ -680,7 +675,7 @@ impl Flow {
         // or waiting keeps looking at the connection by itself (see `busy`).
         let mut ring = false;
         let mut mark = false;
-        let received = match self.receive(report, limit, emit) {
+        let received = match self.receive(report, limit, out) {
             Ok(m) => m,
             Err(ReceiveError::Length) => {
                 self.failed = Some(End::LocalLength);
@@ -697,7 +692,7 @@ impl Flow {
         // a cache line the peer writes. A step that delivered messages leaves that for the
         // next one (the caller is waiting for what it got), unless the send queue is filling.
         if !received || 2 * self.inflight.len() >= self.send_depth {
-            match self.complete_sends(report, emit) {
+            match self.complete_sends(report, out) {
                 Ok(m) => moved |= m,
                 Err(_) => {
                     self.fail_protocol();
@@ -803,11 +798,7 @@ impl Flow {
     }
 
     /// Completes the sends the peer has taken out of the ring.
-    fn complete_sends(
-        &mut self,
-        report: &Reporter,
-        emit: &mut dyn FnMut(Completion),
-    ) -> Result<bool> {
+    fn complete_sends(&mut self, report: &Reporter, out: &mut Sink<'_>) -> Result<bool> {
         if self.inflight.is_empty() {
             return Ok(false);
         }
@@ -818,7 +809,7 @@ impl Flow {
             // The slot is free before the completion is seen (popped above): a caller that
             // reaps it may post again at once, as with a verbs queue pair.
             if f.signaled {
-                emit(report.record(f.wr_id, f.opcode, WcStatus::Success, 0, None));
+                out.put(report.record(f.wr_id, f.opcode, WcStatus::Success, 0, None));
             }
             moved = true;
         }
@@ -831,20 +822,20 @@ impl Flow {
         &mut self,
         report: &Reporter,
         limit: usize,
-        emit: &mut dyn FnMut(Completion),
+        out: &mut Sink<'_>,
     ) -> std::result::Result<bool, ReceiveError> {
         let mut moved = false;
         let mut done = 0;
         while done < limit
             && let Some(rec) = self.rx.peek()?
         {
-            self.take_record(&rec, report, emit)?;
+            self.take_record(&rec, report, out)?;
             self.rx.consume(&rec);
             // A message's completion goes out only once its record is consumed: the peer's
             // send is then taken (our cursor moved) before any thread can see the message and
             // answer it, so the peer completes its send before it sees the answer.
             if let Some(c) = self.delivered.take() {
-                emit(c);
+                out.put(c);
                 done += 1;
             }
             moved = true;
@@ -856,14 +847,14 @@ impl Flow {
         &mut self,
         rec: &Record,
         report: &Reporter,
-        emit: &mut dyn FnMut(Completion),
+        out: &mut Sink<'_>,
     ) -> std::result::Result<(), ReceiveError> {
         let proto = |_: &str| ReceiveError::Protocol;
         if rec.flags & ring::DIRECT != 0 {
-            return self.take_direct(rec, report, emit);
+            return self.take_direct(rec, report, out);
         }
         if rec.flags & ring::WRITE_IMM != 0 {
-            return self.take_write_imm(rec, report, emit);
+            return self.take_write_imm(rec, report, out);
         }
         let first = rec.flags & ring::FIRST != 0;
         if first == self.filling {
@@ -874,7 +865,7 @@ impl Flow {
         };
         if first {
             if rec.total > wr.len {
-                return Err(self.refuse_length(rec.total, report, emit));
+                return Err(self.refuse_length(rec.total, report, out));
             }
             self.filling = true;
             self.filled = 0;
@@ -895,7 +886,7 @@ impl Flow {
                 return Err(proto("message shorter than announced"));
             }
             let imm = (rec.flags & ring::IMM != 0).then_some(rec.imm);
-            self.deliver(Opcode::Recv, rec.total, imm, report, emit)?;
+            self.deliver(Opcode::Recv, rec.total, imm, report, out)?;
         }
         Ok(())
     }
@@ -914,10 +905,10 @@ impl Flow {
         total: usize,
         imm: Option<u32>,
         report: &Reporter,
-        emit: &mut dyn FnMut(Completion),
+        out: &mut Sink<'_>,
     ) -> std::result::Result<(), ReceiveError> {
         if !self.inflight.is_empty() {
-            self.complete_sends(report, emit)?;
+            self.complete_sends(report, out)?;
         }
         let wr = self.recvs.pop_front().expect("a receive is posted");
         self.delivered =
@@ -933,7 +924,7 @@ impl Flow {
         &mut self,
         total: usize,
         report: &Reporter,
-        emit: &mut dyn FnMut(Completion),
+        out: &mut Sink<'_>,
     ) -> ReceiveError {
         let wr = self.recvs.pop_front().expect("a receive is posted");
         let seq = self.msgs_received;
@@ -941,7 +932,7 @@ impl Flow {
             .ctrl(self.side)
             .fatal
             .store(FATAL_LENGTH << 48 | seq, Ordering::SeqCst);
-        emit(report.record(
+        out.put(report.record(
             wr.wr_id,
             Opcode::Recv,
             WcStatus::LocalLength,
@@ -958,7 +949,7 @@ impl Flow {
         &mut self,
         rec: &Record,
         report: &Reporter,
-        emit: &mut dyn FnMut(Completion),
+        out: &mut Sink<'_>,
     ) -> std::result::Result<(), ReceiveError> {
         let whole = ring::FIRST | ring::LAST | ring::IMM;
         if self.filling || rec.flags & whole != whole || rec.len != 0 {
@@ -967,7 +958,7 @@ impl Flow {
         if self.recvs.is_empty() {
             return Err(ReceiveError::Protocol);
         }
-        self.deliver(Opcode::RecvWriteImm, rec.total, Some(rec.imm), report, emit)
+        self.deliver(Opcode::RecvWriteImm, rec.total, Some(rec.imm), report, out)
     }
 
     /// Takes a direct record: copies the whole message from the peer's memory into the
@@ -976,7 +967,7 @@ impl Flow {
         &mut self,
         rec: &Record,
         report: &Reporter,
-        emit: &mut dyn FnMut(Completion),
+        out: &mut Sink<'_>,
     ) -> std::result::Result<(), ReceiveError> {
         let whole = ring::FIRST | ring::LAST;
         // A direct record is a whole message.
@@ -987,7 +978,7 @@ impl Flow {
             return Err(ReceiveError::Protocol);
         };
         if rec.total > wr.len {
-            return Err(self.refuse_length(rec.total, report, emit));
+            return Err(self.refuse_length(rec.total, report, out));
         }
         let dst = wr
             .mr
@@ -1012,7 +1003,7 @@ impl Flow {
             };
             direct::copy_from(pid, addr, dst, rec.total).map_err(|_| ReceiveError::Protocol)?;
         }
-        self.deliver(Opcode::Recv, rec.total, None, report, emit)?;
+        self.deliver(Opcode::Recv, rec.total, None, report, out)?;
         Ok(())
     }
 
@@ -1114,24 +1105,24 @@ impl Flow {
 
     /// Ends the data path: no more posting or progress. Takes what the peer delivered before
     /// it left (`end` is a peer's close), completes everything else as flushed, and returns
-    /// the status of the disconnect record. Completions go to `emit`.
+    /// the status of the disconnect record. Completions go to `out`.
     pub(crate) fn close(
         &mut self,
         mut end: End,
         report: &Reporter,
-        emit: &mut dyn FnMut(Completion),
+        out: &mut Sink<'_>,
     ) -> WcStatus {
         if let End::Peer { .. } = end
             && !self.closed
             && self.failed.is_none()
         {
             // Everything the peer finished writing before it left is delivered.
-            match self.receive(report, usize::MAX, emit) {
+            match self.receive(report, usize::MAX, out) {
                 Err(ReceiveError::Length) => end = End::LocalLength,
                 Err(ReceiveError::Protocol) => end = End::Protocol,
                 Ok(_) => {}
             }
-            let _ = self.complete_sends(report, emit);
+            let _ = self.complete_sends(report, out);
         }
         self.closed = true;
         // Which of our sends the peer refused, if it failed the connection.
@@ -1146,13 +1137,13 @@ impl Flow {
             } else {
                 WcStatus::Flushed
             };
-            emit(report.record(f.wr_id, f.opcode, status, 0, None));
+            out.put(report.record(f.wr_id, f.opcode, status, 0, None));
         }
         while let Some(wr) = self.pending.pop_front() {
-            emit(report.record(wr.wr_id, wr.kind.opcode(), WcStatus::Flushed, 0, None));
+            out.put(report.record(wr.wr_id, wr.kind.opcode(), WcStatus::Flushed, 0, None));
         }
         while let Some(wr) = self.recvs.pop_front() {
-            emit(report.record(wr.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None));
+            out.put(report.record(wr.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None));
         }
         match end {
             End::Local | End::Peer { clean: true } if peer_fatal == 0 => WcStatus::Success,

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex, Weak};
 use rdma_sys as sys;
 
 use crate::conn::next_conn_id;
-use crate::cq::{Completion, CompletionQueue, Progress, Source};
+use crate::cq::{CompletionQueue, Progress, Sink, Source};
 use crate::driver::{Driver, Handler, Next, Ready, Registration};
 use crate::error::{Error, Result};
 use crate::idmap::IdMap;
@@ -293,7 +293,7 @@ impl DevCq {
             && !ps.retired
         {
             let cq = &self.cq;
-            self.drain(&mut ps, TURN_BUDGET, false, &mut |c| cq.push(c));
+            self.drain(&mut ps, TURN_BUDGET, false, &mut Sink::queue(cq));
         }
     }
 
@@ -311,17 +311,11 @@ impl DevCq {
     /// `blocking`: a caller's poll, which may wait for connections' locks; else a driver turn,
     /// which parks what it cannot deliver at once. Returns how many records it emitted.
     #[inline(always)]
-    fn drain(
-        &self,
-        ps: &mut PollState,
-        max: usize,
-        blocking: bool,
-        emit: &mut dyn FnMut(Completion),
-    ) -> usize {
+    fn drain(&self, ps: &mut PollState, max: usize, blocking: bool, out: &mut Sink<'_>) -> usize {
         const BATCH: usize = 32;
         let mut n = 0;
         if ps.parked > 0 {
-            n += unpark(ps, blocking, emit);
+            n += unpark(ps, blocking, out);
         }
         let mut wcs = std::mem::MaybeUninit::<[sys::ibv_wc; BATCH]>::uninit();
         while n < max {
@@ -335,7 +329,7 @@ impl DevCq {
             for i in 0..got as usize {
                 // SAFETY: ibv_poll_cq filled the first `got` entries.
                 let wc = Wc::new(unsafe { &*wcs.as_ptr().cast::<sys::ibv_wc>().add(i) });
-                n += deliver(ps, wc, blocking, emit);
+                n += deliver(ps, wc, blocking, out);
             }
             if got < want {
                 break;
@@ -358,7 +352,7 @@ impl DevCq {
         };
         let cq = &self.cq;
         if !ps.retired {
-            self.drain(&mut ps, usize::MAX, false, &mut |c| cq.push(c));
+            self.drain(&mut ps, usize::MAX, false, &mut Sink::queue(cq));
         }
         let Some(mut st) = try_lock(&sh.state) else {
             return false;
@@ -366,7 +360,7 @@ impl DevCq {
         if let Some(m) = ps.members.remove(&qp_num) {
             ps.parked -= m.parked.len();
             for wc in &m.parked {
-                complete(sh, &mut st, wc, &mut |c| cq.push(c));
+                complete(sh, &mut st, wc, &mut Sink::queue(cq));
             }
         }
         flush(&mut st);
@@ -426,21 +420,21 @@ impl Source for DevCq {
         self.key
     }
 
-    fn poll(&self, max: usize, direct: Option<&mut dyn FnMut(Completion)>) -> usize {
+    fn poll(&self, out: &mut Sink<'_>) {
         let mut ps = self.lock();
         if ps.retired {
-            return 0;
+            return;
         }
         // Relaxed: a hint (see `Shared::note_held`).
         if self.held.load(Ordering::Relaxed) > 0 {
             self.pump_held(&ps);
         }
-        let cq = &self.cq;
-        match direct {
-            // Under the poll lock nothing of these connections is on its way into the queue
-            // from the device, so an empty queue means no older record of theirs waits there.
-            Some(take) if cq.surely_empty() => self.drain(&mut ps, max, true, take),
-            _ => self.drain(&mut ps, max, true, &mut |c| cq.push(c)),
+        // Under the poll lock nothing of these connections is on its way into the queue
+        // from the device, so an empty queue means no older record of theirs waits there.
+        if out.direct() && self.cq.surely_empty() {
+            self.drain(&mut ps, out.room(), true, out);
+        } else {
+            out.queued_only(|q| self.drain(&mut ps, usize::MAX, true, q));
         }
     }
 
@@ -493,7 +487,7 @@ impl Attachment {
         let cq = &self.devcq.cq;
         while let Some(p) = m.parked.pop_front() {
             *parked -= 1;
-            complete(sh, &mut st, &p, &mut |c| cq.push(c));
+            complete(sh, &mut st, &p, &mut Sink::queue(cq));
         }
         if st.credits.is_some() {
             sh.push_credits(&mut st);
@@ -559,7 +553,7 @@ impl Handler for CqTurns {
         if self.pending || ps.parked > 0 {
             let cq = &d.cq;
             loop {
-                if d.drain(&mut ps, TURN_BUDGET, false, &mut |c| cq.push(c)) >= TURN_BUDGET {
+                if d.drain(&mut ps, TURN_BUDGET, false, &mut Sink::queue(cq)) >= TURN_BUDGET {
                     return Next::Again;
                 }
                 // With progress threads, or while somebody sleeps on the queue, the device must

@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 
 use rdma_sys as sys;
 
-use crate::cq::{Completion, Opcode, WcStatus};
+use crate::cq::{Opcode, Sink, WcStatus};
 use crate::idmap::IdMap;
 use crate::verbs::post::{
     HELLO_BIT, PostState, RECV_BIT, SEQ_MASK, Shared, TAG_MASK, at_or_before, try_lock,
@@ -106,12 +106,7 @@ pub(super) struct PollState {
 
 /// Delivers `wc` to its connection, or parks it (see [`DevCq::drain`]). Returns how many
 /// records it emitted.
-pub(super) fn deliver(
-    ps: &mut PollState,
-    wc: Wc,
-    blocking: bool,
-    emit: &mut dyn FnMut(Completion),
-) -> usize {
+pub(super) fn deliver(ps: &mut PollState, wc: Wc, blocking: bool, out: &mut Sink<'_>) -> usize {
     let PollState {
         members, parked, ..
     } = ps;
@@ -145,19 +140,15 @@ pub(super) fn deliver(
     let mut n = 0;
     while let Some(p) = mine.pop_front() {
         *parked -= 1;
-        n += complete(sh, &mut st, &p, emit);
+        n += complete(sh, &mut st, &p, out);
     }
-    n += complete(sh, &mut st, &wc, emit);
+    n += complete(sh, &mut st, &wc, out);
     settle(sh, &mut st, failed);
     n
 }
 
 /// Delivers parked completions of every member whose lock can be had. Returns the records.
-pub(super) fn unpark(
-    ps: &mut PollState,
-    blocking: bool,
-    emit: &mut dyn FnMut(Completion),
-) -> usize {
+pub(super) fn unpark(ps: &mut PollState, blocking: bool, out: &mut Sink<'_>) -> usize {
     let mut n = 0;
     let PollState {
         members, parked, ..
@@ -176,7 +167,7 @@ pub(super) fn unpark(
         let failed = st.failed.is_some();
         while let Some(p) = m.parked.pop_front() {
             *parked -= 1;
-            n += complete(&sh, &mut st, &p, emit);
+            n += complete(&sh, &mut st, &p, out);
         }
         settle(&sh, &mut st, failed);
     }
@@ -199,12 +190,7 @@ fn settle(sh: &Shared, st: &mut PostState, failed_before: bool) {
 
 /// Completes the work one device completion reports, in the connection's ledger. Notes the
 /// first error that failed the queue pair. Returns how many records it emitted.
-pub(super) fn complete(
-    sh: &Shared,
-    st: &mut PostState,
-    wc: &Wc,
-    emit: &mut dyn FnMut(Completion),
-) -> usize {
+pub(super) fn complete(sh: &Shared, st: &mut PostState, wc: &Wc, out: &mut Sink<'_>) -> usize {
     let status = wc.status;
     if status != WcStatus::Success && status != WcStatus::Flushed && st.failed.is_none() {
         st.failed = Some(status);
@@ -246,10 +232,10 @@ pub(super) fn complete(
                     }
                     (false, None) => (Opcode::Recv, wc.imm),
                 };
-                emit(sh.report.record(e.wr_id, op, status, wc.byte_len, imm));
+                out.put(sh.report.record(e.wr_id, op, status, wc.byte_len, imm));
                 break;
             }
-            emit(
+            out.put(
                 sh.report
                     .record(e.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None),
             );
@@ -271,7 +257,7 @@ pub(super) fn complete(
             }
             let s = if this { status } else { WcStatus::Success };
             if !e.internal && (e.signaled || s != WcStatus::Success) {
-                emit(sh.report.record(e.wr_id, e.op, s, 0, None));
+                out.put(sh.report.record(e.wr_id, e.op, s, 0, None));
                 n += 1;
             }
             if this {
