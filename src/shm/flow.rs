@@ -829,6 +829,12 @@ impl Flow {
         while done < limit
             && let Some(rec) = self.rx.peek()?
         {
+            if rec.flags & WHOLE_MASK == ring::FIRST | ring::LAST && !self.filling {
+                self.take_whole(&rec, report, out)?;
+                done += 1;
+                moved = true;
+                continue;
+            }
             self.take_record(&rec, report, out)?;
             self.rx.consume(&rec);
             // A message's completion goes out only once its record is consumed: the peer's
@@ -841,6 +847,51 @@ impl Flow {
             moved = true;
         }
         Ok(moved)
+    }
+
+    /// Takes a message that is whole in one record (the usual small message; a record
+    /// without the extra flags of a direct record or a write with immediate data): the path
+    /// of [`take_record`](Self::take_record) and [`deliver`](Self::deliver) in one, with the
+    /// same checks, the same order of completions, and the completion out only once the
+    /// record is consumed (see `receive`).
+    #[inline]
+    fn take_whole(
+        &mut self,
+        rec: &Record,
+        report: &Reporter,
+        out: &mut Sink<'_>,
+    ) -> std::result::Result<(), ReceiveError> {
+        let Some(wr) = self.recvs.front() else {
+            return Err(ReceiveError::Protocol);
+        };
+        if rec.total > wr.len {
+            return Err(self.refuse_length(rec.total, report, out));
+        }
+        if rec.len != rec.total {
+            return Err(ReceiveError::Protocol);
+        }
+        let dst = wr
+            .mr
+            .slice_ptr(wr.offset, rec.len)
+            .map_err(|_| ReceiveError::Protocol)?;
+        // SAFETY: `dst` was bounds-checked against the receive's region (valid while the work
+        // request holds it) and `rec.payload` against the ring (checked by `peek`).
+        unsafe { std::ptr::copy_nonoverlapping(rec.payload, dst, rec.len) };
+        if !self.inflight.is_empty() {
+            self.complete_sends(report, out)?;
+        }
+        let wr = self.recvs.pop_front().expect("a receive is posted");
+        self.msgs_received += 1;
+        let imm = (rec.flags & ring::IMM != 0).then_some(rec.imm);
+        self.rx.consume(rec);
+        out.put(report.record(
+            wr.wr_id,
+            Opcode::Recv,
+            WcStatus::Success,
+            rec.total as u32,
+            imm,
+        ));
+        Ok(())
     }
 
     fn take_record(
@@ -1155,6 +1206,10 @@ impl Flow {
         }
     }
 }
+
+/// The flags that tell a record holding a whole message of its own (both ends, neither
+/// direct nor a write with immediate data).
+const WHOLE_MASK: u32 = ring::FIRST | ring::LAST | ring::DIRECT | ring::WRITE_IMM;
 
 /// Sets one of this side's request flags for the peer (see [`bell::announce`]).
 fn announce(flag: &std::sync::atomic::AtomicU32, on: bool) {
