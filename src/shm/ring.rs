@@ -258,6 +258,7 @@ impl<M: Memory> Producer<M> {
     ///
     /// # Safety
     /// `src..src+want` must be readable.
+    #[inline]
     pub(crate) unsafe fn write(
         &mut self,
         src: *const u8,
@@ -267,6 +268,24 @@ impl<M: Memory> Producer<M> {
         imm: Option<u32>,
         total: usize,
     ) -> Result<Option<usize>> {
+        let size = HDR + padded(want);
+        let (free, contig) = self.space();
+        // The usual case: all of it fits as the remembered head tells, before the ring's end,
+        // keeping STAMP_ROOM free behind it. Everything else goes the long way.
+        if size + STAMP_ROOM <= free && size <= contig {
+            let mut flags = if first { FIRST } else { 0 };
+            if ends_message_if_all {
+                flags |= LAST;
+            }
+            if imm.is_some() {
+                flags |= IMM;
+            }
+            // SAFETY: tail_at + size <= cap (checked against `contig`), the caller guarantees
+            // `src` is readable for `want` bytes, and the space is free (behind the consumer).
+            unsafe { self.mem.copy_in(self.tail_at + HDR, src, want) };
+            self.publish(want, flags, imm.unwrap_or(0), total);
+            return Ok(Some(want));
+        }
         // SAFETY: the caller's contract.
         unsafe { self.write_record(src, want, first, ends_message_if_all, imm, total, 0) }
     }
@@ -303,6 +322,7 @@ impl<M: Memory> Producer<M> {
     /// # Safety
     /// `src..src+want` must be readable.
     #[allow(clippy::too_many_arguments)]
+    #[inline(never)]
     unsafe fn write_record(
         &mut self,
         src: *const u8,
