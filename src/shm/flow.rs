@@ -197,6 +197,9 @@ pub(crate) struct Flow {
     sent_from: Option<(u64, u64)>,
     /// See [`Flow::take_inbox_news`].
     inbox_news: bool,
+    /// Receives were posted since the peer's doorbell was last looked at: the next step or
+    /// send rings it if it sleeps (see `post_recv`).
+    bell_owed: bool,
     /// No more posting or progress: the connection is down (set by its driver in teardown).
     pub(crate) closed: bool,
     /// Why the connection must end, as found by whoever drove it; its driver tears it down.
@@ -260,6 +263,7 @@ impl Flow {
             reach,
             sent_from: None,
             inbox_news: false,
+            bell_owed: false,
             closed: false,
             failed: None,
         }
@@ -625,8 +629,22 @@ impl Flow {
             .recv_posted
             .store(self.recvs_posted, Ordering::Release);
         // No mark on the peer's board: a peer whose sends wait for this credit keeps looking
-        // at the connection by itself (see `busy`). A sleeping peer is woken.
-        self.notify_peer(false);
+        // at the connection by itself (see `busy`). A peer seen asleep is woken now. The look
+        // that cannot miss a peer just falling asleep needs a full fence after the store
+        // above (see `bell`); it comes with this side's next send, poll or wait, or the
+        // background work's next turn (the caller kicks it when the queue is watched), so a
+        // stream of receives posted one by one pays it once per poll, not once per receive.
+        if self
+            .seg
+            .ctrl(1 - self.side)
+            .sleeping
+            .load(Ordering::Relaxed)
+            == 1
+        {
+            self.notify_peer(false);
+        } else {
+            self.bell_owed = true;
+        }
         Ok(())
     }
 
@@ -711,7 +729,7 @@ impl Flow {
                 return true;
             }
         }
-        if ring {
+        if ring || self.bell_owed {
             self.notify_peer(mark);
         }
         moved
@@ -1092,13 +1110,14 @@ impl Flow {
 
     /// Tells the peer it has news: marks its notice board (so its pollers look at this
     /// connection), and rings its doorbell if it sleeps.
-    fn ring_peer(&self) {
+    fn ring_peer(&mut self) {
         self.notify_peer(true);
     }
 
     /// Rings the peer's doorbell if it sleeps - the one system call of the data path, made
     /// only when the peer asked for it - and with `mark`, marks its notice board.
-    fn notify_peer(&self, mark: bool) {
+    fn notify_peer(&mut self, mark: bool) {
+        self.bell_owed = false;
         let peer = self.seg.ctrl(1 - self.side);
         // After the fence that orders our ring/credit stores before it (see `bell`).
         let mark_board = || {
