@@ -66,6 +66,7 @@ mod domain;
 mod driver;
 mod error;
 pub mod ffi;
+mod fifo;
 mod idmap;
 mod log;
 mod mr;

@@ -13,7 +13,6 @@
 //! when the peer acknowledges it; a receive too small for its message fails the connection and
 //! the send with [`WcStatus::RemoteError`].
 
-use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -22,6 +21,7 @@ use parking_lot::Mutex;
 
 use crate::cq::{Completion, Opcode, Reporter, Sink, WcStatus};
 use crate::error::{Error, Result};
+use crate::fifo::Fifo;
 use crate::mr::MemoryRegion;
 use crate::shm::notice::Board;
 use crate::shm::onesided::{self, Exports, ImportCache, Inbox};
@@ -167,11 +167,11 @@ pub(crate) struct Flow {
     send_depth: usize,
     recv_depth: usize,
     /// Sends not yet fully written; the front one has `copied` bytes in the ring.
-    pending: VecDeque<SendWr>,
+    pending: Fifo<SendWr>,
     copied: usize,
-    inflight: VecDeque<InFlight>,
+    inflight: Fifo<InFlight>,
     /// Posted receives; the front one has `filled` bytes of a message when `filling`.
-    recvs: VecDeque<RecvWr>,
+    recvs: Fifo<RecvWr>,
     filling: bool,
     filled: usize,
     /// The completion of the message whose last record is being taken, emitted once the
@@ -245,10 +245,10 @@ impl Flow {
             send_depth: send_depth as usize,
             recv_depth: recv_depth as usize,
             seg,
-            pending: VecDeque::with_capacity(send_depth as usize),
+            pending: Fifo::with_capacity(send_depth as usize),
             copied: 0,
-            inflight: VecDeque::with_capacity(send_depth as usize),
-            recvs: VecDeque::with_capacity(recv_depth as usize),
+            inflight: Fifo::with_capacity(send_depth as usize),
+            recvs: Fifo::with_capacity(recv_depth as usize),
             filling: false,
             filled: 0,
             delivered: None,
