@@ -294,6 +294,86 @@ fn a_flood_of_silent_peers_does_not_make_the_loop_spin() {
     drop(peers);
 }
 
+/// A receive posted while the sender's side sleeps with a send waiting for it (no receive to
+/// go to) wakes that side at once, though the receiving side neither polls nor waits
+/// afterwards, in both progress modes: the post rings a peer it sees asleep. The send completes
+/// within 250 ms of the post; without the ring it would wait for a side's library thread to
+/// look again on its own (every 500 ms when nothing happens: about 400 ms in a build whose
+/// posts never ring). The sender sleeps on its queue's descriptor, as an event loop would, and
+/// each side has a context of its own, as two processes would.
+#[test]
+fn a_receive_posted_late_wakes_the_sleeping_sender_at_once() {
+    use rdmabridge::{Access, CqOptions, Opcode, Progress, SendFlags, WcStatus};
+    use std::sync::mpsc;
+    use std::time::Instant;
+    const BOUND: Duration = Duration::from_millis(250);
+    for progress in [Progress::Caller, Progress::Thread] {
+        // Each side in a context of its own, as in two processes: one library thread each.
+        let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
+        let opts = ConnOptions::default();
+        let cq_opts = CqOptions {
+            progress,
+            ..Default::default()
+        };
+        let addr = Net::Shm.addr("late-recv");
+        let l = sctx.listen(&addr, 1).unwrap();
+        let ccq = CompletionQueue::with_options(cq_opts).unwrap();
+        let scq = CompletionQueue::with_options(cq_opts).unwrap();
+        let (c, s) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| {
+                l.get_request(Some(Duration::from_secs(10)))
+                    .unwrap()
+                    .accept(&scq, &opts)
+                    .unwrap()
+            });
+            let c = cctx.connect(&addr, &ccq, &opts).unwrap();
+            (c, h.join().unwrap())
+        });
+        let fd = ccq.fd();
+        let rmr = sctx.alloc_mr(64 * 8, Access::LOCAL_WRITE).unwrap();
+        for round in 0..8u64 {
+            c.post_send_inline(&round.to_le_bytes(), round, SendFlags::SIGNALED)
+                .unwrap();
+            let (tx, rx) = mpsc::channel();
+            std::thread::scope(|sc| {
+                sc.spawn(|| {
+                    // Long enough for the sender's side to be asleep.
+                    std::thread::sleep(Duration::from_millis(100));
+                    let posted = Instant::now();
+                    s.post_recv(&rmr, round as usize * 64, 64, round).unwrap();
+                    tx.send(posted).unwrap();
+                });
+                assert!(
+                    readable(fd, 5000),
+                    "{progress:?} round {round}: no send completion within 5 s"
+                );
+            });
+            let took = rx.recv().unwrap().elapsed();
+            assert!(
+                took < BOUND,
+                "{progress:?} round {round}: the send completed {took:?} after the receive \
+                 was posted (bound {BOUND:?})"
+            );
+            let sc = ccq.poll().expect("the completion the descriptor announced");
+            assert_eq!(
+                (sc.opcode, sc.status, sc.wr_id),
+                (Opcode::Send, WcStatus::Success, round)
+            );
+        }
+        // The messages are all there, in order.
+        for round in 0..8u64 {
+            let r = next(&scq);
+            assert_eq!(
+                (r.opcode, r.status, r.wr_id, r.byte_len),
+                (Opcode::Recv, WcStatus::Success, round, 8)
+            );
+            let mut b = [0u8; 8];
+            unsafe { rmr.read(round as usize * 64, &mut b) }.unwrap();
+            assert_eq!(u64::from_le_bytes(b), round);
+        }
+    }
+}
+
 /// A receiver that only busy-polls gets every message over many connections, across idle
 /// gaps long enough for its connections to go back to waiting on the queue's notice board
 /// and to be woken by a mark again, in order per connection. (The connections' own threads do
