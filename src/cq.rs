@@ -295,11 +295,21 @@ impl CompletionQueue {
 
     /// Takes up to `max` completions into `out` (appending). Returns how many were taken.
     pub fn poll_into(&self, out: &mut Vec<Completion>, max: usize) -> usize {
-        out.reserve(max);
-        let len = out.len();
-        let n = self.poll_slots(&mut out.spare_capacity_mut()[..max]);
-        // SAFETY: poll_slots initialized the first `n` spare slots.
-        unsafe { out.set_len(len + n) };
+        let mut n = 0;
+        // In batches, so that a large `max` (`usize::MAX`: all there is) reserves no more room
+        // than the completions found need.
+        while n < max {
+            let want = (max - n).min(BATCH);
+            out.reserve(want);
+            let len = out.len();
+            let got = self.poll_slots(&mut out.spare_capacity_mut()[..want]);
+            // SAFETY: poll_slots initialized the first `got` spare slots.
+            unsafe { out.set_len(len + got) };
+            n += got;
+            if got < want {
+                break;
+            }
+        }
         n
     }
 
@@ -940,6 +950,40 @@ mod tests {
             .poll_wait_with(2, Some(Duration::from_secs(5)), &mut |c| got.push(c.wr_id))
             .unwrap();
         assert_eq!((n, got.as_slice()), (1, &[0, 1, 2][..]));
+    }
+
+    /// The polls that hand completions over in batches (a closure's, a `Vec`'s, the C
+    /// surface's) take them all, in order, across batch boundaries, and never more than asked;
+    /// a `max` of `usize::MAX` takes what there is.
+    #[test]
+    fn polls_in_batches_take_everything_in_order_and_no_more_than_asked() {
+        let cq = CompletionQueue::new().unwrap();
+        let r = Reporter {
+            cq: cq.clone(),
+            conn_id: 1,
+            context: 0,
+            peer: String::new(),
+        };
+        let total = 3 * BATCH as u64 + 5;
+        for i in 0..total {
+            cq.push(r.record(i, Opcode::Send, WcStatus::Success, 0, None));
+        }
+        let mut got = Vec::new();
+        assert_eq!(cq.poll_into(&mut got, BATCH + 1), BATCH + 1);
+        let mut ids = Vec::new();
+        assert_eq!(cq.poll_with(BATCH, &mut |c| ids.push(c.wr_id)), BATCH);
+        got.extend(
+            ids.iter()
+                .map(|&i| r.record(i, Opcode::Send, WcStatus::Success, 0, None)),
+        );
+        assert_eq!(cq.poll().map(|c| c.wr_id), Some(2 * BATCH as u64 + 1));
+        let rest = cq.poll_into(&mut got, usize::MAX);
+        assert_eq!(rest, total as usize - 2 * BATCH - 2);
+        assert_eq!(cq.poll_into(&mut got, usize::MAX), 0);
+        let mut want: Vec<u64> = (0..total).collect();
+        want.remove(2 * BATCH + 1);
+        assert_eq!(got.iter().map(|c| c.wr_id).collect::<Vec<_>>(), want);
+        assert!(cq.poll().is_none());
     }
 
     #[test]
