@@ -929,8 +929,8 @@ impl Reporter {
 mod tests {
     use super::*;
 
-    #[test]
-    fn poll_wait_with_hands_over_what_is_queued_at_once() {
+    /// A queue, and a connection's reporter on it.
+    fn queue_and_reporter() -> (Arc<CompletionQueue>, Reporter) {
         let cq = CompletionQueue::new().unwrap();
         let r = Reporter {
             cq: cq.clone(),
@@ -938,6 +938,12 @@ mod tests {
             context: 0,
             peer: String::new(),
         };
+        (cq, r)
+    }
+
+    #[test]
+    fn poll_wait_with_hands_over_what_is_queued_at_once() {
+        let (cq, r) = queue_and_reporter();
         for i in 0..3 {
             cq.push(r.record(i, Opcode::Send, WcStatus::Success, 0, None));
         }
@@ -957,13 +963,7 @@ mod tests {
     /// a `max` of `usize::MAX` takes what there is.
     #[test]
     fn polls_in_batches_take_everything_in_order_and_no_more_than_asked() {
-        let cq = CompletionQueue::new().unwrap();
-        let r = Reporter {
-            cq: cq.clone(),
-            conn_id: 1,
-            context: 0,
-            peer: String::new(),
-        };
+        let (cq, r) = queue_and_reporter();
         let total = 3 * BATCH as u64 + 5;
         for i in 0..total {
             cq.push(r.record(i, Opcode::Send, WcStatus::Success, 0, None));

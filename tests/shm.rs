@@ -315,20 +315,7 @@ fn a_receive_posted_late_wakes_the_sleeping_sender_at_once() {
             progress,
             ..Default::default()
         };
-        let addr = Net::Shm.addr("late-recv");
-        let l = sctx.listen(&addr, 1).unwrap();
-        let ccq = CompletionQueue::with_options(cq_opts).unwrap();
-        let scq = CompletionQueue::with_options(cq_opts).unwrap();
-        let (c, s) = std::thread::scope(|sc| {
-            let h = sc.spawn(|| {
-                l.get_request(Some(Duration::from_secs(10)))
-                    .unwrap()
-                    .accept(&scq, &opts)
-                    .unwrap()
-            });
-            let c = cctx.connect(&addr, &ccq, &opts).unwrap();
-            (c, h.join().unwrap())
-        });
+        let (c, ccq, s, scq) = pair_between(&Net::Shm, &cctx, &sctx, &opts, &opts, cq_opts);
         let fd = ccq.fd();
         let rmr = sctx.alloc_mr(64 * 8, Access::LOCAL_WRITE).unwrap();
         for round in 0..8u64 {

@@ -57,18 +57,16 @@ pub fn next(cq: &CompletionQueue) -> Completion {
     }
 }
 
+/// A connected pair: the client and its queue, the server and its queue.
+pub type Pair = (
+    Connection,
+    Arc<CompletionQueue>,
+    Connection,
+    Arc<CompletionQueue>,
+);
+
 /// A connected pair in this process: (client, server), each on its own completion queue.
-pub fn pair(
-    net: &Net,
-    ctx: &Context,
-    copts: &ConnOptions,
-    sopts: &ConnOptions,
-) -> (
-    Connection,
-    Arc<CompletionQueue>,
-    Connection,
-    Arc<CompletionQueue>,
-) {
+pub fn pair(net: &Net, ctx: &Context, copts: &ConnOptions, sopts: &ConnOptions) -> Pair {
     pair_with(net, ctx, copts, sopts, CqOptions::default())
 }
 
@@ -79,14 +77,22 @@ pub fn pair_with(
     copts: &ConnOptions,
     sopts: &ConnOptions,
     cq_opts: CqOptions,
-) -> (
-    Connection,
-    Arc<CompletionQueue>,
-    Connection,
-    Arc<CompletionQueue>,
-) {
+) -> Pair {
+    pair_between(net, ctx, ctx, copts, sopts, cq_opts)
+}
+
+/// As [`pair_with`], the client in context `cctx` and the server in `sctx` (two contexts: as
+/// two processes, each side with a library thread of its own).
+pub fn pair_between(
+    net: &Net,
+    cctx: &Context,
+    sctx: &Context,
+    copts: &ConnOptions,
+    sopts: &ConnOptions,
+    cq_opts: CqOptions,
+) -> Pair {
     let addr = net.addr("pair");
-    let l = ctx.listen(&addr, 4).unwrap();
+    let l = sctx.listen(&addr, 4).unwrap();
     let ccq = CompletionQueue::with_options(cq_opts).unwrap();
     let scq = CompletionQueue::with_options(cq_opts).unwrap();
     let (client, server) = std::thread::scope(|s| {
@@ -96,7 +102,7 @@ pub fn pair_with(
                 .accept(&scq, sopts)
                 .unwrap()
         });
-        let c = ctx.connect(&addr, &ccq, copts).unwrap();
+        let c = cctx.connect(&addr, &ccq, copts).unwrap();
         (c, h.join().unwrap())
     });
     (client, ccq, server, scq)
