@@ -295,38 +295,47 @@ impl CompletionQueue {
 
     /// Takes up to `max` completions into `out` (appending). Returns how many were taken.
     pub fn poll_into(&self, out: &mut Vec<Completion>, max: usize) -> usize {
-        let mut n = 0;
-        // In batches, so that a large `max` (`usize::MAX`: all there is) reserves no more room
-        // than the completions found need.
-        while n < max {
-            let want = (max - n).min(BATCH);
-            out.reserve(want);
-            let len = out.len();
-            let got = self.poll_slots(&mut out.spare_capacity_mut()[..want]);
-            // SAFETY: poll_slots initialized the first `got` spare slots.
-            unsafe { out.set_len(len + got) };
-            n += got;
-            if got < want {
-                break;
-            }
-        }
-        n
+        let got = |b: &[MaybeUninit<Completion>], _| {
+            // SAFETY: the batch's slots are initialized; `Completion` is `Copy`.
+            out.extend(b.iter().map(|c| unsafe { c.assume_init_read() }));
+        };
+        self.poll_batches(max, |first| Ok(self.poll_slots(first)), got)
+            .unwrap_or_default()
     }
 
     /// Hands up to `max` completions, oldest first, to `take`. Returns how many. Never blocks.
     pub fn poll_with(&self, max: usize, take: &mut dyn FnMut(Completion)) -> usize {
+        self.poll_batches(
+            max,
+            |first| Ok(self.poll_slots(first)),
+            |b, _| hand_over(b, take),
+        )
+        .unwrap_or_default()
+    }
+
+    /// Takes up to `max` completions in batches of at most [`BATCH`], in slots on the stack:
+    /// the first batch from `first` (a poll, or a poll that waits), more with polls while the
+    /// batches come back full. Each batch goes to `got` (its slots initialized) with the count
+    /// of those before it. Returns how many in all; an error of `first`'s as it is.
+    pub(crate) fn poll_batches(
+        &self,
+        max: usize,
+        first: impl FnOnce(&mut [MaybeUninit<Completion>]) -> Result<usize>,
+        mut got: impl FnMut(&[MaybeUninit<Completion>], usize),
+    ) -> Result<usize> {
+        let mut batch = [const { MaybeUninit::uninit() }; BATCH];
+        let mut want = max.min(BATCH);
+        let mut took = first(&mut batch[..want])?;
         let mut n = 0;
-        let mut chunk = [const { MaybeUninit::uninit() }; BATCH];
-        while n < max {
-            let want = (max - n).min(BATCH);
-            let got = self.poll_slots(&mut chunk[..want]);
-            hand_over(&chunk[..got], take);
-            n += got;
-            if got < want {
-                break;
+        loop {
+            got(&batch[..took], n);
+            n += took;
+            if took < want || n == max {
+                return Ok(n);
             }
+            want = (max - n).min(BATCH);
+            took = self.poll_slots(&mut batch[..want]);
         }
-        n
     }
 
     /// Takes up to `slots.len()` completions, oldest first, into the first slots. Returns
@@ -611,14 +620,11 @@ impl CompletionQueue {
         timeout: Option<Duration>,
         take: &mut dyn FnMut(Completion),
     ) -> Result<usize> {
-        let mut chunk = [const { MaybeUninit::uninit() }; BATCH];
-        let want = max.min(BATCH);
-        let got = self.poll_wait_slots(&mut chunk[..want], timeout)?;
-        hand_over(&chunk[..got], take);
-        if got == want && max > want {
-            return Ok(got + self.poll_with(max - want, take));
-        }
-        Ok(got)
+        self.poll_batches(
+            max,
+            |first| self.poll_wait_slots(first, timeout),
+            |b, _| hand_over(b, take),
+        )
     }
 
     /// [`poll_wait_with`](Self::poll_wait_with) into the first of `slots` (as many as it

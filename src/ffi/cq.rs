@@ -4,7 +4,7 @@ use std::ffi::c_void;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-use crate::cq::{BATCH, DEFAULT_SPIN, SPIN_MAX};
+use crate::cq::{DEFAULT_SPIN, SPIN_MAX};
 use crate::ffi::error::{RBR_EMPTY, RBR_OK, fail, rbr_status};
 use crate::ffi::{arg_ref, ffi_body, ffi_body_or, out_ptr, struct_arg, timeout_arg};
 use crate::{Completion, CompletionQueue, CqOptions, Error, Opcode, Progress, WcStatus};
@@ -303,10 +303,9 @@ pub unsafe extern "C" fn rbr_cq_poll(
     })
 }
 
-/// Fills the caller's `max` records at `out` (`max` > 0): the first batch from `first` (a
-/// poll, or a poll that waits), then more with polls while the batches come back full. Each
-/// batch lands in slots on the stack first and is then written out as C records. Returns how
-/// many records it wrote.
+/// Fills the caller's `max` records at `out` in batches (see `CompletionQueue::poll_batches`),
+/// the first from `first` (a poll, or a poll that waits), written out as C records. Returns
+/// how many records it wrote.
 ///
 /// # Safety
 /// `out` writable for `max` records.
@@ -316,23 +315,14 @@ unsafe fn poll_out(
     max: usize,
     first: impl FnOnce(&mut [MaybeUninit<Completion>]) -> crate::Result<usize>,
 ) -> crate::Result<usize> {
-    let mut batch = [const { MaybeUninit::uninit() }; BATCH];
-    let mut want = max.min(BATCH);
-    let mut took = first(&mut batch[..want])?;
-    let mut got = 0;
-    loop {
-        for (i, c) in batch[..took].iter().enumerate() {
-            // SAFETY: the poll initialized the first `took` slots (`Completion` is `Copy`);
-            // got + i < max, and `out` is writable for `max` records (caller contract).
-            unsafe { out.add(got + i).write(c.assume_init_read().into()) };
+    cq.poll_batches(max, first, |batch, before| {
+        for (i, c) in batch.iter().enumerate() {
+            // SAFETY: the batch's slots are initialized (`Completion` is `Copy`); the batches
+            // hold at most `max` records in all, so before + i < max, and `out` is writable
+            // for `max` records (caller contract).
+            unsafe { out.add(before + i).write(c.assume_init_read().into()) };
         }
-        got += took;
-        if took < want || got == max {
-            return Ok(got);
-        }
-        want = (max - got).min(BATCH);
-        took = cq.poll_slots(&mut batch[..want]);
-    }
+    })
 }
 
 /// Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
