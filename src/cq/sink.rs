@@ -53,9 +53,7 @@ impl<'a> Sink<'a> {
     }
 
     /// Whether a slot is free: a source may then hand records over directly, up to
-    /// [`room`](Self::room) of them. When none is, a source takes everything it has into
-    /// the queue instead (a connection looked at because of a mark on the board must take
-    /// what it was marked for: nothing marks it again).
+    /// [`room`](Self::room) of them.
     #[inline]
     pub(crate) fn direct(&self) -> bool {
         self.filled < self.slots.len()
@@ -65,6 +63,42 @@ impl<'a> Sink<'a> {
     #[inline]
     pub(crate) fn room(&self) -> usize {
         self.slots.len() - self.filled
+    }
+
+    /// How many records the poll asked for (all there are when it has no slots).
+    #[cfg(feature = "verbs")]
+    #[inline]
+    pub(crate) fn asked(&self) -> usize {
+        if self.slots.is_empty() {
+            usize::MAX
+        } else {
+            self.slots.len()
+        }
+    }
+
+    /// Runs a source's `take(limit, sink)` so that its records arrive in order: straight into
+    /// the free slots (`limit`: their number) when there are some and `nothing_queued()` says
+    /// that no older record of the source can be waiting in the queue; otherwise into the
+    /// queue only (`limit`: `queued_limit`), where no new record overtakes an older one. A
+    /// source without a free slot still takes what it has, into the queue: a connection
+    /// looked at because of a mark on the board must take what it was marked for, as nothing
+    /// marks it again.
+    #[inline]
+    pub(crate) fn in_order<R>(
+        &mut self,
+        nothing_queued: impl FnOnce() -> bool,
+        queued_limit: usize,
+        take: impl FnOnce(usize, &mut Sink<'_>) -> R,
+    ) -> R {
+        if self.direct() && nothing_queued() {
+            let room = self.room();
+            take(room, self)
+        } else {
+            let mut q = Sink::queue(self.queue);
+            let r = take(queued_limit, &mut q);
+            self.queued += q.queued;
+            r
+        }
     }
 
     /// Records written into the slots so far (the first `filled()` slots are initialized).
@@ -77,14 +111,5 @@ impl<'a> Sink<'a> {
     #[inline]
     pub(crate) fn produced(&self) -> usize {
         self.filled + self.queued
-    }
-
-    /// Runs `f` with everything it produces going into the queue (a source whose older
-    /// records may still be queued must not let new ones overtake them), counted here.
-    pub(crate) fn queued_only<R>(&mut self, f: impl FnOnce(&mut Sink<'_>) -> R) -> R {
-        let mut q = Sink::queue(self.queue);
-        let r = f(&mut q);
-        self.queued += q.queued;
-        r
     }
 }

@@ -178,11 +178,11 @@ impl Source for Shared {
         let report = &self.report;
         // Under the lock nothing of this connection is on its way into the queue, so an
         // empty queue means no older record of it is waiting there.
-        let moved = if out.direct() && report.cq.is_empty() {
-            flow.step(report, out.room(), out)
-        } else {
-            out.queued_only(|q| flow.step(report, usize::MAX, q))
-        };
+        let moved = out.in_order(
+            || report.cq.is_empty(),
+            usize::MAX,
+            |limit, out| flow.step(report, limit, out),
+        );
         // Relaxed, load then store: only this connection's pollers count, under its lock.
         let idle = if moved {
             0

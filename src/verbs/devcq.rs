@@ -431,11 +431,13 @@ impl Source for DevCq {
         }
         // Under the poll lock nothing of these connections is on its way into the queue
         // from the device, so an empty queue means no older record of theirs waits there.
-        if out.direct() && self.cq.surely_empty() {
-            self.drain(&mut ps, out.room(), true, out);
-        } else {
-            out.queued_only(|q| self.drain(&mut ps, usize::MAX, true, q));
-        }
+        // Into the queue, the device gives about as many as the poll asked for.
+        let asked = out.asked();
+        out.in_order(
+            || self.cq.surely_empty(),
+            asked,
+            |limit, out| self.drain(&mut ps, limit, true, out),
+        );
     }
 
     fn arm(&self) {
