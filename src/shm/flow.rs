@@ -174,9 +174,6 @@ pub(crate) struct Flow {
     recvs: Fifo<RecvWr>,
     filling: bool,
     filled: usize,
-    /// The completion of the message whose last record is being taken, emitted once the
-    /// record is consumed (see `receive`).
-    delivered: Option<Completion>,
     /// Messages started (credits used), receives posted, messages received.
     msgs_started: u64,
     recvs_posted: u64,
@@ -251,7 +248,6 @@ impl Flow {
             recvs: Fifo::with_capacity(recv_depth as usize),
             filling: false,
             filled: 0,
-            delivered: None,
             msgs_started: 0,
             recvs_posted: 0,
             msgs_received: 0,
@@ -318,30 +314,21 @@ impl Flow {
             _ => None,
         };
         if let Some((mr, key)) = direct {
-            match self.start_direct(ptr, len, wr_id, signaled, mr, key) {
-                Ok(true) => {
-                    self.ring_peer();
-                    return Ok(());
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    self.fail_protocol();
-                    return Err(e);
-                }
+            let started = self.start_direct(ptr, len, wr_id, signaled, mr, key);
+            if self.or_fail(started)? {
+                self.ring_peer();
+                return Ok(());
             }
         } else if self.pending.is_empty() {
             // SAFETY: the caller's contract.
-            match unsafe { self.start_message(ptr, len, wr_id, signaled) } {
-                Ok(Some(n)) if n == len => {
+            let started = unsafe { self.start_message(ptr, len, wr_id, signaled) };
+            match self.or_fail(started)? {
+                Some(n) if n == len => {
                     self.ring_peer();
                     return Ok(());
                 }
-                Ok(Some(n)) => copied = n,
-                Ok(None) => {}
-                Err(e) => {
-                    self.fail_protocol();
-                    return Err(e);
-                }
+                Some(n) => copied = n,
+                None => {}
             }
         }
         let src = keep();
@@ -356,23 +343,7 @@ impl Flow {
             // This send is the front one, partly written.
             self.copied = copied;
         }
-        // The send waits for a credit or ring space: ask the peer for a doorbell when either
-        // changes, so the connection's driver can move it on even if nobody polls here. Then
-        // write what fits now, which also covers a change that came before the request (Dekker
-        // with `ring_peer`), and tell the peer about everything written.
-        self.set_sleeping(true);
-        match self.transmit() {
-            Ok(moved) => {
-                if moved || copied > 0 {
-                    self.ring_peer();
-                }
-                Ok(())
-            }
-            Err(e) => {
-                self.fail_protocol();
-                Err(e)
-            }
-        }
+        self.wait_for_room(copied > 0)
     }
 
     /// Posts the record of a write with immediate data whose `written` bytes are already in
@@ -387,17 +358,11 @@ impl Flow {
     ) -> Result<()> {
         self.claim_send()?;
         if self.pending.is_empty() && self.has_credit() {
-            match self.tx.write_imm(imm, written) {
-                Ok(true) => {
-                    self.start_write_imm(wr_id, signaled);
-                    self.ring_peer();
-                    return Ok(());
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    self.fail_protocol();
-                    return Err(e);
-                }
+            let wrote = self.tx.write_imm(imm, written);
+            if self.or_fail(wrote)? {
+                self.start_write_imm(wr_id, signaled);
+                self.ring_peer();
+                return Ok(());
             }
         }
         self.pending.push_back(SendWr {
@@ -407,20 +372,30 @@ impl Flow {
             src: SendSrc::Inline(Box::default()),
             kind: SendKind::WriteImm { imm, written },
         });
-        // As for a send that waits (see `post_send`).
+        self.wait_for_room(false)
+    }
+
+    /// After a send (or write with immediate data) was queued to wait for a credit or ring
+    /// space: asks the peer for a doorbell when either changes, so the connection's driver can
+    /// move it on even if nobody polls here. Then writes what fits now, which also covers a
+    /// change that came before the request (Dekker with `ring_peer`), and tells the peer about
+    /// everything written (`wrote`: some of the send went in already).
+    fn wait_for_room(&mut self, wrote: bool) -> Result<()> {
         self.set_sleeping(true);
-        match self.transmit() {
-            Ok(moved) => {
-                if moved {
-                    self.ring_peer();
-                }
-                Ok(())
-            }
-            Err(e) => {
-                self.fail_protocol();
-                Err(e)
-            }
+        let moved = self.transmit();
+        if self.or_fail(moved)? || wrote {
+            self.ring_peer();
         }
+        Ok(())
+    }
+
+    /// Passes `r` on, having failed the connection when it is an error: writing into the
+    /// ring or reading the peer's words found the peer breaking the protocol.
+    fn or_fail<T>(&mut self, r: Result<T>) -> Result<T> {
+        if r.is_err() {
+            self.fail_protocol();
+        }
+        r
     }
 
     /// A one-sided operation ran (at post time) and ended with `status`: it completes now,
@@ -853,12 +828,12 @@ impl Flow {
                 moved = true;
                 continue;
             }
-            self.take_record(&rec, report, out)?;
+            let delivered = self.take_record(&rec, report, out)?;
             self.rx.consume(&rec);
             // A message's completion goes out only once its record is consumed: the peer's
             // send is then taken (our cursor moved) before any thread can see the message and
             // answer it, so the peer completes its send before it sees the answer.
-            if let Some(c) = self.delivered.take() {
+            if let Some(c) = delivered {
                 out.put(c);
                 done += 1;
             }
@@ -868,10 +843,10 @@ impl Flow {
     }
 
     /// Takes a message that is whole in one record (the usual small message; a record
-    /// without the extra flags of a direct record or a write with immediate data): the path
-    /// of [`take_record`](Self::take_record) and [`deliver`](Self::deliver) in one, with the
-    /// same checks, the same order of completions, and the completion out only once the
-    /// record is consumed (see `receive`).
+    /// without the extra flags of a direct record or a write with immediate data): the
+    /// checks of [`take_record`](Self::take_record) for that case, without its bookkeeping
+    /// of a message in parts, and the record consumed before the completion goes to `out`
+    /// (see `receive`): written there directly, this being the hot path.
     #[inline]
     fn take_whole(
         &mut self,
@@ -895,15 +870,11 @@ impl Flow {
         // SAFETY: `dst` was bounds-checked against the receive's region (valid while the work
         // request holds it) and `rec.payload` against the ring (checked by `peek`).
         unsafe { std::ptr::copy_nonoverlapping(rec.payload, dst, rec.len) };
-        if !self.inflight.is_empty() {
-            self.complete_sends(report, out)?;
-        }
-        let wr = self.recvs.pop_front().expect("a receive is posted");
-        self.msgs_received += 1;
+        let wr_id = self.finish_recv(report, out)?;
         let imm = (rec.flags & ring::IMM != 0).then_some(rec.imm);
         self.rx.consume(rec);
         out.put(report.record(
-            wr.wr_id,
+            wr_id,
             Opcode::Recv,
             WcStatus::Success,
             rec.total as u32,
@@ -912,18 +883,20 @@ impl Flow {
         Ok(())
     }
 
+    /// Takes one record into the front receive. Returns the completion of the message when
+    /// this record ended it (see `receive`).
     fn take_record(
         &mut self,
         rec: &Record,
         report: &Reporter,
         out: &mut Sink<'_>,
-    ) -> std::result::Result<(), ReceiveError> {
+    ) -> std::result::Result<Option<Completion>, ReceiveError> {
         let proto = |_: &str| ReceiveError::Protocol;
         if rec.flags & ring::DIRECT != 0 {
-            return self.take_direct(rec, report, out);
+            return self.take_direct(rec, report, out).map(Some);
         }
         if rec.flags & ring::WRITE_IMM != 0 {
-            return self.take_write_imm(rec, report, out);
+            return self.take_write_imm(rec, report, out).map(Some);
         }
         let first = rec.flags & ring::FIRST != 0;
         if first == self.filling {
@@ -955,19 +928,22 @@ impl Flow {
                 return Err(proto("message shorter than announced"));
             }
             let imm = (rec.flags & ring::IMM != 0).then_some(rec.imm);
-            self.deliver(Opcode::Recv, rec.total, imm, report, out)?;
+            return self
+                .deliver(Opcode::Recv, rec.total, imm, report, out)
+                .map(Some);
         }
-        Ok(())
+        Ok(None)
     }
 
     /// The front receive holds a whole message of `total` bytes (or was consumed by a write
-    /// with immediate data: `opcode`): it completes (its completion goes out once the record
-    /// is consumed, see `receive`).
+    /// with immediate data: `opcode`): it completes. Returns its completion, which goes out
+    /// once the record is consumed (see `receive`).
     ///
     /// First come the completions of our sends the peer took before it finished this message:
     /// a program that waits for its send's completion and then for the answer to it sees them
     /// in that order, as over verbs. (The peer's cursor is read only while sends are in flight;
     /// the record's stamp, taken with Acquire, came after the peer moved it.)
+    #[inline]
     fn deliver(
         &mut self,
         opcode: Opcode,
@@ -975,16 +951,26 @@ impl Flow {
         imm: Option<u32>,
         report: &Reporter,
         out: &mut Sink<'_>,
-    ) -> std::result::Result<(), ReceiveError> {
+    ) -> std::result::Result<Completion, ReceiveError> {
+        let wr_id = self.finish_recv(report, out)?;
+        Ok(report.record(wr_id, opcode, WcStatus::Success, total as u32, imm))
+    }
+
+    /// The front receive is done: the sends the peer took before come first (see
+    /// [`deliver`](Self::deliver)), then the receive leaves the queue. Returns its `wr_id`.
+    #[inline]
+    fn finish_recv(
+        &mut self,
+        report: &Reporter,
+        out: &mut Sink<'_>,
+    ) -> std::result::Result<u64, ReceiveError> {
         if !self.inflight.is_empty() {
             self.complete_sends(report, out)?;
         }
         let wr = self.recvs.pop_front().expect("a receive is posted");
-        self.delivered =
-            Some(report.record(wr.wr_id, opcode, WcStatus::Success, total as u32, imm));
         self.filling = false;
         self.msgs_received += 1;
-        Ok(())
+        Ok(wr.wr_id)
     }
 
     /// A receive too small for the message of `total` bytes: the receive fails, and so does
@@ -1019,7 +1005,7 @@ impl Flow {
         rec: &Record,
         report: &Reporter,
         out: &mut Sink<'_>,
-    ) -> std::result::Result<(), ReceiveError> {
+    ) -> std::result::Result<Completion, ReceiveError> {
         let whole = ring::FIRST | ring::LAST | ring::IMM;
         if self.filling || rec.flags & whole != whole || rec.len != 0 {
             return Err(ReceiveError::Protocol);
@@ -1037,7 +1023,7 @@ impl Flow {
         rec: &Record,
         report: &Reporter,
         out: &mut Sink<'_>,
-    ) -> std::result::Result<(), ReceiveError> {
+    ) -> std::result::Result<Completion, ReceiveError> {
         let whole = ring::FIRST | ring::LAST;
         // A direct record is a whole message.
         if self.filling || rec.flags & whole != whole || rec.len != ring::DIRECT_PAYLOAD {
@@ -1072,8 +1058,7 @@ impl Flow {
             };
             direct::copy_from(pid, addr, dst, rec.total).map_err(|_| ReceiveError::Protocol)?;
         }
-        self.deliver(Opcode::Recv, rec.total, None, report, out)?;
-        Ok(())
+        self.deliver(Opcode::Recv, rec.total, None, report, out)
     }
 
     /// Copies a large message of `len` bytes at the peer's `addr` out of the peer's region it
