@@ -548,6 +548,14 @@ impl Import {
             len,
         })
     }
+
+    /// Where `len` bytes at the peer's address `addr` start in the region, when they all lie
+    /// inside it.
+    fn offset(&self, addr: u64, len: usize) -> Option<usize> {
+        let off = addr.checked_sub(self.addr)?;
+        let end = off.checked_add(len as u64)?;
+        (end <= self.len).then_some(off as usize)
+    }
 }
 
 /// This side's reader of the connection's socket, and the regions of the peer it knows.
@@ -774,14 +782,7 @@ pub(crate) fn run(
     if imp.access & need != need {
         return Err(Refused::Denied);
     }
-    let off = wr
-        .remote_addr
-        .checked_sub(imp.addr)
-        .filter(|o| {
-            o.checked_add(wr.len as u64)
-                .is_some_and(|end| end <= imp.len)
-        })
-        .ok_or(Refused::Denied)? as usize;
+    let off = imp.offset(wr.remote_addr, wr.len).ok_or(Refused::Denied)?;
     // An atomic's word must be 8-byte aligned where it is accessed: the core checked the
     // address the caller named, but the peer chose where its region starts, so the word's
     // place in the mapping (which starts on a page) is checked here.
@@ -827,16 +828,12 @@ pub(crate) unsafe fn copy_mapped(
     let Target::Mapped { base, .. } = imp.target else {
         return Err(Refused::Denied);
     };
-    let off = addr.checked_sub(imp.addr).ok_or(Refused::Denied)?;
-    match off.checked_add(len as u64) {
-        Some(end) if end <= imp.len => {}
-        _ => return Err(Refused::Denied),
-    }
+    let off = imp.offset(addr, len).ok_or(Refused::Denied)?;
     let entry = seg.export(peer_side, imp.slot).ok_or(Refused::Denied)?;
     guarded(&entry, imp.key, || {
         // SAFETY: `off..off+len` lies inside the import's length, which `Import::map` checked
         // against the file and mapped; `dst` is writable for `len` (the caller's contract).
-        unsafe { copy(base.as_ptr().add(off as usize).cast_const(), dst, len) }
+        unsafe { copy(base.as_ptr().add(off).cast_const(), dst, len) }
     })
     .ok_or(Refused::Withdrawn)
 }
@@ -1011,50 +1008,48 @@ mod tests {
         assert!(t.elapsed() >= Duration::from_millis(50));
     }
 
-    /// The export protocol under a race, an accessor keeps accessing
-    /// (writing the key it used into `touched`, as a write into the region would) while the
-    /// owner withdraws; once the withdrawal has returned, no access may run.
+    /// The export protocol under a race: an accessor keeps accessing (writing the key it used
+    /// into `touched`, as a write into the region would) while the owner withdraws; once the
+    /// withdrawal has returned, no access may run.
     #[test]
     fn no_access_runs_after_its_withdrawal_returned() {
         use std::sync::atomic::AtomicBool;
         const ROUNDS: u64 = 20_000;
         let (seg, _fd) = Segment::create(64 * 1024).unwrap();
         let pid = std::process::id() as libc::pid_t;
-        {
-            let entry = seg.export(0, 0).unwrap();
-            let touched = AtomicU64::new(0);
-            let target = AtomicU64::new(0);
-            let stop = AtomicBool::new(false);
-            let mut late = 0;
-            std::thread::scope(|s| {
-                s.spawn(|| {
-                    while !stop.load(Ordering::Relaxed) {
-                        let k = target.load(Ordering::Acquire);
-                        if k != 0 {
-                            guarded(&entry, k, || touched.store(k, Ordering::Relaxed));
-                        }
-                    }
-                });
-                for k in 1..=ROUNDS {
-                    entry.live.store(k, Ordering::SeqCst);
-                    target.store(k, Ordering::Release);
-                    while touched.load(Ordering::Relaxed) != k {
-                        std::hint::spin_loop();
-                    }
-                    close_entry(&entry, pid);
-                    // The region's memory goes here; an access from now on would touch it.
-                    touched.store(0, Ordering::Relaxed);
-                    for _ in 0..50 {
-                        std::hint::spin_loop();
-                    }
-                    if touched.load(Ordering::SeqCst) != 0 {
-                        late += 1;
+        let entry = seg.export(0, 0).unwrap();
+        let touched = AtomicU64::new(0);
+        let target = AtomicU64::new(0);
+        let stop = AtomicBool::new(false);
+        let mut late = 0;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let k = target.load(Ordering::Acquire);
+                    if k != 0 {
+                        guarded(&entry, k, || touched.store(k, Ordering::Relaxed));
                     }
                 }
-                stop.store(true, Ordering::Relaxed);
             });
-            assert_eq!(late, 0, "accesses after the withdrawal returned");
-        }
+            for k in 1..=ROUNDS {
+                entry.live.store(k, Ordering::SeqCst);
+                target.store(k, Ordering::Release);
+                while touched.load(Ordering::Relaxed) != k {
+                    std::hint::spin_loop();
+                }
+                close_entry(&entry, pid);
+                // The region's memory goes here; an access from now on would touch it.
+                touched.store(0, Ordering::Relaxed);
+                for _ in 0..50 {
+                    std::hint::spin_loop();
+                }
+                if touched.load(Ordering::SeqCst) != 0 {
+                    late += 1;
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        assert_eq!(late, 0, "accesses after the withdrawal returned");
     }
 
     #[test]
