@@ -493,8 +493,19 @@ impl Flow {
     /// [`direct::MAPPED_MIN`] bytes; the peer can read no more than it already could);
     /// `Some(0)` when it copies from this process with `process_vm_readv` (from
     /// [`direct::DIRECT_MIN`] bytes).
+    #[inline]
     fn direct_key(&mut self, len: usize, mr: &Arc<MemoryRegion>) -> Option<u64> {
-        if len < direct::MAPPED_MIN || !self.peer_reads_us() {
+        if len < direct::MAPPED_MIN {
+            return None;
+        }
+        self.direct_key_large(len, mr)
+    }
+
+    /// [`direct_key`](Self::direct_key) for a message of at least [`direct::MAPPED_MIN`]
+    /// bytes (a call: small messages, the common case, stop before it).
+    #[inline(never)]
+    fn direct_key_large(&mut self, len: usize, mr: &Arc<MemoryRegion>) -> Option<u64> {
+        if !self.peer_reads_us() {
             return None;
         }
         if let Some((id, key)) = self.sent_from
@@ -797,12 +808,15 @@ impl Flow {
         }
         let head = self.tx.head()?;
         let mut moved = false;
-        while self.inflight.front().is_some_and(|f| f.end <= head) {
-            let f = self.inflight.pop_front().expect("front exists");
-            // The slot is free before the completion is seen (popped above): a caller that
+        while let Some(f) = self.inflight.front()
+            && f.end <= head
+        {
+            let (signaled, wr_id, opcode) = (f.signaled, f.wr_id, f.opcode);
+            // The slot is free before the completion is seen (dropped first): a caller that
             // reaps it may post again at once, as with a verbs queue pair.
-            if f.signaled {
-                out.put(report.record(f.wr_id, f.opcode, WcStatus::Success, 0, None));
+            self.inflight.drop_front();
+            if signaled {
+                out.put(report.record(wr_id, opcode, WcStatus::Success, 0, None));
             }
             moved = true;
         }
