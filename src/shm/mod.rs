@@ -12,6 +12,7 @@
 
 mod bell;
 mod conn;
+mod copy;
 mod direct;
 mod engine;
 mod flow;

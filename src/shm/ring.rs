@@ -156,7 +156,7 @@ impl Memory for Mapped {
     #[inline(always)]
     unsafe fn copy_in(&self, off: usize, src: *const u8, n: usize) {
         // SAFETY: the caller's contract: in bounds, readable, and free space.
-        unsafe { std::ptr::copy_nonoverlapping(src, self.data.add(off), n) }
+        unsafe { crate::shm::copy::copy(src, self.data.add(off), n) }
     }
 
     #[inline(always)]
@@ -258,7 +258,7 @@ impl<M: Memory> Producer<M> {
     ///
     /// # Safety
     /// `src..src+want` must be readable.
-    #[inline]
+    #[inline(always)]
     pub(crate) unsafe fn write(
         &mut self,
         src: *const u8,
