@@ -20,12 +20,24 @@ thread_local! {
 /// library as needing static TLS, so a `dlopen` of it still works anywhere.
 #[cfg(all(target_arch = "x86_64", target_os = "linux", not(loom)))]
 mod depth {
-    // A 4-byte thread-local, zero in every thread, visible only inside the library.
+    /// The counter's symbol: global, for the library's other object files, but hidden, so no
+    /// program or other library sees it; named after the crate's version, so that two
+    /// versions linked into one program keep one each.
+    macro_rules! depth_symbol {
+        () => {
+            concat!("rdmabridge_catch_depth_", env!("CARGO_PKG_VERSION"))
+        };
+    }
+
+    // A 4-byte thread-local, zero in every thread.
     std::arch::global_asm!(
         ".pushsection .tbss,\"awT\",@nobits",
         ".p2align 2",
-        ".hidden rdmabridge_catch_depth",
-        "rdmabridge_catch_depth:",
+        concat!(".globl ", depth_symbol!()),
+        concat!(".hidden ", depth_symbol!()),
+        concat!(".type ", depth_symbol!(), ",@object"),
+        concat!(".size ", depth_symbol!(), ",4"),
+        concat!(depth_symbol!(), ":"),
         ".zero 4",
         ".popsection",
     );
@@ -41,8 +53,8 @@ mod depth {
     macro_rules! tlsdesc_asm {
         ($($args:tt)*) => {
             std::arch::asm!(
-                "lea rax, [rip + rdmabridge_catch_depth@TLSDESC]",
-                "call qword ptr [rax + rdmabridge_catch_depth@TLSCALL]",
+                concat!("lea rax, [rip + ", depth_symbol!(), "@TLSDESC]"),
+                concat!("call qword ptr [rax + ", depth_symbol!(), "@TLSCALL]"),
                 $($args)*
                 out("xmm0") _, out("xmm1") _, out("xmm2") _, out("xmm3") _,
                 out("xmm4") _, out("xmm5") _, out("xmm6") _, out("xmm7") _,
@@ -55,8 +67,8 @@ mod depth {
     macro_rules! tlsdesc_asm {
         ($($args:tt)*) => {
             std::arch::asm!(
-                "lea rax, [rip + rdmabridge_catch_depth@TLSDESC]",
-                "call qword ptr [rax + rdmabridge_catch_depth@TLSCALL]",
+                concat!("lea rax, [rip + ", depth_symbol!(), "@TLSDESC]"),
+                concat!("call qword ptr [rax + ", depth_symbol!(), "@TLSCALL]"),
                 $($args)*
                 clobber_abi("C"),
             )
