@@ -80,6 +80,16 @@ pub(crate) struct FlowGuard<'a> {
     flow: SpinGuard<'a, Flow>,
 }
 
+impl FlowGuard<'_> {
+    /// The gate as the lock's last holder published it: at the start of this hold, the flow's
+    /// [`Flow::gate`] as it is (every change to the flow is made under the lock, and
+    /// published as the lock goes).
+    pub(crate) fn published(&self) -> usize {
+        // Relaxed: the store was made under the lock we hold now.
+        self.gate.load(Ordering::Relaxed)
+    }
+}
+
 impl Deref for FlowGuard<'_> {
     type Target = Flow;
     fn deref(&self) -> &Flow {
@@ -404,10 +414,23 @@ impl Conn {
             Payload::Inline(_) => None,
         };
         let mut flow = self.sh.lock();
-        let was_busy = flow.busy();
+        let gate = flow.published();
+        // Sends in flight or waiting (the gate counts them), or the connection is down (and
+        // the post is refused below).
+        let was_busy = gate != 0;
         // SAFETY: a checked request's bytes are readable for its length during the call: a
         // range inside a region the caller holds, or the caller's slice.
-        unsafe { flow.post_send(wr.ptr(), wr.len(), wr.wr_id, wr.signaled, region, keep) }?;
+        unsafe {
+            flow.post_send(
+                gate,
+                wr.ptr(),
+                wr.len(),
+                wr.wr_id,
+                wr.signaled,
+                region,
+                keep,
+            )
+        }?;
         drop(flow);
         if !was_busy {
             self.sh.watch_sends();

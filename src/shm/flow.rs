@@ -296,10 +296,17 @@ impl Flow {
     /// credits and space allow (the bytes are then no longer needed, or held with the region);
     /// otherwise queued, with `keep` making the bytes outlive the call.
     ///
+    /// `gate`: the flow's [`gate`](Self::gate) as the caller read it at the start of its hold
+    /// of the flow's lock (what the guard published as the lock was last let go, which nothing
+    /// has changed since): below the send queue's depth, the connection is open and the send
+    /// has its slot, which saves working that out again; otherwise the send is refused.
+    ///
     /// # Safety
     /// `ptr` is readable for `len` bytes during the call.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn post_send(
         &mut self,
+        gate: usize,
         ptr: *const u8,
         len: usize,
         wr_id: u64,
@@ -307,7 +314,11 @@ impl Flow {
         region: Option<&Arc<MemoryRegion>>,
         keep: impl FnOnce() -> SendSrc,
     ) -> Result<()> {
-        self.claim_send()?;
+        debug_assert_eq!(gate, self.gate());
+        if gate >= self.send_depth {
+            // Down or full: which of the two, as the others say it.
+            self.claim_send()?;
+        }
         let mut copied = 0;
         let direct = match region {
             Some(mr) if self.pending.is_empty() => self.direct_key(len, mr).map(|k| (mr, k)),
