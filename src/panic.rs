@@ -49,12 +49,24 @@ mod depth {
     /// those are declared clobbered - the sixteen of the baseline instruction set (which
     /// overlap the wider ones), or, in a build for AVX-512 with its extra vector and mask
     /// registers, everything the C calling convention lets a call clobber.
+    /// The descriptor call: its two instructions, as one template string.
+    macro_rules! tlsdesc_call {
+        () => {
+            concat!(
+                "lea rax, [rip + ",
+                depth_symbol!(),
+                "@TLSDESC]\n",
+                "call qword ptr [rax + ",
+                depth_symbol!(),
+                "@TLSCALL]",
+            )
+        };
+    }
     #[cfg(not(target_feature = "avx512f"))]
     macro_rules! tlsdesc_asm {
         ($($args:tt)*) => {
             std::arch::asm!(
-                concat!("lea rax, [rip + ", depth_symbol!(), "@TLSDESC]"),
-                concat!("call qword ptr [rax + ", depth_symbol!(), "@TLSCALL]"),
+                tlsdesc_call!(),
                 $($args)*
                 out("xmm0") _, out("xmm1") _, out("xmm2") _, out("xmm3") _,
                 out("xmm4") _, out("xmm5") _, out("xmm6") _, out("xmm7") _,
@@ -66,12 +78,7 @@ mod depth {
     #[cfg(target_feature = "avx512f")]
     macro_rules! tlsdesc_asm {
         ($($args:tt)*) => {
-            std::arch::asm!(
-                concat!("lea rax, [rip + ", depth_symbol!(), "@TLSDESC]"),
-                concat!("call qword ptr [rax + ", depth_symbol!(), "@TLSCALL]"),
-                $($args)*
-                clobber_abi("C"),
-            )
+            std::arch::asm!(tlsdesc_call!(), $($args)* clobber_abi("C"))
         };
     }
 
