@@ -42,13 +42,6 @@ mod depth {
         ".popsection",
     );
 
-    /// `asm!` of a TLS descriptor call (the x86-64 TLSDESC sequence, which returns in rax the
-    /// counter's offset from the thread pointer) and what follows it. The resolver keeps every
-    /// other register on its fast path, but the first call on a thread of a library loaded
-    /// with `dlopen` allocates, and glibc before 2.40 does not save vector registers there: so
-    /// those are declared clobbered - the sixteen of the baseline instruction set (which
-    /// overlap the wider ones), or, in a build for AVX-512 with its extra vector and mask
-    /// registers, everything the C calling convention lets a call clobber.
     /// The descriptor call: its two instructions, as one template string.
     macro_rules! tlsdesc_call {
         () => {
@@ -62,6 +55,14 @@ mod depth {
             )
         };
     }
+
+    /// `asm!` of a TLS descriptor call (the x86-64 TLSDESC sequence, which returns in rax the
+    /// counter's offset from the thread pointer) and what follows it. The resolver keeps every
+    /// other register on its fast path, but the first call on a thread of a library loaded
+    /// with `dlopen` allocates, and glibc before 2.40 does not save vector registers there: so
+    /// those are declared clobbered - the sixteen of the baseline instruction set (which
+    /// overlap the wider ones), or, in a build for AVX-512 with its extra vector and mask
+    /// registers, everything the C calling convention lets a call clobber.
     #[cfg(not(target_feature = "avx512f"))]
     macro_rules! tlsdesc_asm {
         ($($args:tt)*) => {
