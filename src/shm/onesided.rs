@@ -907,7 +907,8 @@ unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
 }
 
 /// Copies `len` bytes: a word of 8 or 4 bytes (the size of a flag or a counter, whose
-/// latency counts) as one load and one store, anything else with `memcpy`.
+/// latency counts) as one load and one store, anything else as a message's bytes are copied
+/// ([`crate::shm::copy::copy`]: inline up to 64 bytes, `memcpy` beyond).
 ///
 /// # Safety
 /// As `std::ptr::copy_nonoverlapping`.
@@ -922,7 +923,7 @@ unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
             4 => dst
                 .cast::<u32>()
                 .write_unaligned(src.cast::<u32>().read_unaligned()),
-            _ => std::ptr::copy_nonoverlapping(src, dst, len),
+            _ => crate::shm::copy::copy(src, dst, len),
         }
     }
 }
