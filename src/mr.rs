@@ -209,17 +209,21 @@ impl MemoryRegion {
 
     /// Checks that `offset..offset+len` lies in the region and returns its start.
     pub(crate) fn slice_ptr(&self, offset: usize, len: usize) -> Result<*mut u8> {
+        self.range_ptr(offset, len).ok_or(Error::Range {
+            offset,
+            len,
+            region_len: self.len,
+        })
+    }
+
+    /// As [`slice_ptr`](Self::slice_ptr), `None` for a range outside the region.
+    #[inline(always)]
+    pub(crate) fn range_ptr(&self, offset: usize, len: usize) -> Option<*mut u8> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.len => {
-                // SAFETY: offset <= len of the region, so the result stays inside (or one past)
-                // the same allocation.
-                Ok(unsafe { self.ptr.as_ptr().add(offset) })
-            }
-            _ => Err(Error::Range {
-                offset,
-                len,
-                region_len: self.len,
-            }),
+            // SAFETY: offset <= len of the region, so the result stays inside (or one past)
+            // the same allocation.
+            Some(end) if end <= self.len => Some(unsafe { self.ptr.as_ptr().add(offset) }),
+            _ => None,
         }
     }
 

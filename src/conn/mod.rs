@@ -401,6 +401,11 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
+        if let ([one], SendFlags(0)) = (local, flags) {
+            if self.write_now(one, remote, remote_offset) {
+                return Ok(());
+            }
+        }
         let op = RdmaOp::Write { imm: None };
         self.transfer(
             op,
@@ -509,6 +514,21 @@ impl Connection {
         self.imp.rdma(&wr)
     }
 
+    /// Does an unsignaled write of the one local segment `local` at once when the transport
+    /// can ([`ConnSeam::write_now`]: the common small write, with no request built and
+    /// nothing to report); returns false having done nothing otherwise, a failed check
+    /// included: the caller then posts the write through [`Connection::transfer`], which
+    /// reports any error.
+    #[inline(always)]
+    pub(crate) fn write_now(&self, local: &Sge<'_>, remote: &RemoteRegion, offset: u64) -> bool {
+        match wr::checked_write(&self.ctx, self.info.id, local, remote, offset) {
+            // SAFETY: `checked_write` found `src..src + len` inside `local.mr`, which the
+            // caller holds through the call.
+            Some((src, len, addr)) => unsafe { self.imp.write_now(src, len, remote.key, addr) },
+            None => false,
+        }
+    }
+
     /// Posts an atomic.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn atomic(
@@ -587,6 +607,15 @@ pub(crate) mod seam {
         fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64>;
         /// Posts a one-sided operation that passed the core's checks ([`wr`]).
         fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()>;
+        /// Writes `len` bytes at `src` to the peer's address `remote_addr` of the region with
+        /// `key`, as an unsignaled write whose local segment passed the core's checks
+        /// ([`wr::checked_write`]), when the transport can finish it at once on the caller's
+        /// thread with nothing to report; returns true then. Returns false having done
+        /// nothing otherwise (the caller then posts it through [`rdma`](Self::rdma)).
+        ///
+        /// # Safety
+        /// `src` is readable for `len` bytes through the call.
+        unsafe fn write_now(&self, src: *const u8, len: usize, key: u64, remote_addr: u64) -> bool;
         fn disconnect(&self);
     }
 }
@@ -669,6 +698,17 @@ macro_rules! transport_seam {
 
                 fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
                     <$conn>::rdma(self, wr)
+                }
+
+                unsafe fn write_now(
+                    &self,
+                    src: *const u8,
+                    len: usize,
+                    key: u64,
+                    remote_addr: u64,
+                ) -> bool {
+                    // SAFETY: the caller's contract is the method's.
+                    unsafe { <$conn>::write_now(self, src, len, key, remote_addr) }
                 }
 
                 fn disconnect(&self) {

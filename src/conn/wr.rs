@@ -318,6 +318,27 @@ impl<'a> RdmaRequest<'a> {
     }
 }
 
+/// A write of the one local segment `local` to `remote_offset` of `remote`, checked as
+/// [`RdmaRequest::transfer`] checks it: its start, length and target address when every check
+/// passes, `None` when one fails (the general path then reports which). For a transport's
+/// [`write_now`](crate::conn::seam::ConnSeam::write_now).
+#[inline(always)]
+pub(crate) fn checked_write(
+    ctx: &Arc<ContextInner>,
+    conn_id: u64,
+    local: &Sge<'_>,
+    remote: &RemoteRegion,
+    remote_offset: u64,
+) -> Option<(*const u8, usize, u64)> {
+    let len = local.len;
+    if remote.conn_id != conn_id || !local.mr.same_context(ctx) || len > u32::MAX as usize {
+        return None;
+    }
+    let src = local.mr.range_ptr(local.offset, len)?;
+    let addr = target_addr(remote, remote_offset, len as u64)?;
+    Some((src.cast_const(), len, addr))
+}
+
 /// The remote region was unpacked on this connection.
 fn check_remote(remote: &RemoteRegion, conn_id: u64) -> Result<()> {
     if remote.conn_id != conn_id {
@@ -331,11 +352,15 @@ fn check_remote(remote: &RemoteRegion, conn_id: u64) -> Result<()> {
 /// The target address of `len` bytes at `offset` of `remote`, if it does not wrap. (Whether
 /// it lies inside the region the peer registered is the transport's check.)
 fn remote_target(remote: &RemoteRegion, offset: u64, len: u64) -> Result<u64> {
-    remote
-        .addr
-        .checked_add(offset)
-        .filter(|a| a.checked_add(len).is_some())
+    target_addr(remote, offset, len)
         .ok_or_else(|| Error::invalid("remote offset wraps past the end of the address space"))
+}
+
+/// As [`remote_target`], `None` when it wraps.
+#[inline(always)]
+fn target_addr(remote: &RemoteRegion, offset: u64, len: u64) -> Option<u64> {
+    let addr = remote.addr.checked_add(offset)?;
+    addr.checked_add(len).map(|_| addr)
 }
 
 /// Only known flags.

@@ -278,6 +278,20 @@ pub unsafe extern "C" fn rbr_conn_post_write(
 ) -> rbr_status {
     let op = RdmaOp::Write { imm: None };
     ffi_body!({
+        // The common small write first: one segment, unsignaled, every pointer set.
+        // Any check this declines, the general path makes again and reports.
+        if nsge == 1 && flags == 0 && !conn.is_null() && !sgl.is_null() && !remote.is_null() {
+            // SAFETY: non-NULL, so live and readable (contract).
+            let (conn, e, remote): (_, _, RemoteRegion) =
+                unsafe { (&*conn, &*sgl, (&*remote).into()) };
+            if !e.mr.is_null() {
+                // SAFETY: a non-NULL `mr` is live (contract).
+                let one = unsafe { sge(e) };
+                if conn.inner.write_now(&one, &remote, remote_offset) {
+                    return RBR_OK;
+                }
+            }
+        }
         // SAFETY: the caller's contract is post_transfer's.
         unsafe { post_transfer(conn, sgl, nsge, remote, remote_offset, op, wr_id, flags) }
     })

@@ -26,7 +26,7 @@ use crate::shm::bell;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, Reach, RecvWr, SendSrc};
 use crate::shm::notice::Board;
-use crate::shm::onesided::{self, Exports, ImportCache, Inbox};
+use crate::shm::onesided::{self, Exports, Import, ImportCache, Inbox};
 use crate::shm::segment::Segment;
 use crate::sync::{SpinGuard, SpinLock};
 
@@ -495,6 +495,36 @@ impl Conn {
     /// before its disconnect record is queued: a program that saw the record gets
     /// `Disconnected` from here too, via the locked path.
     fn unlocked_rdma(&self, wr: &RdmaRequest<'_>) -> bool {
+        self.with_cached_import(wr.key, |imp| {
+            onesided::run(imp, wr, &self.sh.seg, 1 - self.sh.side, self.sh.peer_pid).is_ok()
+        })
+    }
+
+    /// The lock-free path (see `unlocked_rdma`) of the common small write, which the core
+    /// hands over unbuilt: one local segment, unsignaled, no immediate.
+    ///
+    /// # Safety
+    /// `src` is readable for `len` bytes through the call.
+    #[inline]
+    pub(crate) unsafe fn write_now(
+        &self,
+        src: *const u8,
+        len: usize,
+        key: u64,
+        remote_addr: u64,
+    ) -> bool {
+        self.with_cached_import(key, |imp| {
+            let (seg, side) = (&self.sh.seg, 1 - self.sh.side);
+            // SAFETY: the caller's contract.
+            unsafe { onesided::write_now(imp, src, len, remote_addr, seg, side) }
+        })
+    }
+
+    /// Runs `access` on the cached import of the peer's region with `key` when the connection
+    /// is up, its send queue has room, and that import is the cached one (see
+    /// `unlocked_rdma`); returns what it returned, or false having run nothing.
+    #[inline(always)]
+    fn with_cached_import(&self, key: u64, access: impl FnOnce(&Import) -> bool) -> bool {
         let depth = self.sh.info.send_queue_depth as usize;
         // Acquire: pairs with the guard's Release (see `FlowGuard`).
         let gate = self.sh.gate.load(Ordering::Acquire);
@@ -505,12 +535,12 @@ impl Conn {
         let cache = self.sh.lock_imports();
         // Acquire: pairs with the inbox's count of what it forgot.
         let seen = self.sh.imports_forgotten.load(Ordering::Acquire);
-        let Some(imp) = cache.get(wr.key, seen) else {
+        let Some(imp) = cache.get(key, seen) else {
             return false;
         };
         // The cache's lock keeps `imp` (and its mapping) alive through the access: teardown
         // and the background work drop cached imports only under it.
-        onesided::run(imp, wr, &self.sh.seg, 1 - self.sh.side, self.sh.peer_pid).is_ok()
+        access(imp)
     }
 
     /// A one-sided operation under the flow's lock (see `rdma`).

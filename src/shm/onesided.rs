@@ -809,6 +809,42 @@ pub(crate) fn run(
     .unwrap_or(Err(Refused::Withdrawn))
 }
 
+/// An unsignaled write of `len` bytes at `src` to the peer's address `addr`, as [`run`] does
+/// it, for a region mapped here: true when it is done; false, having touched nothing, when the
+/// region is not mapped here, does not allow writes, does not hold the range, or was
+/// withdrawn (the general path then reports it).
+///
+/// # Safety
+/// `src` is readable for `len` bytes.
+#[inline]
+pub(crate) unsafe fn write_now(
+    imp: &Import,
+    src: *const u8,
+    len: usize,
+    addr: u64,
+    seg: &Segment,
+    peer_side: usize,
+) -> bool {
+    let Target::Mapped { base, .. } = imp.target else {
+        return false;
+    };
+    if imp.access & Access::REMOTE_WRITE.0 == 0 {
+        return false;
+    }
+    let Some(off) = imp.offset(addr, len) else {
+        return false;
+    };
+    let Some(entry) = seg.export(peer_side, imp.slot) else {
+        return false;
+    };
+    // SAFETY: `off..off+len` lies inside the mapping, writable since the region allows
+    // writes (as in `run`); `src` is readable for `len` (the caller's contract).
+    guarded(&entry, imp.key, || unsafe {
+        copy(src, base.as_ptr().add(off), len)
+    })
+    .is_some()
+}
+
 /// Copies `len` bytes at the peer's address `addr`, which must lie inside the region `imp`
 /// maps here, into `dst`, under the export protocol (as a read does): the receiving side of a
 /// large message sent from a region the peer exposed for it. `Err` when the range is not

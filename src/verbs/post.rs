@@ -704,6 +704,15 @@ impl Conn {
         mr.verbs_rkey(&self.sh.pd).map(u64::from)
     }
 
+    /// Declines: every write goes to the device through [`Conn::rdma`], whose completion
+    /// (even an unsignaled one's failure) is the device's to report.
+    ///
+    /// # Safety
+    /// None needed; the signature is the seam's.
+    pub(crate) unsafe fn write_now(&self, _: *const u8, _: usize, _: u64, _: u64) -> bool {
+        false
+    }
+
     /// Posts a checked one-sided operation. A write with immediate takes one of the peer's
     /// receives, so toward a library peer it waits for a credit like a send, in order with
     /// the sends; the others go to the device at once.

@@ -395,9 +395,12 @@ pub fn compare_and_swap_makes_a_working_lock(net: &Net) {
 
 /// A key the peer never gave, a range past the end of its region, and a write into a region
 /// it allows only reading each complete with RemoteAccess, fail the connection (which ends
-/// with its Disconnected record), and leave every byte of the target as it was.
+/// with its Disconnected record), and leave every byte of the target as it was. Each case
+/// runs signaled on a fresh connection, and unsignaled (its failure is still reported) after
+/// a good read of the region, which is what a stream of small writes looks like.
 pub fn bad_remote_accesses_fail_with_remote_access_and_touch_nothing(net: &Net) {
-    for case in ["wrong key", "past the end", "read-only"] {
+    let cases = ["wrong key", "past the end", "read-only"];
+    for (case, warm) in cases.into_iter().flat_map(|c| [(c, false), (c, true)]) {
         let ctx = Context::new().unwrap();
         let opts = ConnOptions::default();
         let (client, ccq, server, scq) = pair(net, &ctx, &opts, &opts);
@@ -410,6 +413,17 @@ pub fn bad_remote_accesses_fail_with_remote_access_and_touch_nothing(net: &Net) 
         unsafe { target.write(0, &pattern(77, 4096)) }.unwrap();
         let before = checksum(&target);
         let mut remote = remote_of(&ctx, &client, &ccq, &server, &scq, &target);
+        let local = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        let seg = [Sge {
+            mr: &local,
+            offset: 0,
+            len: 64,
+        }];
+        if warm {
+            client.post_read(&seg, &remote, 0, 9, SIG).unwrap();
+            expect_ok(&ccq, Opcode::Read, 9);
+            assert_eq!(bytes(&local, 0, 64), bytes(&target, 0, 64), "{case}");
+        }
         let mut offset = 0;
         match case {
             "wrong key" => {
@@ -421,19 +435,14 @@ pub fn bad_remote_accesses_fail_with_remote_access_and_touch_nothing(net: &Net) 
             "past the end" => offset = 4096 - 32,
             _ => {}
         }
-        let local = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
         unsafe { local.write(0, &[0x11; 64]) }.unwrap();
-        let seg = [Sge {
-            mr: &local,
-            offset: 0,
-            len: 64,
-        }];
-        client.post_write(&seg, &remote, offset, 1, SIG).unwrap();
+        let flags = if warm { SendFlags(0) } else { SIG };
+        client.post_write(&seg, &remote, offset, 1, flags).unwrap();
         let c = next(&ccq);
         assert_eq!(
             (c.opcode, c.status, c.wr_id),
             (Opcode::Write, WcStatus::RemoteAccess, 1),
-            "{case}: {c:?}"
+            "{case} (warm {warm}): {c:?}"
         );
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
