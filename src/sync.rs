@@ -40,7 +40,19 @@ impl<T> SpinLock<T> {
     pub(crate) fn lock(&self) -> SpinGuard<'_, T> {
         use std::sync::atomic::Ordering;
         // Acquire: what the last holder did comes before what this one does.
-        while self.held.swap(true, Ordering::Acquire) {
+        if self.held.swap(true, Ordering::Acquire) {
+            self.lock_contended();
+        }
+        SpinGuard { lock: self }
+    }
+
+    /// The rest of `lock` when another holds the lock: out of line, so that the free case
+    /// inlined into a hot path carries no loop and no call.
+    #[cold]
+    #[inline(never)]
+    fn lock_contended(&self) {
+        use std::sync::atomic::Ordering;
+        loop {
             let mut spins = 0u32;
             while self.held.load(Ordering::Relaxed) {
                 if spins < 64 {
@@ -50,8 +62,11 @@ impl<T> SpinLock<T> {
                     std::thread::yield_now();
                 }
             }
+            // Acquire: as in `lock`.
+            if !self.held.swap(true, Ordering::Acquire) {
+                return;
+            }
         }
-        SpinGuard { lock: self }
     }
 
     /// The lock if it is free now.
