@@ -61,6 +61,7 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 
+#include "clock.h"
 #include "common.h"
 
 #include <stdio.h>
@@ -513,9 +514,11 @@ static int run_lat(struct peer *p, size_t size, uint64_t total,
     uint64_t i;
     size_t n;
     size_t j;
+    bench_span span;
 
     if (ctl_round(p, TEST_LAT, total))
         return -1;
+    bench_span_start(&span);
     for (i = 0; i < total; i++) {
         int echoed = 0;
         uint64_t t0;
@@ -523,7 +526,7 @@ static int run_lat(struct peer *p, size_t size, uint64_t total,
 
         if (send_room(p, NULL))
             return -1;
-        t0 = ex_now_ns();
+        t0 = bench_ticks();
         if (post_send(p, size, 0))
             return -1;
         while (!echoed) {
@@ -532,7 +535,7 @@ static int run_lat(struct peer *p, size_t size, uint64_t total,
             for (j = 0; j < n; j++) {
                 if (wc[j].opcode != RBR_OP_RECV)
                     continue;
-                t1 = ex_now_ns();
+                t1 = bench_ticks();
                 if (echoed || wc[j].byte_len != size) {
                     ex_report_completion("unexpected echo", &wc[j]);
                     return -1;
@@ -545,6 +548,7 @@ static int run_lat(struct peer *p, size_t size, uint64_t total,
         if (i >= total - timed)
             rtt[i - (total - timed)] = t1 - t0;
     }
+    bench_span_to_ns(&span, rtt, timed);
     return 0;
 }
 

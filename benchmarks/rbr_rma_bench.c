@@ -45,6 +45,7 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 
+#include "clock.h"
 #include "common.h"
 
 #include <stdio.h>
@@ -284,27 +285,35 @@ static int run_wlat(struct side *s, uint32_t size, uint64_t total,
         if (recv_ctl(s, &m))
             return -1;
     }
+    bench_span span;
+
+    bench_span_start(&span);
     for (uint64_t i = 0; i < total; i++) {
         uint8_t v = (uint8_t)(i % 255 + 1);
-        uint64_t t0 = ex_now_ns();
+        uint64_t t0 = bench_ticks();
 
         if (ping(s, size, v, i + 1 == total) || await_byte(s, size, v))
             return -1;
-        rtt[i] = ex_now_ns() - t0;
+        rtt[i] = bench_ticks() - t0;
     }
+    bench_span_to_ns(&span, rtt, total);
     return drain(s);
 }
 
 static int run_rlat(struct side *s, uint32_t size, uint64_t total,
                     uint64_t *rtt)
 {
+    bench_span span;
+
+    bench_span_start(&span);
     for (uint64_t i = 0; i < total; i++) {
-        uint64_t t0 = ex_now_ns();
+        uint64_t t0 = bench_ticks();
 
         if (post_op(s, 1, size, 1) || drain(s))
             return -1;
-        rtt[i] = ex_now_ns() - t0;
+        rtt[i] = bench_ticks() - t0;
     }
+    bench_span_to_ns(&span, rtt, total);
     return 0;
 }
 

@@ -57,6 +57,7 @@
  */
 #define _GNU_SOURCE
 
+#include "clock.h"
 #include "common.h"
 
 #include <errno.h>
@@ -716,13 +717,15 @@ static int ping_pong(struct side *s, size_t size, uint64_t total,
     uint64_t i;
     size_t n;
     size_t j;
+    bench_span span;
 
+    bench_span_start(&span);
     for (i = 0; i < total; i++) {
         int echoed = 0;
         uint64_t t0;
         uint64_t t1 = 0;
 
-        t0 = ex_now_ns();
+        t0 = bench_ticks();
         if (send_buf(s, size))
             return -1;
         while (!echoed) {
@@ -731,7 +734,7 @@ static int ping_pong(struct side *s, size_t size, uint64_t total,
             for (j = 0; j < n; j++) {
                 if (wc[j].opcode != RBR_OP_RECV)
                     continue;
-                t1 = ex_now_ns();
+                t1 = bench_ticks();
                 if (echoed || wc[j].conn_context != NULL ||
                     wc[j].byte_len != size) {
                     ex_report_completion("unexpected echo", &wc[j]);
@@ -750,6 +753,7 @@ static int ping_pong(struct side *s, size_t size, uint64_t total,
         if (i >= total - timed)
             rtt[i - (total - timed)] = t1 - t0;
     }
+    bench_span_to_ns(&span, rtt, timed);
     return drain_sends(s);
 }
 
