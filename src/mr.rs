@@ -209,7 +209,7 @@ impl MemoryRegion {
 
     /// Checks that `offset..offset+len` lies in the region and returns its start.
     pub(crate) fn slice_ptr(&self, offset: usize, len: usize) -> Result<*mut u8> {
-        self.range_ptr(offset, len).ok_or(Error::Range {
+        self.range_ptr(offset, len).ok_or_else(|| Error::Range {
             offset,
             len,
             region_len: self.len,
