@@ -187,6 +187,19 @@ pub(crate) enum RdmaOp {
     CmpSwap { compare: u64, swap: u64 },
 }
 
+impl RdmaOp {
+    /// The opcode of its completion.
+    pub(crate) fn opcode(self) -> crate::cq::Opcode {
+        use crate::cq::Opcode;
+        match self {
+            RdmaOp::Write { .. } => Opcode::Write,
+            RdmaOp::Read => Opcode::Read,
+            RdmaOp::FetchAdd { .. } => Opcode::FetchAdd,
+            RdmaOp::CmpSwap { .. } => Opcode::CmpSwap,
+        }
+    }
+}
+
 /// A checked one-sided operation: the local segments lie in regions of the connection's
 /// context (with LOCAL_WRITE where the operation writes them), the remote range does not wrap,
 /// an atomic's local and remote words are 8 bytes and 8-byte aligned. Whether the target allows

@@ -15,9 +15,7 @@ use crate::conn::{
     ConnInfo, ConnOptions, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest, Transport,
     next_conn_id,
 };
-use crate::cq::{
-    CompletionQueue, Opcode, Progress, Reporter, Sink, SlotReservation, Source, WcStatus,
-};
+use crate::cq::{CompletionQueue, Progress, Reporter, Sink, SlotReservation, Source, WcStatus};
 use crate::domain::ContextInner;
 use crate::driver::Registration;
 use crate::error::{Error, Result};
@@ -545,12 +543,7 @@ impl Conn {
 
     /// A one-sided operation under the flow's lock (see `rdma`).
     fn locked_rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
-        let opcode = match wr.op {
-            RdmaOp::Write { .. } => Opcode::Write,
-            RdmaOp::Read => Opcode::Read,
-            RdmaOp::FetchAdd { .. } => Opcode::FetchAdd,
-            RdmaOp::CmpSwap { .. } => Opcode::CmpSwap,
-        };
+        let opcode = wr.op.opcode();
         let mut flow = self.sh.lock();
         flow.claim_send()?;
         let key = wr.key;

@@ -241,12 +241,7 @@ impl Held {
     pub(crate) fn opcode(&self) -> Opcode {
         match self.work {
             Work::Send { .. } => Opcode::Send,
-            Work::Rdma { op, .. } => match op {
-                RdmaOp::Write { .. } => Opcode::Write,
-                RdmaOp::Read => Opcode::Read,
-                RdmaOp::FetchAdd { .. } => Opcode::FetchAdd,
-                RdmaOp::CmpSwap { .. } => Opcode::CmpSwap,
-            },
+            Work::Rdma { op, .. } => op.opcode(),
         }
     }
 

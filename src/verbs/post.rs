@@ -187,52 +187,7 @@ impl Shared {
                 rkey,
             } => {
                 sges = list;
-                wr.sg_list = sges.as_mut_ptr();
-                wr.num_sge = nsge as i32;
-                match op {
-                    RdmaOp::Write { imm: None } => {
-                        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-                    }
-                    RdmaOp::Write { imm: Some(imm) } => {
-                        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
-                        // Network byte order on the wire; the peer's library turns it back.
-                        wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
-                    }
-                    RdmaOp::Read => wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_READ,
-                    RdmaOp::FetchAdd { add } => {
-                        wr.opcode = sys::ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
-                        wr.wr.atomic = sys::atomic_t {
-                            remote_addr,
-                            compare_add: add,
-                            swap: 0,
-                            rkey,
-                        };
-                    }
-                    RdmaOp::CmpSwap { compare, swap } => {
-                        wr.opcode = sys::ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP;
-                        wr.wr.atomic = sys::atomic_t {
-                            remote_addr,
-                            compare_add: compare,
-                            swap,
-                            rkey,
-                        };
-                    }
-                }
-                if matches!(op, RdmaOp::Write { .. } | RdmaOp::Read) {
-                    wr.wr.rdma = sys::rdma_t { remote_addr, rkey };
-                }
-                // A write that fits the granted inline size goes inline, as sends do: the
-                // device copies the bytes during the post and need not fetch them later.
-                let len: u64 = sges[..nsge as usize]
-                    .iter()
-                    .map(|s| u64::from(s.length))
-                    .sum();
-                if matches!(op, RdmaOp::Write { .. })
-                    && len > 0
-                    && len <= u64::from(self.info.max_inline)
-                {
-                    f |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
-                }
+                f |= rdma_wr(&mut wr, op, &mut sges, nsge, remote_addr, rkey, &self.info);
             }
         }
         wr.send_flags = f;
@@ -753,18 +708,49 @@ impl Conn {
             mrs[nsge] = Some(seg.mr.clone());
             nsge += 1;
         }
-        self.submit(Held {
-            work: Work::Rdma {
-                op: wr.op,
-                sges,
-                nsge: nsge as u32,
-                remote_addr: wr.remote_addr,
-                rkey,
-            },
-            wr_id: wr.wr_id,
-            signaled: wr.signaled,
-            mrs,
-        })
+        let nsge = nsge as u32;
+        if matches!(wr.op, RdmaOp::Write { imm: Some(_) }) {
+            // It takes a receive at the peer: it may have to wait for a credit.
+            return self.submit(Held {
+                work: Work::Rdma {
+                    op: wr.op,
+                    sges,
+                    nsge,
+                    remote_addr: wr.remote_addr,
+                    rkey,
+                },
+                wr_id: wr.wr_id,
+                signaled: wr.signaled,
+                mrs,
+            });
+        }
+        // The rest goes to the device at once (none waits for credits, nor behind held
+        // sends): the work request is built here and posted, with nothing moved on the way.
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+        let mut dev: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        dev.send_flags = rdma_wr(
+            &mut dev,
+            wr.op,
+            &mut sges,
+            nsge,
+            wr.remote_addr,
+            rkey,
+            &self.sh.info,
+        );
+        let op = wr.op.opcode();
+        let mut st = self.sh.lock();
+        self.may_post(&st, false)?;
+        // SAFETY: `dev` and `sges` are live locals; the local memory stays valid until the
+        // work completes (held by `mrs`) or, inline, is copied during the call.
+        let posted = unsafe {
+            self.sh
+                .post_wr(&mut st, &mut dev, wr.wr_id, op, wr.signaled, mrs)
+        };
+        if let Err((r, _)) = posted {
+            return Err(post_error(r, "send"));
+        }
+        Self::count_posted(&mut st, false);
+        Ok(())
     }
 
     pub(crate) fn disconnect(&self) {
@@ -800,6 +786,65 @@ fn note_told(st: &mut PostState, wr: &sys::ibv_send_wr) {
         && let Some(c) = st.credits.as_mut()
     {
         c.told();
+    }
+}
+
+/// Fills `wr` (zeroed) for the one-sided operation `op` on `sges[..nsge]` at `remote_addr`
+/// of the region with `rkey`, and returns its send flags: a write that fits the connection's
+/// inline size goes inline, as sends do (the device copies the bytes during the post and need
+/// not fetch them later). `sges` must stay in place until the post.
+#[inline(always)]
+fn rdma_wr(
+    wr: &mut sys::ibv_send_wr,
+    op: RdmaOp,
+    sges: &mut [sys::ibv_sge; SGE_MAX],
+    nsge: u32,
+    remote_addr: u64,
+    rkey: u32,
+    info: &ConnInfo,
+) -> u32 {
+    wr.sg_list = sges.as_mut_ptr();
+    wr.num_sge = nsge as i32;
+    match op {
+        RdmaOp::Write { imm: None } => {
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        }
+        RdmaOp::Write { imm: Some(imm) } => {
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+            // Network byte order on the wire; the peer's library turns it back.
+            wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+        }
+        RdmaOp::Read => wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_READ,
+        RdmaOp::FetchAdd { add } => {
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
+            wr.wr.atomic = sys::atomic_t {
+                remote_addr,
+                compare_add: add,
+                swap: 0,
+                rkey,
+            };
+        }
+        RdmaOp::CmpSwap { compare, swap } => {
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP;
+            wr.wr.atomic = sys::atomic_t {
+                remote_addr,
+                compare_add: compare,
+                swap,
+                rkey,
+            };
+        }
+    }
+    if matches!(op, RdmaOp::Write { .. } | RdmaOp::Read) {
+        wr.wr.rdma = sys::rdma_t { remote_addr, rkey };
+    }
+    let len: u64 = sges[..nsge as usize]
+        .iter()
+        .map(|s| u64::from(s.length))
+        .sum();
+    if matches!(op, RdmaOp::Write { .. }) && len > 0 && len <= u64::from(info.max_inline) {
+        sys::ibv_send_flags::IBV_SEND_INLINE.0
+    } else {
+        0
     }
 }
 
