@@ -465,6 +465,65 @@ mod tests {
     }
 
     #[test]
+    fn the_short_write_accepts_exactly_what_the_general_path_accepts() {
+        // `checked_write` lets a transport write at once; whatever it accepts, the general
+        // path must accept too, with the same source, length and target, and whatever the
+        // general path refuses it must decline (the general path then reports it).
+        let (ctx, mr) = setup();
+        let other = Context::new().unwrap();
+        let foreign = other.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+        let conn = 7;
+        let near_end = u64::MAX - 4096;
+        let remotes = [
+            crate::conn::remote::from_raw(0x1000, 4096, 9, conn).unwrap(),
+            crate::conn::remote::from_raw(0x1000, 4096, 9, conn + 1).unwrap(),
+            crate::conn::remote::from_raw(near_end, 4096, 9, conn).unwrap(),
+        ];
+        let offsets = [0, 1, 4095, 4096, 4097, usize::MAX - 1, usize::MAX];
+        let lens = [0, 1, 8, 4095, 4096, 4097, u32::MAX as usize + 1, usize::MAX];
+        let remote_offsets = [0, 8, 4096, u64::MAX - 0x1000, u64::MAX];
+        let mut accepted = 0;
+        for region in [&mr, &foreign] {
+            for remote in &remotes {
+                for &offset in &offsets {
+                    for &len in &lens {
+                        for &roff in &remote_offsets {
+                            let local = Sge {
+                                mr: region,
+                                offset,
+                                len,
+                            };
+                            let short = checked_write(&ctx.inner, conn, &local, remote, roff);
+                            let general = RdmaRequest::transfer(
+                                &ctx.inner,
+                                conn,
+                                RdmaOp::Write { imm: None },
+                                std::iter::once(local),
+                                remote,
+                                roff,
+                                0,
+                                SendFlags(0),
+                            );
+                            let case = (offset, len, roff, remote.conn_id, remote.addr);
+                            match (short, general) {
+                                (Some((src, n, addr)), Ok(wr)) => {
+                                    let seg = wr.segs().next().expect("one segment");
+                                    assert_eq!(src, seg.ptr.cast_const(), "{case:?}");
+                                    assert_eq!((n, addr), (wr.len, wr.remote_addr), "{case:?}");
+                                    accepted += 1;
+                                }
+                                (None, Err(_)) => {}
+                                (s, g) => panic!("{case:?}: short {s:?}, general {:?}", g.err()),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(accepted > 20, "the grid accepts some writes ({accepted})");
+    }
+
+    #[test]
     fn a_receive_needs_local_write() {
         let ctx = Context::new().unwrap();
         let ro = ctx.alloc_mr(64, Access(0)).unwrap();
