@@ -549,6 +549,16 @@ impl Import {
         })
     }
 
+    /// Where an access needing the rights `need` to `len` bytes at the peer's address `addr`
+    /// starts in the region, when the region allows it and holds every byte of it.
+    #[inline(always)]
+    fn reach(&self, need: u32, addr: u64, len: usize) -> Option<usize> {
+        if self.access & need != need {
+            return None;
+        }
+        self.offset(addr, len)
+    }
+
     /// Where `len` bytes at the peer's address `addr` start in the region, when they all lie
     /// inside it.
     fn offset(&self, addr: u64, len: usize) -> Option<usize> {
@@ -779,10 +789,9 @@ pub(crate) fn run(
     peer_pid: Option<libc::pid_t>,
 ) -> std::result::Result<(), Refused> {
     let need = needs(wr.op);
-    if imp.access & need != need {
-        return Err(Refused::Denied);
-    }
-    let off = imp.offset(wr.remote_addr, wr.len).ok_or(Refused::Denied)?;
+    let off = imp
+        .reach(need, wr.remote_addr, wr.len)
+        .ok_or(Refused::Denied)?;
     // An atomic's word must be 8-byte aligned where it is accessed: the core checked the
     // address the caller named, but the peer chose where its region starts, so the word's
     // place in the mapping (which starts on a page) is checked here.
@@ -828,10 +837,7 @@ pub(crate) unsafe fn write_now(
     let Target::Mapped { base, .. } = imp.target else {
         return false;
     };
-    if imp.access & Access::REMOTE_WRITE.0 == 0 {
-        return false;
-    }
-    let Some(off) = imp.offset(addr, len) else {
+    let Some(off) = imp.reach(Access::REMOTE_WRITE.0, addr, len) else {
         return false;
     };
     let Some(entry) = seg.export(peer_side, imp.slot) else {
