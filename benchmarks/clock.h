@@ -19,20 +19,13 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <time.h>
+
+#include "common.h" /* ex_now_ns: CLOCK_MONOTONIC in nanoseconds */
 
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <x86intrin.h>
 #endif
-
-static inline uint64_t bench_mono_ns(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 /* 1 when ticks come from the time-stamp counter (checked once). */
 static inline int bench_uses_tsc(void)
@@ -62,7 +55,7 @@ static inline uint64_t bench_ticks(void)
     if (bench_uses_tsc())
         return __rdtsc();
 #endif
-    return bench_mono_ns();
+    return ex_now_ns();
 }
 
 /* A stretch of time whose ticks are converted with the rate it measured. */
@@ -74,7 +67,7 @@ typedef struct {
 static inline void bench_span_start(bench_span *s)
 {
     (void)bench_uses_tsc();
-    s->ns = bench_mono_ns();
+    s->ns = ex_now_ns();
     s->ticks = bench_ticks();
 }
 
@@ -83,7 +76,7 @@ static inline void bench_span_start(bench_span *s)
 static inline double bench_span_rate(const bench_span *s)
 {
     uint64_t ticks = bench_ticks();
-    uint64_t ns = bench_mono_ns();
+    uint64_t ns = ex_now_ns();
 
     if (!bench_uses_tsc() || ticks <= s->ticks || ns <= s->ns)
         return 1.0;
