@@ -14,7 +14,7 @@ pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
 #[cfg(feature = "fuzzing")]
 pub(crate) use remote::{pack as pack_remote, unpack as unpack_remote};
 #[allow(unused_imports)] // the transports' one-sided paths name it
-pub(crate) use wr::{LocalSeg, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest};
+pub(crate) use wr::{LocalSeg, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest};
 pub use wr::{SendFlags, Sge};
 
 use crate::cq::CompletionQueue;
@@ -401,12 +401,12 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
-        if let ([one], SendFlags(0)) = (local, flags) {
-            if self.write_now(one, remote, remote_offset) {
-                return Ok(());
+        let op = RdmaOp::Write { imm: None };
+        if let [one] = local {
+            if let Some(r) = self.rdma_now(op, one, remote, remote_offset, wr_id, flags) {
+                return r;
             }
         }
-        let op = RdmaOp::Write { imm: None };
         self.transfer(
             op,
             local.iter().copied(),
@@ -450,6 +450,11 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
+        if let [one] = local {
+            if let Some(r) = self.rdma_now(RdmaOp::Read, one, remote, remote_offset, wr_id, flags) {
+                return r;
+            }
+        }
         let local = local.iter().copied();
         self.transfer(RdmaOp::Read, local, remote, remote_offset, wr_id, flags)
     }
@@ -514,19 +519,44 @@ impl Connection {
         self.imp.rdma(&wr)
     }
 
-    /// Does an unsignaled write of the one local segment `local` at once when the transport
-    /// can ([`ConnSeam::write_now`]: the common small write, with no request built and
-    /// nothing to report); returns false having done nothing otherwise, a failed check
-    /// included: the caller then posts the write through [`Connection::transfer`], which
-    /// reports any error.
+    /// Posts the write (without immediate) or read `op` of the one local segment `local` the
+    /// short way when the transport takes it ([`ConnSeam::rdma_now`]: the common small
+    /// operation, with no request built): `Some` with the outcome then. `None` having done
+    /// nothing otherwise, a failed check included: the caller then posts it through
+    /// [`Connection::transfer`], which reports any error.
     #[inline(always)]
-    pub(crate) fn write_now(&self, local: &Sge<'_>, remote: &RemoteRegion, offset: u64) -> bool {
-        match wr::checked_write(&self.ctx, self.info.id, local, remote, offset) {
-            // SAFETY: `checked_write` found `src..src + len` inside `local.mr`, which the
+    pub(crate) fn rdma_now(
+        &self,
+        op: RdmaOp,
+        local: &Sge<'_>,
+        remote: &RemoteRegion,
+        offset: u64,
+        wr_id: u64,
+        flags: SendFlags,
+    ) -> Option<Result<()>> {
+        let (ptr, len, addr) =
+            wr::checked_one(&self.ctx, self.info.id, op, local, remote, offset, flags)?;
+        // The unsignaled write first: a transport may finish it at once (shm).
+        if flags == SendFlags(0)
+            && op == (RdmaOp::Write { imm: None })
+            // SAFETY: `checked_one` found `ptr..ptr + len` inside `local.mr`, which the
             // caller holds through the call.
-            Some((src, len, addr)) => unsafe { self.imp.write_now(src, len, remote.key, addr) },
-            None => false,
+            && unsafe { self.imp.write_now(ptr, len, remote.key, addr) }
+        {
+            return Some(Ok(()));
         }
+        let one = OneOp {
+            op,
+            mr: local.mr,
+            ptr,
+            len,
+            key: remote.key,
+            remote_addr: addr,
+            wr_id,
+            signaled: flags.signaled(),
+        };
+        // SAFETY: as above.
+        unsafe { self.imp.rdma_now(&one) }
     }
 
     /// Posts an atomic.
@@ -607,15 +637,23 @@ pub(crate) mod seam {
         fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64>;
         /// Posts a one-sided operation that passed the core's checks ([`wr`]).
         fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()>;
-        /// Writes `len` bytes at `src` to the peer's address `remote_addr` of the region with
-        /// `key`, as an unsignaled write whose local segment passed the core's checks
-        /// ([`wr::checked_write`]), when the transport can finish it at once on the caller's
-        /// thread with nothing to report; returns true then. Returns false having done
-        /// nothing otherwise (the caller then posts it through [`rdma`](Self::rdma)).
+        /// Posts the checked write or read `one` ([`wr::checked_one`]) the short way, when the
+        /// transport can: `Some` with the outcome, which is exactly what [`rdma`](Self::rdma)
+        /// would report for it. `None` having done nothing otherwise (the caller then posts
+        /// it through [`rdma`](Self::rdma)).
+        ///
+        /// # Safety
+        /// `one.ptr` is valid for `one.len` bytes inside `one.mr` through the call.
+        unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Option<Result<()>>;
+        /// An unsignaled write of `len` bytes at `src` to the peer's address `remote_addr` of
+        /// the region with `key` (a checked [`OneOp`]), done at once on the caller's thread
+        /// with nothing to report: true then; false having done nothing otherwise (the caller
+        /// then tries [`rdma_now`](Self::rdma_now)). The common small write, its arguments in
+        /// registers.
         ///
         /// # Safety
         /// `src` is readable for `len` bytes through the call.
-        unsafe fn write_now(&self, src: *const u8, len: usize, key: u64, remote_addr: u64) -> bool;
+        unsafe fn write_now(&self, src: *mut u8, len: usize, key: u64, remote_addr: u64) -> bool;
         fn disconnect(&self);
     }
 }
@@ -631,7 +669,7 @@ macro_rules! transport_seam {
 
             use crate::conn::seam::{ConnSeam, ListenerSeam, RequestSeam};
             use crate::conn::{
-                ConnInfo, ConnOptions, ConnRequest, Connection, RdmaRequest, RecvRequest,
+                ConnInfo, ConnOptions, ConnRequest, Connection, OneOp, RdmaRequest, RecvRequest,
                 SendRequest,
             };
             use crate::cq::CompletionQueue;
@@ -700,9 +738,14 @@ macro_rules! transport_seam {
                     <$conn>::rdma(self, wr)
                 }
 
+                unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Option<Result<()>> {
+                    // SAFETY: the caller's contract is the method's.
+                    unsafe { <$conn>::rdma_now(self, one) }
+                }
+
                 unsafe fn write_now(
                     &self,
-                    src: *const u8,
+                    src: *mut u8,
                     len: usize,
                     key: u64,
                     remote_addr: u64,

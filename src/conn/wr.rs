@@ -331,25 +331,58 @@ impl<'a> RdmaRequest<'a> {
     }
 }
 
-/// A write of the one local segment `local` to `remote_offset` of `remote`, checked as
-/// [`RdmaRequest::transfer`] checks it: its start, length and target address when every check
-/// passes, `None` when one fails (the general path then reports which). For a transport's
-/// [`write_now`](crate::conn::seam::ConnSeam::write_now).
+/// A write (without immediate) or read of one local segment that passed every check
+/// [`RdmaRequest::transfer`] makes ([`checked_one`]): for a transport's
+/// [`rdma_now`](crate::conn::seam::ConnSeam::rdma_now), which takes the common small
+/// operation without a request built.
+#[derive(Debug)]
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // read by the verbs transport only
+pub(crate) struct OneOp<'a> {
+    /// [`RdmaOp::Write`] without immediate, or [`RdmaOp::Read`].
+    pub(crate) op: RdmaOp,
+    /// The local segment's region, and its `len` bytes at `ptr` inside it.
+    pub(crate) mr: &'a Arc<MemoryRegion>,
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+    /// The peer's key and the target address (`len` bytes there do not wrap).
+    pub(crate) key: u64,
+    pub(crate) remote_addr: u64,
+    pub(crate) wr_id: u64,
+    pub(crate) signaled: bool,
+}
+
+/// The write or read `op` of the one local segment `local` at `remote_offset` of `remote`
+/// with `flags`, checked as [`RdmaRequest::transfer`] checks it (flags, connection, context,
+/// range, a read's LOCAL_WRITE, length, target address): the local start, the length and the
+/// target address when every check passes (the parts of a [`OneOp`]); `None` when one fails
+/// or `op` is another operation (the general path then reports, or posts it).
 #[inline(always)]
-pub(crate) fn checked_write(
+pub(crate) fn checked_one(
     ctx: &Arc<ContextInner>,
     conn_id: u64,
+    op: RdmaOp,
     local: &Sge<'_>,
     remote: &RemoteRegion,
     remote_offset: u64,
-) -> Option<(*const u8, usize, u64)> {
+    flags: SendFlags,
+) -> Option<(*mut u8, usize, u64)> {
     let len = local.len;
-    if remote.conn_id != conn_id || !local.mr.same_context(ctx) || len > u32::MAX as usize {
+    let read = match op {
+        RdmaOp::Write { imm: None } => false,
+        RdmaOp::Read => true,
+        _ => return None,
+    };
+    if flags.0 & !SendFlags::SIGNALED.0 != 0
+        || remote.conn_id != conn_id
+        || !local.mr.same_context(ctx)
+        || len > u32::MAX as usize
+        || (read && !local.mr.access().contains(Access::LOCAL_WRITE))
+    {
         return None;
     }
-    let src = local.mr.range_ptr(local.offset, len)?;
+    let ptr = local.mr.range_ptr(local.offset, len)?;
     let addr = target_addr(remote, remote_offset, len as u64)?;
-    Some((src.cast_const(), len, addr))
+    Some((ptr, len, addr))
 }
 
 /// The remote region was unpacked on this connection.
@@ -465,11 +498,13 @@ mod tests {
     }
 
     #[test]
-    fn the_short_write_accepts_exactly_what_the_general_path_accepts() {
-        // `checked_write` lets a transport write at once; whatever it accepts, the general
-        // path must accept too, with the same source, length and target, and whatever the
-        // general path refuses it must decline (the general path then reports it).
+    fn the_short_path_accepts_exactly_what_the_general_path_accepts() {
+        // `checked_one` lets a transport post a write or read at once; whatever it accepts,
+        // the general path must accept too, with the same source, length, target and
+        // signaling, and whatever the general path refuses it must decline (the general path
+        // then reports it).
         let (ctx, mr) = setup();
+        let ro = ctx.alloc_mr(8192, Access(0)).unwrap();
         let other = Context::new().unwrap();
         let foreign = other.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
         let conn = 7;
@@ -482,45 +517,79 @@ mod tests {
         let offsets = [0, 1, 4095, 4096, 4097, usize::MAX - 1, usize::MAX];
         let lens = [0, 1, 8, 4095, 4096, 4097, u32::MAX as usize + 1, usize::MAX];
         let remote_offsets = [0, 8, 4096, u64::MAX - 0x1000, u64::MAX];
-        let mut accepted = 0;
-        for region in [&mr, &foreign] {
-            for remote in &remotes {
-                for &offset in &offsets {
-                    for &len in &lens {
-                        for &roff in &remote_offsets {
-                            let local = Sge {
-                                mr: region,
-                                offset,
-                                len,
-                            };
-                            let short = checked_write(&ctx.inner, conn, &local, remote, roff);
-                            let general = RdmaRequest::transfer(
-                                &ctx.inner,
-                                conn,
-                                RdmaOp::Write { imm: None },
-                                std::iter::once(local),
-                                remote,
-                                roff,
-                                0,
-                                SendFlags(0),
-                            );
-                            let case = (offset, len, roff, remote.conn_id, remote.addr);
-                            match (short, general) {
-                                (Some((src, n, addr)), Ok(wr)) => {
-                                    let seg = wr.segs().next().expect("one segment");
-                                    assert_eq!(src, seg.ptr.cast_const(), "{case:?}");
-                                    assert_eq!((n, addr), (wr.len, wr.remote_addr), "{case:?}");
-                                    accepted += 1;
+        let ops = [RdmaOp::Write { imm: None }, RdmaOp::Read];
+        let flags = [SendFlags(0), SendFlags::SIGNALED, SendFlags(0x80)];
+        let mut accepted = [0; 2];
+        for (i, &op) in ops.iter().enumerate() {
+            for &flag in &flags {
+                for region in [&mr, &ro, &foreign] {
+                    for remote in &remotes {
+                        for &offset in &offsets {
+                            for &len in &lens {
+                                for &roff in &remote_offsets {
+                                    let local = Sge {
+                                        mr: region,
+                                        offset,
+                                        len,
+                                    };
+                                    let short = checked_one(
+                                        &ctx.inner, conn, op, &local, remote, roff, flag,
+                                    );
+                                    let general = RdmaRequest::transfer(
+                                        &ctx.inner,
+                                        conn,
+                                        op,
+                                        std::iter::once(local),
+                                        remote,
+                                        roff,
+                                        5,
+                                        flag,
+                                    );
+                                    let case = (op, flag, offset, len, roff, remote.conn_id);
+                                    match (short, general) {
+                                        (Some((ptr, len, addr)), Ok(wr)) => {
+                                            let seg = wr.segs().next().expect("one segment");
+                                            assert!(Arc::ptr_eq(region, seg.mr), "{case:?}");
+                                            assert_eq!(
+                                                (ptr, len, addr),
+                                                (seg.ptr, wr.len, wr.remote_addr),
+                                                "{case:?}"
+                                            );
+                                            accepted[i] += 1;
+                                        }
+                                        (None, Err(_)) => {}
+                                        (s, g) => {
+                                            panic!("{case:?}: short {s:?}, general {:?}", g.err())
+                                        }
+                                    }
                                 }
-                                (None, Err(_)) => {}
-                                (s, g) => panic!("{case:?}: short {s:?}, general {:?}", g.err()),
                             }
                         }
                     }
                 }
             }
         }
-        assert!(accepted > 20, "the grid accepts some writes ({accepted})");
+        assert!(
+            accepted.iter().all(|&n| n > 20),
+            "the grid accepts some writes and reads ({accepted:?})"
+        );
+        // Only plain writes and reads: the others always take the general path.
+        let local = Sge {
+            mr: &mr,
+            offset: 0,
+            len: 8,
+        };
+        for op in [
+            RdmaOp::Write { imm: Some(1) },
+            RdmaOp::FetchAdd { add: 1 },
+            RdmaOp::CmpSwap {
+                compare: 0,
+                swap: 1,
+            },
+        ] {
+            let one = checked_one(&ctx.inner, conn, op, &local, &remotes[0], 0, SendFlags(0));
+            assert!(one.is_none(), "{op:?}");
+        }
     }
 
     #[test]

@@ -220,11 +220,15 @@ unsafe fn sge<'a>(e: &rbr_sge) -> Sge<'a> {
     }
 }
 
-/// The body of the three transfer calls.
+/// The body of the three transfer calls. A write (without immediate) or read of one segment,
+/// every pointer set, goes the short way first ([`Connection::rdma_now`](crate::Connection));
+/// anything that declines, a failed check included, goes the general way, which makes the
+/// checks again and reports.
 ///
 /// # Safety
 /// As theirs.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 unsafe fn post_transfer(
     conn: *mut rbr_conn,
     sgl: *const rbr_sge,
@@ -235,6 +239,18 @@ unsafe fn post_transfer(
     wr_id: u64,
     flags: u32,
 ) -> rbr_status {
+    if nsge == 1 && !conn.is_null() && !sgl.is_null() && !remote.is_null() {
+        // SAFETY: non-NULL, so live and readable (contract).
+        let (c, e, r): (_, _, RemoteRegion) = unsafe { (&*conn, &*sgl, (&*remote).into()) };
+        if !e.mr.is_null() {
+            // SAFETY: a non-NULL `mr` is live (contract).
+            let one = unsafe { sge(e) };
+            let flags = SendFlags(flags);
+            if let Some(res) = c.inner.rdma_now(op, &one, &r, remote_offset, wr_id, flags) {
+                return status(res);
+            }
+        }
+    }
     let conn = arg_ref!(conn);
     let remote: RemoteRegion = arg_ref!(remote).into();
     // SAFETY: the caller's contract.
@@ -278,20 +294,6 @@ pub unsafe extern "C" fn rbr_conn_post_write(
 ) -> rbr_status {
     let op = RdmaOp::Write { imm: None };
     ffi_body!({
-        // The common small write first: one segment, unsignaled, every pointer set.
-        // Any check this declines, the general path makes again and reports.
-        if nsge == 1 && flags == 0 && !conn.is_null() && !sgl.is_null() && !remote.is_null() {
-            // SAFETY: non-NULL, so live and readable (contract).
-            let (conn, e, remote): (_, _, RemoteRegion) =
-                unsafe { (&*conn, &*sgl, (&*remote).into()) };
-            if !e.mr.is_null() {
-                // SAFETY: a non-NULL `mr` is live (contract).
-                let one = unsafe { sge(e) };
-                if conn.inner.write_now(&one, &remote, remote_offset) {
-                    return RBR_OK;
-                }
-            }
-        }
         // SAFETY: the caller's contract is post_transfer's.
         unsafe { post_transfer(conn, sgl, nsge, remote, remote_offset, op, wr_id, flags) }
     })
@@ -339,20 +341,10 @@ pub unsafe extern "C" fn rbr_conn_post_read(
     wr_id: u64,
     flags: u32,
 ) -> rbr_status {
+    let op = RdmaOp::Read;
     ffi_body!({
         // SAFETY: the caller's contract is post_transfer's.
-        unsafe {
-            post_transfer(
-                conn,
-                sgl,
-                nsge,
-                remote,
-                remote_offset,
-                RdmaOp::Read,
-                wr_id,
-                flags,
-            )
-        }
+        unsafe { post_transfer(conn, sgl, nsge, remote, remote_offset, op, wr_id, flags) }
     })
 }
 

@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering,
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::conn::{
-    ConnInfo, ConnOptions, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest, Transport,
-    next_conn_id,
+    ConnInfo, ConnOptions, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest,
+    Transport, next_conn_id,
 };
 use crate::cq::{CompletionQueue, Progress, Reporter, Sink, SlotReservation, Source, WcStatus};
 use crate::domain::ContextInner;
@@ -498,6 +498,15 @@ impl Conn {
         })
     }
 
+    /// Declines: over shared memory the short way is [`write_now`](Self::write_now)'s; every
+    /// other operation goes through [`Conn::rdma`].
+    ///
+    /// # Safety
+    /// None needed; the signature is the seam's.
+    pub(crate) unsafe fn rdma_now(&self, _: &OneOp<'_>) -> Option<Result<()>> {
+        None
+    }
+
     /// The lock-free path (see `unlocked_rdma`) of the common small write, which the core
     /// hands over unbuilt: one local segment, unsignaled, no immediate.
     ///
@@ -506,11 +515,12 @@ impl Conn {
     #[inline]
     pub(crate) unsafe fn write_now(
         &self,
-        src: *const u8,
+        src: *mut u8,
         len: usize,
         key: u64,
         remote_addr: u64,
     ) -> bool {
+        let src = src.cast_const();
         self.with_cached_import(key, |imp| {
             let (seg, side) = (&self.sh.seg, 1 - self.sh.side);
             // SAFETY: the caller's contract.

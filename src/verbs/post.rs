@@ -16,7 +16,9 @@ use std::time::Duration;
 use parking_lot::{Mutex, MutexGuard};
 use rdma_sys as sys;
 
-use crate::conn::{ConnInfo, Payload, RdmaOp, RdmaRequest, RecvRequest, SGE_MAX, SendRequest};
+use crate::conn::{
+    ConnInfo, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SGE_MAX, SendRequest,
+};
 use crate::cq::{Opcode, Reporter, WcStatus};
 use crate::domain::ContextInner;
 use crate::driver::Registration;
@@ -187,7 +189,14 @@ impl Shared {
                 rkey,
             } => {
                 sges = list;
-                f |= rdma_wr(&mut wr, op, &mut sges, nsge, remote_addr, rkey, &self.info);
+                f |= rdma_wr(
+                    &mut wr,
+                    op,
+                    &mut sges[..nsge as usize],
+                    remote_addr,
+                    rkey,
+                    &self.info,
+                );
             }
         }
         wr.send_flags = f;
@@ -659,13 +668,82 @@ impl Conn {
         mr.verbs_rkey(&self.sh.pd).map(u64::from)
     }
 
-    /// Declines: every write goes to the device through [`Conn::rdma`], whose completion
-    /// (even an unsignaled one's failure) is the device's to report.
+    /// Declines: every write goes to the device ([`Conn::rdma_now`] or [`Conn::rdma`]), whose
+    /// completion (even an unsignaled one's failure) is the device's to report.
     ///
     /// # Safety
     /// None needed; the signature is the seam's.
-    pub(crate) unsafe fn write_now(&self, _: *const u8, _: usize, _: u64, _: u64) -> bool {
+    pub(crate) unsafe fn write_now(&self, _: *mut u8, _: usize, _: u64, _: u64) -> bool {
         false
+    }
+
+    /// Posts the checked write or read `one` of one local segment straight to the device, as
+    /// [`Conn::rdma`] posts it but with no segment list walked: the common small operation.
+    /// Declines (`None`) a key that is not a verbs key and an empty segment (which `rdma`
+    /// refuses, or posts with no segment); reports what `rdma` would report otherwise.
+    ///
+    /// # Safety
+    /// `one.ptr` is valid for `one.len` bytes inside `one.mr` (the ledger keeps the region
+    /// until the work completes).
+    #[inline]
+    pub(crate) unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Option<Result<()>> {
+        let rkey = u32::try_from(one.key).ok()?;
+        if one.len == 0 {
+            return None;
+        }
+        let lkey = match one.mr.verbs_lkey(&self.sh.pd) {
+            Ok(k) => k,
+            Err(e) => return Some(Err(e)),
+        };
+        let mut sges = [sys::ibv_sge {
+            addr: one.ptr as u64,
+            length: one.len as u32,
+            lkey,
+        }; 1];
+        let mut mrs: Regions = Default::default();
+        mrs[0] = Some(one.mr.clone());
+        Some(self.post_now(
+            one.op,
+            &mut sges,
+            one.remote_addr,
+            rkey,
+            one.wr_id,
+            one.signaled,
+            mrs,
+        ))
+    }
+
+    /// Posts the one-sided operation `op` (one that waits for no credit) on `sges` to the
+    /// device at once: the work request built here, posted and noted in the ledger under the
+    /// connection's lock. `mrs` hold the local regions until it completes.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn post_now(
+        &self,
+        op: RdmaOp,
+        sges: &mut [sys::ibv_sge],
+        remote_addr: u64,
+        rkey: u32,
+        wr_id: u64,
+        signaled: bool,
+        mrs: Regions,
+    ) -> Result<()> {
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+        let mut dev: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        dev.send_flags = rdma_wr(&mut dev, op, sges, remote_addr, rkey, &self.sh.info);
+        let mut st = self.sh.lock();
+        self.may_post(&st, false)?;
+        // SAFETY: `dev` and `sges` are live locals; the local memory stays valid until the
+        // work completes (held by `mrs`) or, inline, is copied during the call.
+        let posted = unsafe {
+            self.sh
+                .post_wr(&mut st, &mut dev, wr_id, op.opcode(), signaled, mrs)
+        };
+        if let Err((r, _)) = posted {
+            return Err(post_error(r, "send"));
+        }
+        Self::count_posted(&mut st, false);
+        Ok(())
     }
 
     /// Posts a checked one-sided operation. A write with immediate takes one of the peer's
@@ -725,32 +803,17 @@ impl Conn {
             });
         }
         // The rest goes to the device at once (none waits for credits, nor behind held
-        // sends): the work request is built here and posted, with nothing moved on the way.
-        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
-        let mut dev: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-        dev.send_flags = rdma_wr(
-            &mut dev,
+        // sends).
+        let sges = &mut sges[..nsge as usize];
+        self.post_now(
             wr.op,
-            &mut sges,
-            nsge,
+            sges,
             wr.remote_addr,
             rkey,
-            &self.sh.info,
-        );
-        let op = wr.op.opcode();
-        let mut st = self.sh.lock();
-        self.may_post(&st, false)?;
-        // SAFETY: `dev` and `sges` are live locals; the local memory stays valid until the
-        // work completes (held by `mrs`) or, inline, is copied during the call.
-        let posted = unsafe {
-            self.sh
-                .post_wr(&mut st, &mut dev, wr.wr_id, op, wr.signaled, mrs)
-        };
-        if let Err((r, _)) = posted {
-            return Err(post_error(r, "send"));
-        }
-        Self::count_posted(&mut st, false);
-        Ok(())
+            wr.wr_id,
+            wr.signaled,
+            mrs,
+        )
     }
 
     pub(crate) fn disconnect(&self) {
@@ -789,7 +852,7 @@ fn note_told(st: &mut PostState, wr: &sys::ibv_send_wr) {
     }
 }
 
-/// Fills `wr` (zeroed) for the one-sided operation `op` on `sges[..nsge]` at `remote_addr`
+/// Fills `wr` (zeroed) for the one-sided operation `op` on `sges` at `remote_addr`
 /// of the region with `rkey`, and returns its send flags: a write that fits the connection's
 /// inline size goes inline, as sends do (the device copies the bytes during the post and need
 /// not fetch them later). `sges` must stay in place until the post.
@@ -797,14 +860,13 @@ fn note_told(st: &mut PostState, wr: &sys::ibv_send_wr) {
 fn rdma_wr(
     wr: &mut sys::ibv_send_wr,
     op: RdmaOp,
-    sges: &mut [sys::ibv_sge; SGE_MAX],
-    nsge: u32,
+    sges: &mut [sys::ibv_sge],
     remote_addr: u64,
     rkey: u32,
     info: &ConnInfo,
 ) -> u32 {
     wr.sg_list = sges.as_mut_ptr();
-    wr.num_sge = nsge as i32;
+    wr.num_sge = sges.len() as i32;
     match op {
         RdmaOp::Write { imm: None } => {
             wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
@@ -837,10 +899,7 @@ fn rdma_wr(
     if matches!(op, RdmaOp::Write { .. } | RdmaOp::Read) {
         wr.wr.rdma = sys::rdma_t { remote_addr, rkey };
     }
-    let len: u64 = sges[..nsge as usize]
-        .iter()
-        .map(|s| u64::from(s.length))
-        .sum();
+    let len: u64 = sges.iter().map(|s| u64::from(s.length)).sum();
     if matches!(op, RdmaOp::Write { .. }) && len > 0 && len <= u64::from(info.max_inline) {
         sys::ibv_send_flags::IBV_SEND_INLINE.0
     } else {
