@@ -138,9 +138,11 @@ pub(super) fn deliver(ps: &mut PollState, wc: Wc, blocking: bool, out: &mut Sink
     };
     let failed = st.failed.is_some();
     let mut n = 0;
-    while let Some(p) = mine.pop_front() {
-        *parked -= 1;
-        n += complete(sh, &mut st, &p, out);
+    if *parked > 0 {
+        while let Some(p) = mine.pop_front() {
+            *parked -= 1;
+            n += complete(sh, &mut st, &p, out);
+        }
     }
     n += complete(sh, &mut st, &wc, out);
     settle(sh, &mut st, failed);
@@ -209,12 +211,13 @@ pub(super) fn complete(sh: &Shared, st: &mut PostState, wc: &Wc, out: &mut Sink<
     let seq = wc.wr_id & SEQ_MASK;
     if wc.wr_id & RECV_BIT != 0 {
         // Usually the oldest receive is the one that completed: the loop ends with it.
-        while let Some(e) = st.recvs.front() {
+        while let Some(e) = st.recvs.pop_front() {
             let this = e.seq & SEQ_MASK == seq;
             if !this && !at_or_before(e.seq, seq) {
+                // Posted after the one that completed (a stale completion): not this one's.
+                st.recvs.push_front(e);
                 break;
             }
-            let e = st.recvs.pop_front().expect("front exists");
             if let Some(c) = st.credits.as_mut() {
                 c.consumed += 1;
             }
@@ -244,12 +247,13 @@ pub(super) fn complete(sh: &Shared, st: &mut PostState, wc: &Wc, out: &mut Sink<
         // The send queue completes in order (sends and one-sided operations alike): the
         // unsignaled work before `seq` finished successfully. Each record carries the opcode
         // the ledger noted at posting (a device's opcode is undefined on an error).
-        while let Some(e) = st.sends.front() {
+        while let Some(e) = st.sends.pop_front() {
             let this = e.seq & SEQ_MASK == seq;
             if !this && !at_or_before(e.seq, seq) {
+                // Posted after the one that completed (a stale completion): not this one's.
+                st.sends.push_front(e);
                 break;
             }
-            let e = st.sends.pop_front().expect("front exists");
             if e.internal {
                 st.internal_out -= 1;
             } else {
