@@ -436,6 +436,7 @@ impl Source for DevCq {
         out.in_order(
             || self.cq.surely_empty(),
             asked,
+            #[inline(always)]
             |limit, out| self.drain(&mut ps, limit, true, out),
         );
     }

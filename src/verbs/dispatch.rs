@@ -106,6 +106,7 @@ pub(super) struct PollState {
 
 /// Delivers `wc` to its connection, or parks it (see [`DevCq::drain`]). Returns how many
 /// records it emitted.
+#[inline(always)]
 pub(super) fn deliver(ps: &mut PollState, wc: Wc, blocking: bool, out: &mut Sink<'_>) -> usize {
     let PollState {
         members, parked, ..
@@ -192,6 +193,7 @@ fn settle(sh: &Shared, st: &mut PostState, failed_before: bool) {
 
 /// Completes the work one device completion reports, in the connection's ledger. Notes the
 /// first error that failed the queue pair. Returns how many records it emitted.
+#[inline(always)]
 pub(super) fn complete(sh: &Shared, st: &mut PostState, wc: &Wc, out: &mut Sink<'_>) -> usize {
     let status = wc.status;
     if status != WcStatus::Success && status != WcStatus::Flushed && st.failed.is_none() {
