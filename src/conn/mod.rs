@@ -520,10 +520,10 @@ impl Connection {
     }
 
     /// Posts the write (without immediate) or read `op` of the one local segment `local` the
-    /// short way when the transport takes it ([`ConnSeam::rdma_now`]: the common small
-    /// operation, with no request built): `Some` with the outcome then. `None` having done
-    /// nothing otherwise, a failed check included: the caller then posts it through
-    /// [`Connection::transfer`], which reports any error.
+    /// short way ([`ConnSeam::write_now`], [`ConnSeam::rdma_now`]: the common small operation,
+    /// with no request for four segments built and walked): `Some` with the outcome. `None`
+    /// having done nothing when a check fails or `op` is another operation: the caller then
+    /// posts it through [`Connection::transfer`], which reports the error.
     #[inline(always)]
     pub(crate) fn rdma_now(
         &self,
@@ -556,7 +556,7 @@ impl Connection {
             signaled: flags.signaled(),
         };
         // SAFETY: as above.
-        unsafe { self.imp.rdma_now(&one) }
+        Some(unsafe { self.imp.rdma_now(&one) })
     }
 
     /// Posts an atomic.
@@ -637,19 +637,18 @@ pub(crate) mod seam {
         fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64>;
         /// Posts a one-sided operation that passed the core's checks ([`wr`]).
         fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()>;
-        /// Posts the checked write or read `one` ([`wr::checked_one`]) the short way, when the
-        /// transport can: `Some` with the outcome, which is exactly what [`rdma`](Self::rdma)
-        /// would report for it. `None` having done nothing otherwise (the caller then posts
-        /// it through [`rdma`](Self::rdma)).
+        /// Posts the checked write or read `one` ([`wr::checked_one`]) as
+        /// [`rdma`](Self::rdma) posts [`one.request()`](OneOp::request) (and reporting what it
+        /// would), the short way where the transport has one.
         ///
         /// # Safety
         /// `one.ptr` is valid for `one.len` bytes inside `one.mr` through the call.
-        unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Option<Result<()>>;
+        unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Result<()>;
         /// An unsignaled write of `len` bytes at `src` to the peer's address `remote_addr` of
         /// the region with `key` (a checked [`OneOp`]), done at once on the caller's thread
         /// with nothing to report: true then; false having done nothing otherwise (the caller
-        /// then tries [`rdma_now`](Self::rdma_now)). The common small write, its arguments in
-        /// registers.
+        /// then posts it through [`rdma_now`](Self::rdma_now)). The common small write, its
+        /// arguments in registers.
         ///
         /// # Safety
         /// `src` is readable for `len` bytes through the call.
@@ -738,7 +737,7 @@ macro_rules! transport_seam {
                     <$conn>::rdma(self, wr)
                 }
 
-                unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Option<Result<()>> {
+                unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Result<()> {
                     // SAFETY: the caller's contract is the method's.
                     unsafe { <$conn>::rdma_now(self, one) }
                 }

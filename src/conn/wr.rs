@@ -336,7 +336,6 @@ impl<'a> RdmaRequest<'a> {
 /// [`rdma_now`](crate::conn::seam::ConnSeam::rdma_now), which takes the common small
 /// operation without a request built.
 #[derive(Debug)]
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // read by the verbs transport only
 pub(crate) struct OneOp<'a> {
     /// [`RdmaOp::Write`] without immediate, or [`RdmaOp::Read`].
     pub(crate) op: RdmaOp,
@@ -349,6 +348,30 @@ pub(crate) struct OneOp<'a> {
     pub(crate) remote_addr: u64,
     pub(crate) wr_id: u64,
     pub(crate) signaled: bool,
+}
+
+impl<'a> OneOp<'a> {
+    /// The request [`RdmaRequest::transfer`] builds for the same operation, for a transport
+    /// that posts it the general way (nothing is checked again).
+    #[inline(always)]
+    pub(crate) fn request(&self) -> RdmaRequest<'a> {
+        let mut segs = [None; SGE_MAX];
+        segs[0] = Some(LocalSeg {
+            mr: self.mr,
+            len: self.len,
+            ptr: self.ptr,
+        });
+        RdmaRequest {
+            wr_id: self.wr_id,
+            signaled: self.signaled,
+            op: self.op,
+            segs,
+            nsegs: 1,
+            len: self.len,
+            key: self.key,
+            remote_addr: self.remote_addr,
+        }
+    }
 }
 
 /// The write or read `op` of the one local segment `local` at `remote_offset` of `remote`
@@ -555,6 +578,19 @@ mod tests {
                                                 (seg.ptr, wr.len, wr.remote_addr),
                                                 "{case:?}"
                                             );
+                                            // What a transport posting it the general way
+                                            // gets is the general path's request.
+                                            let one = OneOp {
+                                                op,
+                                                mr: region,
+                                                ptr,
+                                                len,
+                                                key: remote.key,
+                                                remote_addr: addr,
+                                                wr_id: 5,
+                                                signaled: flag.signaled(),
+                                            };
+                                            assert_same_request(&one.request(), &wr, case);
                                             accepted[i] += 1;
                                         }
                                         (None, Err(_)) => {}
@@ -589,6 +625,40 @@ mod tests {
         ] {
             let one = checked_one(&ctx.inner, conn, op, &local, &remotes[0], 0, SendFlags(0));
             assert!(one.is_none(), "{op:?}");
+        }
+    }
+
+    fn assert_same_request(a: &RdmaRequest<'_>, b: &RdmaRequest<'_>, case: impl std::fmt::Debug) {
+        assert_eq!(
+            (
+                a.wr_id,
+                a.signaled,
+                a.op,
+                a.nsegs,
+                a.len,
+                a.key,
+                a.remote_addr
+            ),
+            (
+                b.wr_id,
+                b.signaled,
+                b.op,
+                b.nsegs,
+                b.len,
+                b.key,
+                b.remote_addr
+            ),
+            "{case:?}"
+        );
+        for (x, y) in a.segs.iter().zip(&b.segs) {
+            match (x, y) {
+                (Some(x), Some(y)) => {
+                    assert!(Arc::ptr_eq(x.mr, y.mr), "{case:?}");
+                    assert_eq!((x.len, x.ptr), (y.len, y.ptr), "{case:?}");
+                }
+                (None, None) => {}
+                _ => panic!("{case:?}: segments differ"),
+            }
         }
     }
 

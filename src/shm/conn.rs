@@ -498,13 +498,13 @@ impl Conn {
         })
     }
 
-    /// Declines: over shared memory the short way is [`write_now`](Self::write_now)'s; every
-    /// other operation goes through [`Conn::rdma`].
+    /// Over shared memory the short way is [`write_now`](Self::write_now)'s: the rest of the
+    /// checked one-segment operations go through [`Conn::rdma`], not checked again.
     ///
     /// # Safety
     /// None needed; the signature is the seam's.
-    pub(crate) unsafe fn rdma_now(&self, _: &OneOp<'_>) -> Option<Result<()>> {
-        None
+    pub(crate) unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Result<()> {
+        self.rdma(&one.request())
     }
 
     /// The lock-free path (see `unlocked_rdma`) of the common small write, which the core

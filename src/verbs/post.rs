@@ -678,23 +678,20 @@ impl Conn {
     }
 
     /// Posts the checked write or read `one` of one local segment straight to the device, as
-    /// [`Conn::rdma`] posts it but with no segment list walked: the common small operation.
-    /// Declines (`None`) a key that is not a verbs key and an empty segment (which `rdma`
-    /// refuses, or posts with no segment); reports what `rdma` would report otherwise.
+    /// [`Conn::rdma`] posts it but with no segment list walked: the common small operation. A
+    /// key that is not a verbs key and an empty segment (which `rdma` refuses, or posts with
+    /// no segment) go through `rdma`.
     ///
     /// # Safety
     /// `one.ptr` is valid for `one.len` bytes inside `one.mr` (the ledger keeps the region
     /// until the work completes).
     #[inline]
-    pub(crate) unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Option<Result<()>> {
-        let rkey = u32::try_from(one.key).ok()?;
-        if one.len == 0 {
-            return None;
-        }
-        let lkey = match one.mr.verbs_lkey(&self.sh.pd) {
-            Ok(k) => k,
-            Err(e) => return Some(Err(e)),
+    pub(crate) unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Result<()> {
+        let rkey = match u32::try_from(one.key) {
+            Ok(k) if one.len > 0 => k,
+            _ => return self.rdma(&one.request()),
         };
+        let lkey = one.mr.verbs_lkey(&self.sh.pd)?;
         let mut sges = [sys::ibv_sge {
             addr: one.ptr as u64,
             length: one.len as u32,
@@ -702,7 +699,7 @@ impl Conn {
         }; 1];
         let mut mrs: Regions = Default::default();
         mrs[0] = Some(one.mr.clone());
-        Some(self.post_now(
+        self.post_now(
             one.op,
             &mut sges,
             one.remote_addr,
@@ -710,7 +707,7 @@ impl Conn {
             one.wr_id,
             one.signaled,
             mrs,
-        ))
+        )
     }
 
     /// Posts the one-sided operation `op` (one that waits for no credit) on `sges` to the
