@@ -10,6 +10,9 @@
 #            rbr_cq_poll and the 64 B ping-pong latency with N = 1, 16, 256, 1024 connections
 #            on one completion queue per side (all but one idle), each N against N = 1 of the
 #            same run (target: the empty poll at 1,024 costs at most 2x the one at 1)
+#   setup:   rbr_setup (benchmarks/setup.c): connections one after another, each connected,
+#            accepted, carrying a 64 B message each way and closed; connections per second
+#            (no stock tool measures this over shared memory: ours alone)
 # Every server runs on cpu0 and every client on cpu1 (taskset). In each round, every measurement
 # of ours runs right next to the anchors' measurements of the same kind and size (the order
 # rotating), so drift and other load hit them alike; the ratios pair the runs of each round and
@@ -54,15 +57,17 @@ build=$root/build-shm-bench
 echo "shm.sh: building (cargo release, cmake Release in $build)"
 timeout 1800 cargo build --release --quiet
 timeout 300 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-timeout 900 cmake --build "$build" -j2 --target rbr_bench rbr_rma_bench rbr_limits rbr_scaling >/dev/null
+timeout 900 cmake --build "$build" -j2 --target rbr_bench rbr_rma_bench rbr_limits rbr_scaling \
+  rbr_setup >/dev/null
 bench=$build/rbr_bench rma=$build/rbr_rma_bench limits=$build/rbr_limits scaling=$build/rbr_scaling
+setup_bin=$build/rbr_setup
 
 # ------------------------------------------------------------------ plan
 if [ "$quick" = 1 ]; then
   lat_sizes=(2 4096) bw_sizes=(4096 65536) rate_sizes=(2) put_sizes=(65536) rma_sizes=(8 65536)
   lat_n=300 ucx_lat_warm=30 bw_bytes=$((8 << 20)) max_msgs=20000 fi_n=300
   limits_args=(-n 20000 -r 1) tmo=30
-  scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60
+  scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60 setup_n=50
 else
   lat_sizes=(2 64 1024 4096 65536 1048576)
   bw_sizes=(64 1024 4096 16384 65536 262144 1048576)
@@ -70,7 +75,7 @@ else
   lat_n=10000 ucx_lat_warm=1000 bw_bytes=$((1 << 30)) max_msgs=1000000 fi_n=10000
   limits_args=(-n 1000000 -r 5) tmo=180
   # With progress threads a round trip takes ~0.1-5 ms at 1,024 connections: minutes.
-  scaling_args=(-N 1,16,256,1024 -n 10000 -b 11) scaling_tmo=900
+  scaling_args=(-N 1,16,256,1024 -n 10000 -b 11) scaling_tmo=900 setup_n=2000
 fi
 join() { local IFS=,; echo "$*"; }
 # Messages per streaming run, as rbr_bench counts them: BYTES / SIZE, at most MAX, at least 100.
@@ -139,51 +144,50 @@ client() {
 fail() { echo "shm.sh: round $round: $*" >&2; }
 
 # ------------------------------------------------------------------ the runs
-# ours TESTS SIZES...: one server, one client, every test at every size over one connection.
-run_ours() {
-  local tests=$1; shift
-  local sizes log i
-  sizes=$(join "$@")
-  log=$out/logs/r$round-ours-${tests//,/-}-${sizes//,/-}.log
-  start_server "$log.server" "$bench" -r server -a "shm://$shm_name" -T 30
+# serve_and_run LOG WHAT PROGRAM ADDR SERVER_ARGS... -- CLIENT_ARGS...: PROGRAM's server on
+# cpu0 (once it says it listens) and its client on cpu1, at ADDR; the client's RESULT lines go
+# into raw.txt as ours, a failure is reported as WHAT's.
+serve_and_run() {
+  local log=$1 what=$2 prog=$3 addr=$4 sargs=() i
+  shift 4
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do sargs+=("$1"); shift; done
+  [ $# -eq 0 ] || shift
+  start_server "$log.server" "$prog" -r server -a "$addr" "${sargs[@]}"
   for i in $(seq 100); do
     grep -q '^listening' "$log.server" 2>/dev/null && break
     kill -0 "$spid" 2>/dev/null || break
     sleep 0.05
   done
-  if client "$bench" -r client -a "shm://$shm_name" -t "$tests" -s "$sizes" -n "$lat_n" \
-      -m "$max_msgs" -b "$bw_bytes" -T 30 >"$log" 2>&1 && end_server; then
+  if client "$prog" -r client -a "$addr" "$@" >"$log" 2>&1 && end_server; then
     awk -v r="$round" '$1 == "RESULT" { $1 = r " ours"; print }' "$log" >>"$raw"
   else
     kill "$spid" 2>/dev/null || true
     end_server || true
-    fail "rbr_bench $tests failed (see $log)"
+    fail "$what failed (see $log)"
   fi
+}
+
+# ours TESTS SIZES...: one server, one client, every test at every size over one connection.
+run_ours() {
+  local tests=$1; shift
+  local sizes
+  sizes=$(join "$@")
+  serve_and_run "$out/logs/r$round-ours-${tests//,/-}-${sizes//,/-}.log" "rbr_bench $tests" \
+    "$bench" "shm://$shm_name" -T 30 -- -t "$tests" -s "$sizes" -n "$lat_n" -m "$max_msgs" \
+    -b "$bw_bytes" -T 30
+}
+
+# run_rma TESTS SIZE: rbr_rma_bench (one-sided writes), our side of ucp_put_lat / ucp_put_bw.
+run_rma() {
+  local tests=$1 size=$2 c
+  c=$(stream_count "$size")
+  serve_and_run "$out/logs/r$round-rma-${1//,/-}-$2.log" "rbr_rma_bench $tests $size" "$rma" \
+    "shm://$shm_name-rma" -T 30 -- -t "$tests" -s "$size" -n "$lat_n" -b "$((c * size))" -T 30
 }
 
 # ucx TEST SIZE N WARMUP: one server and client; records p50/mean latency or bandwidth and rate.
 # ucx_perftest prints MB/s with MB = 2^20 bytes: converted here to 10^6 bytes.
 # run_ucx TEST SIZE N WARMUP [NAME]: NAME (default TEST) is what raw.txt calls the result.
-# run_rma TESTS SIZE: rbr_rma_bench (one-sided writes), our side of ucp_put_lat / ucp_put_bw.
-run_rma() {
-  local tests=$1 size=$2 log=$out/logs/r$round-rma-${1//,/-}-$2.log c
-  c=$(stream_count "$size")
-  start_server "$log.server" "$rma" -r server -a "shm://$shm_name-rma" -T 30
-  for i in $(seq 100); do
-    grep -q '^listening' "$log.server" 2>/dev/null && break
-    kill -0 "$spid" 2>/dev/null || break
-    sleep 0.05
-  done
-  if client "$rma" -r client -a "shm://$shm_name-rma" -t "$tests" -s "$size" -n "$lat_n" \
-      -b "$((c * size))" -T 30 >"$log" 2>&1 && end_server; then
-    awk -v r="$round" '$1 == "RESULT" { $1 = r " ours"; print }' "$log" >>"$raw"
-  else
-    kill "$spid" 2>/dev/null || true
-    end_server || true
-    fail "rbr_rma_bench $tests $size failed (see $log)"
-  fi
-}
-
 run_ucx() {
   local test=$1 size=$2 n=$3 warm=$4 name=${5:-$1} log=$out/logs/r$round-ucx-${5:-$1}-$2.log try line
   for try in 1 2; do
@@ -232,6 +236,12 @@ run_fi() {
     fi
     fail "fi_pingpong $size try $try failed: $(tail -n 2 "$log" | tr '\n' ' ')"
   done
+}
+
+# run_setup: rbr_setup's server on cpu0, its client on cpu1.
+run_setup() {
+  serve_and_run "$out/logs/r$round-setup.log" rbr_setup "$setup_bin" "shm://$shm_name-setup" \
+    -T 30 -- -n "$setup_n" -T 30
 }
 
 run_limits() {
@@ -310,6 +320,8 @@ for round in $(seq "$rounds"); do
   run_limits
   echo "shm.sh: round $round/$rounds: scaling (1 to ${scaling_args[1]##*,} connections)"
   in_turn $round "run_scaling caller" "run_scaling thread"
+  echo "shm.sh: round $round/$rounds: connection setup"
+  run_setup
   if vm_running; then vm=1; echo "shm.sh: round $round/$rounds: a qemu VM is running"; fi
   vm_rounds=$((vm_rounds + vm))
 done

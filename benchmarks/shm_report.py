@@ -206,6 +206,15 @@ def main():
                 if r and r[0] is not None:
                     lines.append("  empty poll with 1024 connections / with 1: %.2fx (target "
                                  "at most 2x: %s)" % (r[0], "met" if r[0] <= 2 else "missed"))
+    for s in sizes("ours", "setup"):
+        lines.append("connection setup (rbr_setup: one after another, each connected, accepted, "
+                     "given a %s message each way and closed; no stock tool measures this over "
+                     "shared memory): %s conn/s; to the first answer p50 %s us, p99 %s us; to "
+                     "the close's last record p50 %s us" % (
+                         human(s), fmt(med("ours", "setup", s, "rate_per_s")[0]),
+                         fmt(med("ours", "setup", s, "first_p50_us")[0]),
+                         fmt(med("ours", "setup", s, "first_p99_us")[0]),
+                         fmt(med("ours", "setup", s, "cycle_p50_us")[0])))
     missing = [(c[4], c[12]) for c in comps if c[5] is None]
     if missing:
         lines.append("no result (the tool failed every round; see logs/): " +

@@ -8,8 +8,10 @@
 #               trips, streaming writes and reads, window 32; the client busy-polls, and the
 #               server, idle while the client reads or streams writes, waits sleeping for the
 #               next test (-P), as perftest's server does)
-#   setup:      cmtime (N connections)           vs  rbr_close_loop (N connect + accept + close,
-#               one after another, both ends in one process); connections per second
+#   setup:      cmtime (N connections)           vs  rbr_setup (N connections one after another,
+#               each connected, accepted, carrying a 64 B message each way and closed; server
+#               and client in two processes, as cmtime's); connections per second of the
+#               client's whole run, for both
 # rdmabridge runs as rbr-caller (progress on the caller's thread, the default), rbr-thread
 # (progress threads) and rbr-caller-busy (caller progress, rbr_cq_wait never sleeping), all
 # three the C example (rbr_client/rbr_server: streaming there is echoed, so both directions
@@ -122,17 +124,23 @@ cmtime_rate() { # N
   return 1
 }
 
-# rbr_close_loop: N connections, each connected, accepted, given receives and closed before the
-# next; prints connections per second.
+# rbr_setup: N connections one after another, each connected, accepted, carrying a 64 B
+# message each way and closed; prints connections per second of the client's whole run.
 rbr_conn_rate() { # N
-  local n=$1
+  local n=$1 i
   next_port
+  : >/tmp/setup-server.log
+  timeout 300 "$build/rbr_setup" -r server -a "rdma://$ip:$port" -T 60 >/tmp/setup-server.log 2>&1 &
+  local s=$!
+  for i in $(seq 600); do grep -q '^listening' /tmp/setup-server.log && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
   local t0; t0=$(now_ns)
-  if ! timeout 300 "$build/rbr_close_loop" -a "rdma://$ip:$port" -n "$n" >/tmp/close-loop.log 2>&1; then
-    echo "rbr_close_loop failed:" >&2; cat /tmp/close-loop.log >&2
+  if ! timeout 300 "$build/rbr_setup" -r client -a "rdma://$ip:$port" -n "$n" -T 60 >/tmp/setup-client.log 2>&1; then
+    echo "rbr_setup failed:" >&2; cat /tmp/setup-client.log /tmp/setup-server.log >&2
+    kill "$s" 2>/dev/null; wait "$s" 2>/dev/null
     return 1
   fi
   local t1; t1=$(now_ns)
+  wait "$s" || { echo "rbr_setup server failed:" >&2; cat /tmp/setup-server.log >&2; return 1; }
   awk -v n="$n" -v ns=$((t1 - t0)) 'BEGIN { printf "%.1f\n", n / (ns / 1e9) }'
 }
 
@@ -246,7 +254,7 @@ for round in $(seq "$rounds"); do
     done
   done
   if v=$(cmtime_rate "$conns"); then record conn cmtime cps "$v"; fi
-  if v=$(rbr_conn_rate "$conns"); then record conn rbr-close-loop cps "$v"; fi
+  if v=$(rbr_conn_rate "$conns"); then record conn rbr-setup cps "$v"; fi
 done
 
 # The table: per measure, the stock tool first, then ours; medians over the rounds, the spread
