@@ -12,7 +12,7 @@ use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
 use crate::shm::notice::{Board, SLOTS};
-use crate::sync::{SpinGuard, SpinLock};
+use crate::sync::{SpinGuard, SpinLock, YIELD_EVERY};
 use crate::sys::{self, EventFd};
 
 mod ready;
@@ -664,6 +664,7 @@ impl CompletionQueue {
     /// whether it returned true. The wait's start goes into `start`, read with the clock's
     /// first look, which comes only after 16 rounds (at once with a zero budget): a wait that
     /// ends sooner never reads the clock. It always has when this returns false.
+    /// Every [`YIELD_EVERY`] of polling it lets the other threads of its CPU run.
     fn spin(
         &self,
         start: &mut Option<Instant>,
@@ -673,6 +674,7 @@ impl CompletionQueue {
         let budget = self.spin_budget().min(timeout.unwrap_or(SPIN_MAX));
         let every = if budget.is_zero() { 1 } else { 16 };
         let mut round = 0u32;
+        let mut yielded: Option<Instant> = None;
         loop {
             if found() {
                 return true;
@@ -684,8 +686,15 @@ impl CompletionQueue {
             round = round.wrapping_add(1);
             if round % every == 0 {
                 let now = Instant::now();
-                if now >= *start.get_or_insert(now) + budget {
+                let began = *start.get_or_insert(now);
+                if now >= began + budget {
                     return false;
+                }
+                if now >= yielded.unwrap_or(began) + YIELD_EVERY {
+                    // Whoever waits for this CPU - the library's own thread, which may be the
+                    // one to produce what this wait is for - runs now.
+                    std::thread::yield_now();
+                    yielded = Some(now);
                 }
                 std::hint::spin_loop();
             }

@@ -12,6 +12,16 @@ pub(crate) use loom::sync::Mutex;
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
 
+/// How often a wait on a completion queue that polls lets the other threads of its CPU run
+/// (`sched_yield`). A thread woken on a CPU where another polls does not get the CPU at once:
+/// the scheduler lets the poller finish its slice (about 1 ms on Linux 6.18). Where a
+/// program's thread and the library's thread share a CPU (a process pinned to one), a wait for
+/// something the library's thread does took that long without the yield: over shm, a wait for
+/// a connection's end (which the library's thread reports) kept a program that opened a
+/// connection per request to about 1,000 a second. The yield costs one system call per
+/// period when nobody else wants the CPU.
+pub(crate) const YIELD_EVERY: std::time::Duration = std::time::Duration::from_micros(20);
+
 /// A lock for a hot path whose holders keep it briefly and never across a sleep (they copy,
 /// make a system call that does not block, or take another lock held as briefly): taking it
 /// is one atomic exchange, and letting it go is a plain release store (a mutex's release is an
