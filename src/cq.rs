@@ -12,7 +12,7 @@ use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
 use crate::shm::notice::{Board, SLOTS};
-use crate::sync::{SpinGuard, SpinLock, YIELD_EVERY};
+use crate::sync::{SpinGuard, SpinLock, SpinningWait, YIELD_EVERY};
 use crate::sys::{self, EventFd};
 
 mod ready;
@@ -675,6 +675,8 @@ impl CompletionQueue {
         let every = if budget.is_zero() { 1 } else { 16 };
         let mut round = 0u32;
         let mut yielded: Option<Instant> = None;
+        // Counted once the wait has polled its first rounds (a wait that ends sooner is not).
+        let mut counted: Option<SpinningWait> = None;
         loop {
             if found() {
                 return true;
@@ -687,6 +689,9 @@ impl CompletionQueue {
             if round % every == 0 {
                 let now = Instant::now();
                 let began = *start.get_or_insert(now);
+                if counted.is_none() {
+                    counted = Some(SpinningWait::new());
+                }
                 if now >= began + budget {
                     return false;
                 }

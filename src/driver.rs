@@ -27,6 +27,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::idmap::IdMap;
+use crate::sync::{YIELD_EVERY, waits_spin};
 use crate::sys::{self, EventFd};
 
 /// Most descriptors one registration may watch.
@@ -378,6 +379,7 @@ impl Thread {
 
     fn run(mut self) {
         let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+        let mut yielded = Instant::now();
         while !self.core.stop.load(Ordering::SeqCst) {
             self.round += 1;
             if self.busy.is_empty() || self.round % LOOK_EVERY == 0 {
@@ -394,6 +396,15 @@ impl Thread {
             if self.yielding > 0 && self.yielding == self.busy.len() {
                 // Everyone busy waits for a thread of the program: let it run.
                 std::thread::yield_now();
+                yielded = Instant::now();
+            } else if !self.busy.is_empty() && self.round % LOOK_EVERY == 0 && waits_spin() {
+                // Busy rounds hold the CPU while a program's thread polls in a wait, perhaps
+                // on this CPU, for what these rounds produce: share it (see `waits_spin`).
+                let now = Instant::now();
+                if now >= yielded + YIELD_EVERY {
+                    std::thread::yield_now();
+                    yielded = now;
+                }
             }
         }
         // Stopped: only by the owner going away, which a connection prevents while it lives.

@@ -22,6 +22,38 @@ pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
 /// period when nobody else wants the CPU.
 pub(crate) const YIELD_EVERY: std::time::Duration = std::time::Duration::from_micros(20);
 
+/// How many waits on completion queues of this process poll right now, past their first
+/// rounds (see [`SpinningWait`]).
+static SPINNING_WAITS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts a wait that polls among [`SPINNING_WAITS`] while it lives. Such a wait yields its CPU
+/// every [`YIELD_EVERY`], so the library's thread, when its busy rounds hold a CPU, yields too
+/// while one polls (see [`waits_spin`]): the two then share the CPU at that grain.
+pub(crate) struct SpinningWait(());
+
+impl SpinningWait {
+    pub(crate) fn new() -> SpinningWait {
+        // Relaxed: a hint for the library's thread, which looks again every few rounds.
+        SPINNING_WAITS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        SpinningWait(())
+    }
+}
+
+impl Drop for SpinningWait {
+    fn drop(&mut self) {
+        // Relaxed: as above.
+        SPINNING_WAITS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Whether some wait of this process polls now, yielding its CPU now and then. The library's
+/// thread yields its CPU while busy only then: a program thread that polls on its own
+/// (`rbr_cq_poll` in a loop) never yields, and would keep a CPU handed to it for a whole slice.
+pub(crate) fn waits_spin() -> bool {
+    // Relaxed: a hint (see SPINNING_WAITS).
+    SPINNING_WAITS.load(std::sync::atomic::Ordering::Relaxed) > 0
+}
+
 /// A lock for a hot path whose holders keep it briefly and never across a sleep (they copy,
 /// make a system call that does not block, or take another lock held as briefly): taking it
 /// is one atomic exchange, and letting it go is a plain release store (a mutex's release is an
