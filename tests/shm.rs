@@ -32,6 +32,7 @@ suite_over_shm!(
     receive_too_small_fails_both_sides_with_length_errors,
     bad_posts_return_clear_errors_and_post_nothing,
     disconnect_flushes_and_reports_on_both_sides,
+    delivered_unsignaled_send_reports_nothing_at_close,
     completion_fd_is_readable_exactly_while_completions_are_queued,
     slot_is_free_once_its_completion_is_seen,
     idle_connection_stays_up_and_reports_nothing,

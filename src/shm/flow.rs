@@ -1203,6 +1203,10 @@ impl Flow {
                 Ok(_) => {}
             }
             let _ = self.complete_sends(report, out);
+        } else if !self.closed && self.failed.is_none() {
+            // The sends the peer took before this side ended the connection were delivered:
+            // they complete as such (an unsignaled one reports nothing), not as flushed.
+            let _ = self.complete_sends(report, out);
         }
         self.closed = true;
         // Which of our sends the peer refused, if it failed the connection.

@@ -227,6 +227,26 @@ impl Engine {
         let _ = self.sh.post_internal(st, &mut wr, true);
     }
 
+    /// Posts a signaled zero-length RDMA write behind everything on the send queue, which is
+    /// in the error state now: the device flushes it, and since an RC queue pair completes its
+    /// work in order, its flush says that every work request before it is done - the ones the
+    /// device reported, and the unsignaled ones it did not because they had finished. Without
+    /// it an unsignaled send that had reached the peer looked outstanding: the flush waited
+    /// [`FLUSH_WAIT`] for a report that never comes and then called it flushed. When the
+    /// device refuses the post, that remains the way.
+    fn post_drain_marker(&self, st: &mut PostState) {
+        if !st.sends.iter().any(|e| !e.hw_signaled) {
+            // Everything left is reported by the device itself.
+            return;
+        }
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start (no SGE, remote address 0,
+        // rkey 0: a zero-length RDMA write checks neither, and a flushed one runs nowhere).
+        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        // The queue pair lives until the teardown's `Leave` stage, after the flushes.
+        let _ = self.sh.post_internal(st, &mut wr, true);
+    }
+
     /// One teardown turn (see the module's doc).
     fn teardown(&mut self) -> Next {
         loop {
@@ -237,10 +257,11 @@ impl Engine {
                         return Next::Yield;
                     };
                     st.closed = true;
-                    drop(st);
                     // SAFETY: live id; moves the QP to the error state so outstanding work is
                     // flushed. An error (already disconnected) changes nothing.
                     unsafe { sys::rdma_disconnect(self.res().id_raw()) };
+                    self.post_drain_marker(&mut st);
+                    drop(st);
                     self.stage = Stage::Flush(end, Instant::now() + FLUSH_WAIT);
                 }
                 Stage::Flush(end, deadline) => {

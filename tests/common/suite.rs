@@ -405,6 +405,42 @@ pub fn disconnect_flushes_and_reports_on_both_sides(net: &Net) {
     ));
 }
 
+/// An unsignaled send reports only a failure: one the peer received reports nothing when the
+/// connection closes afterwards (it is not flushed), and the close is reported without the
+/// library waiting out its 2 s bound on the device's flushes, which is kept for work whose
+/// fate it cannot learn.
+pub fn delivered_unsignaled_send_reports_nothing_at_close(net: &Net) {
+    let ctx = Context::new().unwrap();
+    let (c, ccq, s, scq) = pair(net, &ctx, &ConnOptions::default(), &ConnOptions::default());
+    let mr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    s.post_recv(&mr, 0, 16, 1).unwrap();
+    c.post_send_inline(b"delivered", 2, SendFlags::default())
+        .unwrap();
+    let e = next(&scq);
+    assert_eq!(
+        (e.opcode, e.status, e.wr_id, e.byte_len),
+        (Opcode::Recv, WcStatus::Success, 1, 9)
+    );
+    let t = Instant::now();
+    c.disconnect();
+    let e = next(&ccq);
+    assert_eq!(
+        (e.opcode, e.status),
+        (Opcode::Disconnected, WcStatus::Success),
+        "the delivered unsignaled send reported {e:?}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "the close took {:?}: the library waited for a flush that never comes",
+        t.elapsed()
+    );
+    let e = next(&scq);
+    assert_eq!(
+        (e.opcode, e.status),
+        (Opcode::Disconnected, WcStatus::Success)
+    );
+}
+
 pub fn completion_fd_is_readable_exactly_while_completions_are_queued(net: &Net) {
     let readable = |fd| {
         let mut p = libc::pollfd {
