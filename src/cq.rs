@@ -12,7 +12,7 @@ use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
 use crate::shm::notice::{Board, SLOTS};
-use crate::sync::{SpinGuard, SpinLock, SpinningWait, YIELD_EVERY};
+use crate::sync::{SpinGuard, SpinLock, SpinningWait, YIELD_EVERY, pinned_to_one_cpu};
 use crate::sys::{self, EventFd};
 
 mod ready;
@@ -664,7 +664,8 @@ impl CompletionQueue {
     /// whether it returned true. The wait's start goes into `start`, read with the clock's
     /// first look, which comes only after 16 rounds (at once with a zero budget): a wait that
     /// ends sooner never reads the clock. It always has when this returns false.
-    /// Every [`YIELD_EVERY`] of polling it lets the other threads of its CPU run.
+    /// On a thread pinned to one CPU, it lets the other threads of that CPU run every
+    /// [`YIELD_EVERY`] of polling.
     fn spin(
         &self,
         start: &mut Option<Instant>,
@@ -675,8 +676,9 @@ impl CompletionQueue {
         let every = if budget.is_zero() { 1 } else { 16 };
         let mut round = 0u32;
         let mut yielded: Option<Instant> = None;
-        // Counted once the wait has polled its first rounds (a wait that ends sooner is not).
-        let mut counted: Option<SpinningWait> = None;
+        // Whether it yields (a thread pinned to one CPU), looked up with the clock's first look,
+        // and then counted (a wait that ends sooner is neither).
+        let mut yields: Option<Option<SpinningWait>> = None;
         loop {
             if found() {
                 return true;
@@ -689,13 +691,13 @@ impl CompletionQueue {
             if round % every == 0 {
                 let now = Instant::now();
                 let began = *start.get_or_insert(now);
-                if counted.is_none() {
-                    counted = Some(SpinningWait::new());
-                }
+                let pinned = yields
+                    .get_or_insert_with(|| pinned_to_one_cpu().then(SpinningWait::new))
+                    .is_some();
                 if now >= began + budget {
                     return false;
                 }
-                if now >= yielded.unwrap_or(began) + YIELD_EVERY {
+                if pinned && now >= yielded.unwrap_or(began) + YIELD_EVERY {
                     // Whoever waits for this CPU - the library's own thread, which may be the
                     // one to produce what this wait is for - runs now.
                     std::thread::yield_now();

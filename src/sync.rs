@@ -12,23 +12,52 @@ pub(crate) use loom::sync::Mutex;
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
 
-/// How often a wait on a completion queue that polls lets the other threads of its CPU run
-/// (`sched_yield`). A thread woken on a CPU where another polls does not get the CPU at once:
-/// the scheduler lets the poller finish its slice (about 1 ms on Linux 6.18). Where a
-/// program's thread and the library's thread share a CPU (a process pinned to one), a wait for
-/// something the library's thread does took that long without the yield: over shm, a wait for
-/// a connection's end (which the library's thread reports) kept a program that opened a
-/// connection per request to about 1,000 a second. The yield costs one system call per
-/// period when nobody else wants the CPU.
+/// How often a wait on a completion queue that polls, on a thread that may run on one CPU only,
+/// lets the other threads of its CPU run (`sched_yield`). A thread woken on a CPU where another
+/// polls does not get the CPU at once: the scheduler lets the poller finish its slice (about
+/// 1 ms on Linux 6.18). In a process pinned to one CPU the library's thread shares it with the
+/// program's, and without the yield every hand-off between them took that long: over shm, a
+/// wait for a connection's end (which the library's thread reports) kept a program that opened
+/// a connection per request to about 1,000 a second, and with progress threads a message took
+/// about 85 µs one way. A thread free to run elsewhere does not yield: there the system call
+/// costs more than it gives (2-4% of a 4 KiB round trip over soft-RoCE under emulation, where
+/// the woken thread finds another CPU).
 pub(crate) const YIELD_EVERY: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// Whether the calling thread may run on one CPU only, as its affinity said when last looked at
+/// (at most once a second per thread: the look is a system call).
+pub(crate) fn pinned_to_one_cpu() -> bool {
+    use std::cell::Cell;
+    use std::time::{Duration, Instant};
+    thread_local! {
+        static PINNED: Cell<Option<(bool, Instant)>> = const { Cell::new(None) };
+    }
+    PINNED.with(|p| {
+        let now = Instant::now();
+        if let Some((pinned, at)) = p.get()
+            && now.duration_since(at) < Duration::from_secs(1)
+        {
+            return pinned;
+        }
+        // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it for this thread.
+        let pinned = unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0
+                && libc::CPU_COUNT(&set) == 1
+        };
+        p.set(Some((pinned, now)));
+        pinned
+    })
+}
 
 /// How many waits on completion queues of this process poll right now, past their first
 /// rounds (see [`SpinningWait`]).
 static SPINNING_WAITS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// Counts a wait that polls among [`SPINNING_WAITS`] while it lives. Such a wait yields its CPU
-/// every [`YIELD_EVERY`], so the library's thread, when its busy rounds hold a CPU, yields too
-/// while one polls (see [`waits_spin`]): the two then share the CPU at that grain.
+/// Counts a wait that polls, yielding its CPU every [`YIELD_EVERY`] (on a thread pinned to one
+/// CPU), among [`SPINNING_WAITS`] while it lives: the library's thread, when its busy rounds
+/// hold a CPU, yields too while one does (see [`waits_spin`]), so the two share the CPU at that
+/// grain.
 pub(crate) struct SpinningWait(());
 
 impl SpinningWait {
