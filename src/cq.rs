@@ -146,6 +146,9 @@ pub struct CqOptions {
     /// (With [`Progress::Thread`] the wait polls for `spin` exactly: longer polling would take
     /// the CPU from the threads that fill the queue.) Zero never polls: every wait sleeps at
     /// once. Default 50 µs; at most 1 s.
+    /// On a thread that may run on one CPU only, a wait that polls yields that CPU
+    /// (`sched_yield`) every 20 µs, so that the library's thread, which shares it, is not held
+    /// up for a scheduler slice.
     pub spin: Duration,
 }
 

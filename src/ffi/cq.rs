@@ -169,6 +169,9 @@ pub struct rbr_cq_options {
     /// for spin_us again, except the first and every 16th of a run of such waits, which poll
     /// for 1000 us to find out whether completions come soon again. With RBR_PROGRESS_THREAD
     /// it polls for spin_us exactly. Default 50; 0 never polls: every wait sleeps at once.
+    /// On a thread that may run on one CPU only, a wait that polls yields that CPU
+    /// (sched_yield) every 20 us, so that the library's thread, which shares it, is not held
+    /// up for a scheduler slice.
     pub spin_us: u32,
 }
 
