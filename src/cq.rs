@@ -695,7 +695,7 @@ impl CompletionQueue {
                 let now = Instant::now();
                 let began = *start.get_or_insert(now);
                 let pinned = yields
-                    .get_or_insert_with(|| pinned_to_one_cpu().then(SpinningWait::new))
+                    .get_or_insert_with(|| pinned_to_one_cpu(now).then(SpinningWait::new))
                     .is_some();
                 if now >= began + budget {
                     return false;

@@ -396,7 +396,6 @@ impl Thread {
             if self.yielding > 0 && self.yielding == self.busy.len() {
                 // Everyone busy waits for a thread of the program: let it run.
                 std::thread::yield_now();
-                yielded = Instant::now();
             } else if !self.busy.is_empty() && self.round % LOOK_EVERY == 0 && waits_spin() {
                 // Busy rounds hold the CPU while a program's thread polls in a wait, perhaps
                 // on this CPU, for what these rounds produce: share it (see `waits_spin`).

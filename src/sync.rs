@@ -25,15 +25,14 @@ pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
 pub(crate) const YIELD_EVERY: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// Whether the calling thread may run on one CPU only, as its affinity said when last looked at
-/// (at most once a second per thread: the look is a system call).
-pub(crate) fn pinned_to_one_cpu() -> bool {
+/// (at most once a second per thread, `now` being the time: the look is a system call).
+pub(crate) fn pinned_to_one_cpu(now: std::time::Instant) -> bool {
     use std::cell::Cell;
     use std::time::{Duration, Instant};
     thread_local! {
         static PINNED: Cell<Option<(bool, Instant)>> = const { Cell::new(None) };
     }
     PINNED.with(|p| {
-        let now = Instant::now();
         if let Some((pinned, at)) = p.get()
             && now.duration_since(at) < Duration::from_secs(1)
         {

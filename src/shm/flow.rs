@@ -1192,19 +1192,16 @@ impl Flow {
         report: &Reporter,
         out: &mut Sink<'_>,
     ) -> WcStatus {
-        if let End::Peer { .. } = end
-            && !self.closed
-            && self.failed.is_none()
-        {
-            // Everything the peer finished writing before it left is delivered.
-            match self.receive(report, usize::MAX, out) {
-                Err(ReceiveError::Length) => end = End::LocalLength,
-                Err(ReceiveError::Protocol) => end = End::Protocol,
-                Ok(_) => {}
+        if !self.closed && self.failed.is_none() {
+            if let End::Peer { .. } = end {
+                // Everything the peer finished writing before it left is delivered.
+                match self.receive(report, usize::MAX, out) {
+                    Err(ReceiveError::Length) => end = End::LocalLength,
+                    Err(ReceiveError::Protocol) => end = End::Protocol,
+                    Ok(_) => {}
+                }
             }
-            let _ = self.complete_sends(report, out);
-        } else if !self.closed && self.failed.is_none() {
-            // The sends the peer took before this side ended the connection were delivered:
+            // The sends the peer took, whichever side ended the connection, were delivered:
             // they complete as such (an unsignaled one reports nothing), not as flushed.
             let _ = self.complete_sends(report, out);
         }

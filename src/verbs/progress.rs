@@ -219,11 +219,17 @@ impl Engine {
         if st.closed || st.sends.iter().any(|e| !e.internal || e.hw_signaled) {
             return;
         }
+        // A failed post is left for the next period.
+        self.post_empty_write(st);
+    }
+
+    /// Posts a signaled zero-length RDMA write of the library's own (a keepalive, or the
+    /// teardown's drain marker); a failed post is dropped (each caller says what then).
+    fn post_empty_write(&self, st: &mut PostState) {
         // SAFETY: ibv_send_wr is plain data; zero is a valid start (no SGE, remote address 0,
-        // rkey 0: a zero-length RDMA write checks neither).
+        // rkey 0: a zero-length RDMA write checks neither, and a flushed one runs nowhere).
         let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-        // A failed post is left for the next period.
         let _ = self.sh.post_internal(st, &mut wr, true);
     }
 
@@ -239,12 +245,8 @@ impl Engine {
             // Everything left is reported by the device itself.
             return;
         }
-        // SAFETY: ibv_send_wr is plain data; zero is a valid start (no SGE, remote address 0,
-        // rkey 0: a zero-length RDMA write checks neither, and a flushed one runs nowhere).
-        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
         // The queue pair lives until the teardown's `Leave` stage, after the flushes.
-        let _ = self.sh.post_internal(st, &mut wr, true);
+        self.post_empty_write(st);
     }
 
     /// One teardown turn (see the module's doc).
