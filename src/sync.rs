@@ -24,6 +24,24 @@ pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize};
 /// the woken thread finds another CPU).
 pub(crate) const YIELD_EVERY: std::time::Duration = std::time::Duration::from_micros(20);
 
+/// Spins, then yields, until `done` is true or `bound` has passed: whether it came true. For
+/// waits on another thread's short step (a copy, a claim held for one access).
+pub(crate) fn spin_until(bound: std::time::Duration, mut done: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    let mut spins = 0u32;
+    while !done() {
+        spins += 1;
+        if spins < 1000 {
+            std::hint::spin_loop();
+        } else if start.elapsed() > bound {
+            return false;
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    true
+}
+
 /// Whether the calling thread may run on one CPU only, as its affinity said when last looked at
 /// (at most once a second per thread, `now` being the time: the look is a system call).
 pub(crate) fn pinned_to_one_cpu(now: std::time::Instant) -> bool {

@@ -251,6 +251,26 @@ unsafe fn post_transfer(
             }
         }
     }
+    // SAFETY: the caller's contract.
+    unsafe { post_transfer_general(conn, sgl, nsge, remote, remote_offset, op, wr_id, flags) }
+}
+
+/// [`post_transfer`]'s general way, out of line: the short way's frame stays small.
+///
+/// # Safety
+/// As [`post_transfer`].
+#[allow(clippy::too_many_arguments)]
+#[inline(never)]
+unsafe fn post_transfer_general(
+    conn: *mut rbr_conn,
+    sgl: *const rbr_sge,
+    nsge: usize,
+    remote: *const rbr_remote,
+    remote_offset: u64,
+    op: RdmaOp,
+    wr_id: u64,
+    flags: u32,
+) -> rbr_status {
     let conn = arg_ref!(conn);
     let remote: RemoteRegion = arg_ref!(remote).into();
     // SAFETY: the caller's contract.

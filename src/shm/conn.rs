@@ -26,6 +26,7 @@ use crate::shm::flow::{Flow, Reach, RecvWr, SendSrc};
 use crate::shm::notice::Board;
 use crate::shm::onesided::{self, Exports, Import, ImportCache, Inbox};
 use crate::shm::segment::Segment;
+use crate::shm::shortcut::Shortcut;
 use crate::sync::{SpinGuard, SpinLock};
 
 /// State shared by the users of a connection, the pollers of its completion queue, and its
@@ -46,6 +47,9 @@ pub(crate) struct Shared {
     /// never by pollers. A spin lock: it is held for an access or a look-up, never across a
     /// sleep (the locked path may take the offer inbox's lock, held as briefly).
     imports: Arc<SpinLock<ImportCache>>,
+    /// The peer's region the lock-free write reaches (see `shortcut.rs`), published by whoever
+    /// holds `imports` and fills it.
+    shortcut: Arc<Shortcut>,
     /// The connection's segment, this side's index in it, and the peer's process when this
     /// side may reach its memory (as the flow has them; fixed for the connection's life).
     seg: Arc<Segment>,
@@ -324,6 +328,7 @@ impl Conn {
         let imports_forgotten = inbox.forgotten();
         let inbox = Arc::new(Mutex::new(inbox));
         let imports = Arc::new(SpinLock::new(ImportCache::default()));
+        let shortcut = Arc::new(Shortcut::new(seg.clone(), 1 - side));
         let flow = Flow::new(
             seg.clone(),
             side,
@@ -335,7 +340,6 @@ impl Conn {
             Reach {
                 exports: exports.clone(),
                 inbox: inbox.clone(),
-                accesses: imports.clone(),
             },
         );
         let sh = Arc::new(Shared {
@@ -350,6 +354,7 @@ impl Conn {
             gate: AtomicUsize::new(flow.gate()),
             flow: SpinLock::new(flow),
             imports,
+            shortcut,
             seg,
             side,
             peer_pid,
@@ -507,8 +512,10 @@ impl Conn {
         self.rdma(&one.request())
     }
 
-    /// The lock-free path (see `unlocked_rdma`) of the common small write, which the core
-    /// hands over unbuilt: one local segment, unsignaled, no immediate.
+    /// The lock-free path of the common small write, which the core hands over unbuilt: one
+    /// local segment, unsignaled, no immediate. Done here with no lock when the connection is
+    /// up and its send queue has room (as for `unlocked_rdma`) and the peer's region is the one
+    /// published on the connection's shortcut (`shortcut.rs`).
     ///
     /// # Safety
     /// `src` is readable for `len` bytes through the call.
@@ -520,12 +527,23 @@ impl Conn {
         key: u64,
         remote_addr: u64,
     ) -> bool {
-        let src = src.cast_const();
-        self.with_cached_import(key, |imp| {
-            let (seg, side) = (&self.sh.seg, 1 - self.sh.side);
-            // SAFETY: the caller's contract.
-            unsafe { onesided::write_now(imp, src, len, remote_addr, seg, side) }
-        })
+        // SAFETY: the caller's contract.
+        self.sendable()
+            && unsafe {
+                self.sh
+                    .shortcut
+                    .write(key, src.cast_const(), len, remote_addr)
+            }
+    }
+
+    /// Whether the connection is up and its send queue has room, as the flow's lock last left
+    /// it (see `unlocked_rdma`).
+    #[inline(always)]
+    fn sendable(&self) -> bool {
+        let depth = self.sh.info.send_queue_depth as usize;
+        // Acquire: pairs with the guard's Release (see `FlowGuard`). A connection that is down
+        // has `GATE_DOWN`, above every depth.
+        self.sh.gate.load(Ordering::Acquire) < depth
     }
 
     /// Runs `access` on the cached import of the peer's region with `key` when the connection
@@ -533,11 +551,7 @@ impl Conn {
     /// `unlocked_rdma`); returns what it returned, or false having run nothing.
     #[inline(always)]
     fn with_cached_import(&self, key: u64, access: impl FnOnce(&Import) -> bool) -> bool {
-        let depth = self.sh.info.send_queue_depth as usize;
-        // Acquire: pairs with the guard's Release (see `FlowGuard`).
-        let gate = self.sh.gate.load(Ordering::Acquire);
-        // A connection that is down has `GATE_DOWN`, above every depth.
-        if gate >= depth {
+        if !self.sendable() {
             return false;
         }
         let cache = self.sh.lock_imports();
@@ -546,6 +560,7 @@ impl Conn {
         let Some(imp) = cache.get(key, seen) else {
             return false;
         };
+        imp.publish(&self.sh.shortcut);
         // The cache's lock keeps `imp` (and its mapping) alive through the access: teardown
         // and the background work drop cached imports only under it.
         access(imp)
@@ -576,7 +591,10 @@ impl Conn {
         };
         let peer_side = 1 - flow.side();
         let result = match cache.get(key, seen) {
-            Some(imp) => onesided::run(imp, wr, flow.seg(), peer_side, flow.peer_pid()),
+            Some(imp) => {
+                imp.publish(&self.sh.shortcut);
+                onesided::run(imp, wr, flow.seg(), peer_side, flow.peer_pid())
+            }
             None => Err(onesided::Refused::Denied),
         };
         let was_busy = flow.busy();

@@ -24,13 +24,12 @@ use crate::error::{Error, Result};
 use crate::fifo::Fifo;
 use crate::mr::MemoryRegion;
 use crate::shm::notice::Board;
-use crate::shm::onesided::{self, Exports, ImportCache, Inbox};
+use crate::shm::onesided::{self, Exports, Inbox};
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{
     FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES, Segment,
 };
 use crate::shm::{bell, direct};
-use crate::sync::SpinLock;
 
 /// [`Flow::gate`] of a connection that is down: above every send queue's depth.
 pub(crate) const GATE_DOWN: usize = usize::MAX;
@@ -42,12 +41,10 @@ pub(crate) const BYE: u8 = 2;
 
 /// What a flow needs for large messages in one copy through the mapping of a region the
 /// library allocated (see `onesided.rs`): the connection's exports, to expose the region a
-/// send comes from; its inbox, to find the region the peer exposed; and the lock its
-/// one-sided accesses run under, which a copy out of the peer's region takes too.
+/// send comes from, and its inbox, to find the region the peer exposed.
 pub(crate) struct Reach {
     pub(crate) exports: Arc<Exports>,
     pub(crate) inbox: Arc<Mutex<Inbox>>,
-    pub(crate) accesses: Arc<SpinLock<ImportCache>>,
 }
 
 /// Why the connection ended.
@@ -1099,8 +1096,6 @@ impl Flow {
         // The offer went out before the record did: if not read yet, it is in the socket.
         let (import, news) = reach.inbox.lock().find(key, self.sock);
         let copied = import.ok_or(ReceiveError::Protocol).and_then(|import| {
-            // Accesses through one connection run one at a time (see `onesided::guarded`).
-            let _one = reach.accesses.lock();
             // SAFETY: `dst` is writable for `len` bytes (a posted receive's range, checked by
             // the caller); the peer's mapping is not this side's memory.
             unsafe { onesided::copy_mapped(&import, addr, dst, len, &self.seg, 1 - self.side) }

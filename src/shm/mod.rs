@@ -23,6 +23,7 @@ pub(crate) mod notice;
 mod onesided;
 mod ring;
 mod segment;
+mod shortcut;
 
 pub(crate) use conn::Conn;
 pub(crate) use handshake::{Listener, Request, connect};

@@ -17,10 +17,12 @@
 //!
 //! **Accesses** run on the poster's thread. Each one is checked against the import (key,
 //! range, access; the length of a mapping was checked against the memfd's size when it was
-//! mapped), then raises the slot's `busy` word, checks that `live` still holds the key, copies
+//! mapped), then claims the slot's `busy` word, checks that `live` still holds the key, copies
 //! or runs the atomic instruction on the mapping (no system call), and lowers `busy`. A check
 //! that fails touches nothing: the operation completes with
-//! [`WcStatus::RemoteAccess`](crate::WcStatus::RemoteAccess) and the connection fails.
+//! [`WcStatus::RemoteAccess`](crate::WcStatus::RemoteAccess) and the connection fails. The
+//! common unsignaled write into a mapped region takes no lock of the connection's
+//! (`shortcut.rs`).
 //!
 //! **Revocation** is synchronous: when a region is dropped, each connection it was exposed on
 //! clears the slot's `live` word and then waits until `busy` is 0 (see [`Export`] for why the
@@ -36,7 +38,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::conn::{LocalSeg, RdmaOp, RdmaRequest};
@@ -45,6 +47,7 @@ use crate::log::log;
 use crate::mr::{Access, Exposure, MemoryRegion};
 use crate::shm::flow::{BYE, WAKE};
 use crate::shm::segment::{EXPORT_SLOTS, Export, READS_PEER_YES, Segment};
+use crate::shm::shortcut::{Published, Shortcut};
 use crate::sys::cvt;
 
 /// Offer packet: a region the sender lets its peer reach.
@@ -448,6 +451,9 @@ pub(crate) struct Import {
     len: u64,
     access: u32,
     target: Target,
+    /// The connection's lock-free write path, once this import was published there: its
+    /// mapping then retires there (see `shortcut.rs`).
+    shortcut: OnceLock<Arc<Shortcut>>,
 }
 
 // SAFETY: the mapping is process-wide memory; an import only hands out bounds-checked accesses
@@ -459,8 +465,14 @@ unsafe impl Sync for Import {}
 impl Drop for Import {
     fn drop(&mut self) {
         if let Target::Mapped { base, len } = self.target {
-            // SAFETY: base/len are what mmap returned in `Import::map`; the last holder is gone.
-            unsafe { libc::munmap(base.as_ptr().cast(), len) };
+            match self.shortcut.get() {
+                Some(s) => s.retire(self.slot, base, len),
+                // SAFETY: base/len are what mmap returned in `Import::map`; the last holder is
+                // gone, and the lock-free write path never reached it.
+                None => unsafe {
+                    libc::munmap(base.as_ptr().cast(), len);
+                },
+            }
         }
     }
 }
@@ -504,7 +516,29 @@ impl Import {
             len,
             access,
             target,
+            shortcut: OnceLock::new(),
         })
+    }
+
+    /// Publishes this import on the connection's lock-free write path `s` when it is a
+    /// writable region mapped here. The caller holds the connection's import cache lock (see
+    /// [`Shortcut::publish`]).
+    pub(crate) fn publish(&self, s: &Arc<Shortcut>) {
+        let Target::Mapped { base, .. } = self.target else {
+            return;
+        };
+        if self.access & Access::REMOTE_WRITE.0 == 0 {
+            return;
+        }
+        // First: from here on the mapping retires through `s` when this import goes.
+        self.shortcut.get_or_init(|| s.clone());
+        s.publish(Published {
+            key: self.key,
+            slot: self.slot,
+            addr: self.addr,
+            len: self.len,
+            base,
+        });
     }
 
     /// Maps `len` bytes of the peer's memfd, checking that the file holds them and cannot
@@ -586,9 +620,11 @@ pub(crate) struct Inbox {
 
 /// The import a connection's last one-sided operation used, kept under its own lock (which
 /// pollers never take, see `conn::Shared::imports`) so that the next operation with the same
-/// key skips the flow's lock, the inbox's lock, its map and a reference count. Only a shortcut: every access still checks the key against the
-/// peer's export table (`run`), so a stale entry cannot reach a withdrawn region; it is
-/// dropped as soon as the inbox forgets anything, so that the mapping goes with the region.
+/// key skips the flow's lock, the inbox's lock, its map and a reference count. Only a cache:
+/// every access still checks the key against the peer's export table (`run`), so a stale entry
+/// cannot reach a withdrawn region; it is dropped as soon as the inbox forgets anything, so
+/// that the mapping goes with the region. Whoever holds it publishes the import it reaches on
+/// the connection's lock-free write path (`shortcut.rs`).
 #[derive(Default)]
 pub(crate) struct ImportCache {
     entry: Option<(u64, Arc<Import>)>,
@@ -779,8 +815,7 @@ fn needs(op: RdmaOp) -> u32 {
 
 /// Runs the checked request `wr` on the peer's region `imp`. `seg`/`peer_side`: where the
 /// peer's export table is; `peer_pid`: the peer's process when this side may reach its memory.
-/// The caller holds the connection's import cache lock (accesses through one connection run
-/// one at a time).
+/// The caller holds the connection's import cache lock (which keeps `imp` cached).
 pub(crate) fn run(
     imp: &Import,
     wr: &RdmaRequest<'_>,
@@ -818,39 +853,6 @@ pub(crate) fn run(
     .unwrap_or(Err(Refused::Withdrawn))
 }
 
-/// An unsignaled write of `len` bytes at `src` to the peer's address `addr`, as [`run`] does
-/// it, for a region mapped here: true when it is done; false, having touched nothing, when the
-/// region is not mapped here, does not allow writes, does not hold the range, or was
-/// withdrawn (the general path then reports it).
-///
-/// # Safety
-/// `src` is readable for `len` bytes.
-#[inline]
-pub(crate) unsafe fn write_now(
-    imp: &Import,
-    src: *const u8,
-    len: usize,
-    addr: u64,
-    seg: &Segment,
-    peer_side: usize,
-) -> bool {
-    let Target::Mapped { base, .. } = imp.target else {
-        return false;
-    };
-    let Some(off) = imp.reach(Access::REMOTE_WRITE.0, addr, len) else {
-        return false;
-    };
-    let Some(entry) = seg.export(peer_side, imp.slot) else {
-        return false;
-    };
-    // SAFETY: `off..off+len` lies inside the mapping, writable since the region allows
-    // writes (as in `run`); `src` is readable for `len` (the caller's contract).
-    guarded(&entry, imp.key, || unsafe {
-        copy(src, base.as_ptr().add(off), len)
-    })
-    .is_some()
-}
-
 /// Copies `len` bytes at the peer's address `addr`, which must lie inside the region `imp`
 /// maps here, into `dst`, under the export protocol (as a read does): the receiving side of a
 /// large message sent from a region the peer exposed for it. `Err` when the range is not
@@ -880,24 +882,39 @@ pub(crate) unsafe fn copy_mapped(
     .ok_or(Refused::Withdrawn)
 }
 
-/// The accessing side of an export's protocol (see [`Export`]): raises `busy`, runs `access`
+/// The accessing side of an export's protocol (see [`Export`]): claims `busy`, runs `access`
 /// if `live` still holds `key` (`None` if not: withdrawn), and lowers `busy`.
 ///
-/// This side's accesses through one connection run one at a time (under its import cache's
-/// lock), so `busy` has one writer here: an exchange raises it, and a store lowers it. Raise
-/// then look, with a full barrier between (the exchange; Dekker with the owner's clear of
-/// `live` and look at `busy`): if the key is still there, the owner waits for the lowering.
-/// A plain store for the raise with a system-wide barrier on the owner's side
+/// `busy` is a claim: raised by an exchange that found it 0, lowered only by whoever raised it,
+/// so that this side's accesses to one entry run one at a time - those of the locked paths, and
+/// the lock-free write's (`shortcut.rs`), which leaves the write to the locked path when the
+/// entry is claimed. Claim then look, with a full barrier between (the exchange; Dekker with the
+/// owner's clear of `live` and look at `busy`): if the key is still there, the owner waits for
+/// the lowering. A plain store for the raise with a system-wide barrier on the owner's side
 /// (`membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)`) was tried and is not sound: the kernel can
 /// skip a CPU that runs a thread of a registered process (seen on Linux 6.18: no interrupt to
-/// that CPU in 10,000 barriers), and the race test below then caught a late access.
+/// that CPU in 10,000 barriers), and the race test below then caught a late access. A claim not
+/// had within [`CLAIM_WAIT`] (an entry the peer holds raised) counts as withdrawn.
 #[inline(always)]
 fn guarded<R>(entry: &Export<'_>, key: u64, access: impl FnOnce() -> R) -> Option<R> {
-    entry.busy.swap(1, Ordering::SeqCst);
+    // SeqCst: the claim comes before the look at `live` (see above).
+    if entry.busy.swap(1, Ordering::SeqCst) != 0 && !claim_contended(entry.busy) {
+        return None;
+    }
     let r = (entry.live.load(Ordering::SeqCst) == key).then(access);
     // Release: the access comes before the owner, seeing 0, lets the memory go.
     entry.busy.store(0, Ordering::Release);
     r
+}
+
+/// Longest [`guarded`] waits for another access of this side to give an entry up.
+const CLAIM_WAIT: Duration = Duration::from_secs(1);
+
+/// Claims `busy` held by another access: whether it was had within [`CLAIM_WAIT`].
+#[cold]
+fn claim_contended(busy: &AtomicU64) -> bool {
+    // SeqCst: as the first exchange.
+    crate::sync::spin_until(CLAIM_WAIT, || busy.swap(1, Ordering::SeqCst) == 0)
 }
 
 /// The access on a mapping: plain copies, or atomic instructions.
@@ -955,7 +972,7 @@ unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
 /// # Safety
 /// As `std::ptr::copy_nonoverlapping`.
 #[inline(always)]
-unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
     // SAFETY: the caller's contract; unaligned accesses of exactly `len` bytes.
     unsafe {
         match len {
@@ -1049,6 +1066,39 @@ mod tests {
         });
         assert_eq!(busy.load(Ordering::SeqCst), 0);
         assert!(t.elapsed() >= Duration::from_millis(50));
+    }
+
+    /// `busy` is a claim: an access waits for another of this side's to lower it, and gives
+    /// up on one held longer than [`CLAIM_WAIT`] without lowering what it never raised.
+    #[test]
+    fn an_access_waits_for_a_claimed_entry_and_gives_up_on_a_stuck_one() {
+        let (seg, _fd) = Segment::create(64 * 1024).unwrap();
+        let entry = seg.export(0, 0).unwrap();
+        entry.live.store(5, Ordering::SeqCst);
+        entry.busy.store(1, Ordering::SeqCst);
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(30));
+                entry.busy.store(0, Ordering::Release);
+            });
+            assert_eq!(guarded(&entry, 5, || 9), Some(9));
+        });
+        assert!(t.elapsed() >= Duration::from_millis(30));
+        assert_eq!(
+            entry.busy.load(Ordering::SeqCst),
+            0,
+            "lowered by the access"
+        );
+        entry.busy.store(1, Ordering::SeqCst);
+        let t = Instant::now();
+        assert_eq!(guarded(&entry, 5, || 9), None);
+        assert!(t.elapsed() >= CLAIM_WAIT);
+        assert_eq!(
+            entry.busy.load(Ordering::SeqCst),
+            1,
+            "not lowered: not its claim"
+        );
     }
 
     /// The export protocol under a race: an accessor keeps accessing (writing the key it used

@@ -68,10 +68,12 @@ pub(crate) struct Ctrl<'a> {
 /// One entry of a side's export table, through which the peer reaches one region.
 ///
 /// The owner writes `live`: the region's key while the peer may reach it, 0 otherwise. The
-/// peer raises `busy` (to 1: its accesses through the connection run one at a time) around
-/// every access, and looks at `live` only after raising it (both SeqCst); the owner, to withdraw a region, clears `live` and then waits for `busy` to be 0
-/// (both SeqCst). Whichever of the two comes second sees the other: either the access finds
-/// the region withdrawn and touches nothing, or the owner waits until it is over.
+/// peer claims `busy` (an exchange to 1 that found 0; whoever claimed it lowers it, so the
+/// peer's accesses through the connection to one entry run one at a time) around every access,
+/// and looks at `live` only after claiming it (both SeqCst); the owner, to withdraw a region,
+/// clears `live` and then waits for `busy` to be 0 (both SeqCst). Whichever of the two comes
+/// second sees the other: either the access finds the region withdrawn and touches nothing, or
+/// the owner waits until it is over.
 pub(crate) struct Export<'a> {
     /// The region's key while it is reachable; 0 otherwise.
     pub(crate) live: &'a AtomicU64,
