@@ -219,6 +219,13 @@ impl Segment {
         })
     }
 
+    /// Where side `side`'s export table starts ([`EXPORT_SLOTS`] entries of two words,
+    /// `live` then `busy`, as [`Segment::export`] gives them); `None` for a side out of range.
+    /// Valid as long as the segment.
+    pub(crate) fn export_table(&self, side: usize) -> Option<NonNull<AtomicU64>> {
+        (side <= 1).then(|| NonNull::from(self.u64_at(EXPORTS + side * EXPORTS_STRIDE)))
+    }
+
     /// The head cursor of ring `dir`.
     pub(crate) fn head(&self, dir: usize) -> &AtomicU64 {
         self.u64_at(RING + dir * RING_STRIDE + 128)

@@ -31,7 +31,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::log::log;
-use crate::shm::segment::Segment;
+use crate::shm::segment::{EXPORT_SLOTS, Segment};
 
 /// Longest a retirement waits for a copy in progress (one copy of at most 4 GiB - 1): after it
 /// the range is never unmapped before the connection goes.
@@ -52,9 +52,10 @@ pub(crate) struct Shortcut {
     /// Where the region is mapped here (writable).
     base: AtomicPtr<u8>,
     /// The connection's segment, and the peer's side of it (whose export table holds the
-    /// entries).
+    /// entries), and where that table starts (see [`Segment::export_table`]).
     seg: Arc<Segment>,
     peer_side: usize,
+    table: NonNull<AtomicU64>,
     /// Retired ranges: start, length, and whether the retirement's wait ended (those may be
     /// unmapped before the connection goes).
     retired: Mutex<VecDeque<(usize, usize, bool)>>,
@@ -77,7 +78,9 @@ pub(crate) struct Published {
 impl Shortcut {
     /// Nothing published yet; `seg`/`peer_side`: where the peer's export table is.
     pub(crate) fn new(seg: Arc<Segment>, peer_side: usize) -> Shortcut {
+        let table = seg.export_table(peer_side).expect("a side of the segment");
         Shortcut {
+            table,
             seq: AtomicU64::new(1),
             key: AtomicU64::new(0),
             slot: AtomicUsize::new(0),
@@ -147,20 +150,25 @@ impl Shortcut {
         }
         // A slot read in the middle of a change is still one of the table's (bounds-checked),
         // and the claim below is given back untouched when `seq` moved.
-        let Some(entry) = self.seg.export(self.peer_side, slot) else {
+        if slot >= EXPORT_SLOTS {
             return false;
+        }
+        // SAFETY: entry `slot` of the table, whose two words (`live`, `busy`) lie inside the
+        // segment, which `self.seg` keeps mapped; shared words are only accessed atomically.
+        let (live, busy) = unsafe {
+            let at = self.table.as_ptr().add(2 * slot);
+            (&*at, &*at.add(1))
         };
         // SeqCst: the claim comes before the reads of `seq` and `live` (Dekker with a
         // retirement's move of `seq` and read of `busy`, and with the owner's clear of `live`
         // and read of `busy`). Not 0: another access holds the entry; not ours to lower.
-        if entry.busy.swap(1, Ordering::SeqCst) != 0 {
+        if busy.swap(1, Ordering::SeqCst) != 0 {
             return false;
         }
         // Acquire: the fields' reads above come before the second read of `seq` (the
         // seqlock's reader side).
         fence(Ordering::Acquire);
-        let same =
-            self.seq.load(Ordering::SeqCst) == seq && entry.live.load(Ordering::SeqCst) == key;
+        let same = self.seq.load(Ordering::SeqCst) == seq && live.load(Ordering::SeqCst) == key;
         if same {
             // SAFETY: `seq` did not move between the reads of the fields and the claim, so
             // they describe the published import, whose mapping stays while the claim is held
@@ -169,7 +177,7 @@ impl Shortcut {
             unsafe { crate::shm::onesided::copy(src, base.add(off as usize), len) };
         }
         // Release: the copy comes before the owner, or a retirement, seeing 0.
-        entry.busy.store(0, Ordering::Release);
+        busy.store(0, Ordering::Release);
         same
     }
 
