@@ -640,7 +640,17 @@ mod onesided {
 
     #[test]
     fn a_region_dropped_by_its_owner_is_no_longer_reachable() {
-        for caller_memory in [false, true] {
+        // Unsignaled writes into an allocated region take the lock-free way once the first
+        // has found the region.
+        let cases = [false, true]
+            .into_iter()
+            .flat_map(|c| [(c, true), (c, false)]);
+        for (caller_memory, signaled) in cases {
+            let flags = if signaled {
+                SendFlags::SIGNALED
+            } else {
+                SendFlags(0)
+            };
             let ctx = Context::new().unwrap();
             let (c, ccq, s, scq) = setup(&ctx);
             let mut backing = vec![0u8; 4096];
@@ -659,19 +669,25 @@ mod onesided {
                 offset: 0,
                 len: 64,
             }];
-            c.post_write(&sgl, &remote, 0, 1, SendFlags::SIGNALED)
-                .unwrap();
-            assert_eq!(next(&ccq).status, WcStatus::Success);
-            let mut got = [0u8; 64];
-            unsafe { tmr.read(0, &mut got) }.unwrap();
-            assert_eq!(got, [0xab; 64]);
+            for round in 0..3u8 {
+                unsafe { src.write(0, &[0xab + round; 64]) }.unwrap();
+                c.post_write(&sgl, &remote, 0, 1, flags).unwrap();
+                if signaled {
+                    assert_eq!(next(&ccq).status, WcStatus::Success);
+                }
+                let mut got = [0u8; 64];
+                unsafe { tmr.read(0, &mut got) }.unwrap();
+                assert_eq!(got, [0xab + round; 64], "landed when the post returned");
+            }
+            if !signaled {
+                assert!(ccq.poll().is_none(), "nothing to report");
+            }
             drop(tmr);
             if caller_memory {
                 backing[..64].fill(0);
             }
             unsafe { src.write(0, &[0xcd; 64]) }.unwrap();
-            c.post_write(&sgl, &remote, 0, 2, SendFlags::SIGNALED)
-                .unwrap();
+            c.post_write(&sgl, &remote, 0, 2, flags).unwrap();
             let done = next(&ccq);
             assert_eq!(
                 (done.wr_id, done.opcode, done.status),
