@@ -566,6 +566,62 @@ mod onesided {
         }
     }
 
+    /// Two threads write into one region through one connection: one streams unsignaled
+    /// 1 MiB writes (the lock-free way, which holds the region's claim for nearly all its
+    /// time), the other signaled 4 KiB ones (the locked way, which waits for the claim). Every
+    /// write lands and succeeds, and the connection stays up.
+    #[test]
+    fn threads_writing_one_region_through_one_connection_all_succeed() {
+        const N: u64 = 300;
+        const MIB: usize = 1 << 20;
+        let ctx = Context::new().unwrap();
+        let (c, ccq, s, _scq) = setup(&ctx);
+        let tmr = ctx.alloc_mr(2 * MIB, RW).unwrap();
+        let remote = c.unpack_remote(&s.pack_region(&tmr).unwrap()).unwrap();
+        let big = ctx.alloc_mr(MIB, Access::LOCAL_WRITE).unwrap();
+        unsafe { big.write(0, &vec![0x5a; MIB]) }.unwrap();
+        let small = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+        unsafe { small.write(0, &[0xa5; 4096]) }.unwrap();
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let seg = [Sge {
+                    mr: &big,
+                    offset: 0,
+                    len: MIB,
+                }];
+                for _ in 0..N * 4 {
+                    loop {
+                        match c.post_write(&seg, &remote, 0, 0, SendFlags(0)) {
+                            Ok(()) => break,
+                            // The other thread's writes fill the queue until it takes them.
+                            Err(Error::QueueFull(_)) => std::thread::yield_now(),
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                }
+            });
+            let seg = [Sge {
+                mr: &small,
+                offset: 0,
+                len: 4096,
+            }];
+            for i in 0..N {
+                c.post_write(&seg, &remote, MIB as u64, i, SendFlags::SIGNALED)
+                    .unwrap();
+                let d = next(&ccq);
+                assert_eq!(
+                    (d.wr_id, d.opcode, d.status),
+                    (i, Opcode::Write, WcStatus::Success)
+                );
+            }
+        });
+        let mut got = vec![0u8; 2 * MIB];
+        unsafe { tmr.read(0, &mut got) }.unwrap();
+        assert!(got[..MIB].iter().all(|&b| b == 0x5a));
+        assert!(got[MIB..MIB + 4096].iter().all(|&b| b == 0xa5));
+        assert!(got[MIB + 4096..].iter().all(|&b| b == 0));
+    }
+
     #[test]
     fn caller_memory_with_remote_atomic_is_unsupported_at_pack_time() {
         let ctx = Context::new().unwrap();
