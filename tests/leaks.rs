@@ -19,8 +19,8 @@ fn connect_close_cycles_leak_nothing() {
 }
 
 /// Regions exposed on connections (a mapped region, a read-only one, one dropped before the
-/// close, one after) and accessed by the peer leave no descriptor or mapping behind once the
-/// connections are closed.
+/// close, one after) and accessed by the peer (the mapped one also the lock-free way) leave no
+/// descriptor or mapping behind once the connections are closed.
 fn expose_and_close_cycles_leak_nothing() {
     use common::*;
     use rdmabridge::{Access, ConnOptions, Context, Opcode, SendFlags, Sge, WcStatus};
@@ -44,6 +44,11 @@ fn expose_and_close_cycles_leak_nothing() {
             offset: 0,
             len: 64,
         }];
+        // Unsignaled: the second takes the lock-free way, and the region, dropped below
+        // while the connection lives, keeps its address range reserved until the close.
+        for _ in 0..2 {
+            c.post_write(&sgl, &r1, 0, 0, SendFlags(0)).unwrap();
+        }
         c.post_write(&sgl, &r1, 0, 1, SendFlags::SIGNALED).unwrap();
         c.post_read(&sgl, &r2, 0, 2, SendFlags::SIGNALED).unwrap();
         c.post_write(&sgl, &r3, 0, 3, SendFlags::SIGNALED).unwrap();

@@ -24,7 +24,7 @@ use crate::shm::bell;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, Reach, RecvWr, SendSrc};
 use crate::shm::notice::Board;
-use crate::shm::onesided::{self, Exports, Import, ImportCache, Inbox};
+use crate::shm::onesided::{self, Exports, ImportCache, Inbox};
 use crate::shm::segment::Segment;
 use crate::shm::shortcut::Shortcut;
 use crate::sync::{SpinGuard, SpinLock};
@@ -498,9 +498,21 @@ impl Conn {
     /// before its disconnect record is queued: a program that saw the record gets
     /// `Disconnected` from here too, via the locked path.
     fn unlocked_rdma(&self, wr: &RdmaRequest<'_>) -> bool {
-        self.with_cached_import(wr.key, |imp| {
-            onesided::run(imp, wr, &self.sh.seg, 1 - self.sh.side, self.sh.peer_pid).is_ok()
-        })
+        if !self.sendable() {
+            return false;
+        }
+        let cache = self.sh.lock_imports();
+        // Acquire: pairs with the inbox's count of what it forgot.
+        let seen = self.sh.imports_forgotten.load(Ordering::Acquire);
+        let Some(imp) = cache.get(wr.key, seen) else {
+            return false;
+        };
+        if takes_shortcut(wr) {
+            imp.publish(&self.sh.shortcut);
+        }
+        // The cache's lock keeps `imp` (and its mapping) alive through the access: teardown
+        // and the background work drop cached imports only under it.
+        onesided::run(imp, wr, &self.sh.seg, 1 - self.sh.side, self.sh.peer_pid).is_ok()
     }
 
     /// Over shared memory the short way is [`write_now`](Self::write_now)'s: the rest of the
@@ -546,26 +558,6 @@ impl Conn {
         self.sh.gate.load(Ordering::Acquire) < depth
     }
 
-    /// Runs `access` on the cached import of the peer's region with `key` when the connection
-    /// is up, its send queue has room, and that import is the cached one (see
-    /// `unlocked_rdma`); returns what it returned, or false having run nothing.
-    #[inline(always)]
-    fn with_cached_import(&self, key: u64, access: impl FnOnce(&Import) -> bool) -> bool {
-        if !self.sendable() {
-            return false;
-        }
-        let cache = self.sh.lock_imports();
-        // Acquire: pairs with the inbox's count of what it forgot.
-        let seen = self.sh.imports_forgotten.load(Ordering::Acquire);
-        let Some(imp) = cache.get(key, seen) else {
-            return false;
-        };
-        imp.publish(&self.sh.shortcut);
-        // The cache's lock keeps `imp` (and its mapping) alive through the access: teardown
-        // and the background work drop cached imports only under it.
-        access(imp)
-    }
-
     /// A one-sided operation under the flow's lock (see `rdma`).
     fn locked_rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
         let opcode = wr.op.opcode();
@@ -592,7 +584,9 @@ impl Conn {
         let peer_side = 1 - flow.side();
         let result = match cache.get(key, seen) {
             Some(imp) => {
-                imp.publish(&self.sh.shortcut);
+                if takes_shortcut(wr) {
+                    imp.publish(&self.sh.shortcut);
+                }
                 onesided::run(imp, wr, flow.seg(), peer_side, flow.peer_pid())
             }
             None => Err(onesided::Refused::Denied),
@@ -637,6 +631,14 @@ impl Conn {
     pub(crate) fn disconnect(&self) {
         self.sh.wake.stop();
     }
+}
+
+/// Whether `wr` is what the lock-free write does (`Conn::write_now`): the paths that reach a
+/// region for one publish it there, so that the next goes that way. Only those: a region that
+/// was published keeps its address range reserved until the connection goes (see
+/// `shortcut.rs`).
+fn takes_shortcut(wr: &RdmaRequest<'_>) -> bool {
+    !wr.signaled && wr.op == (RdmaOp::Write { imm: None })
 }
 
 impl Drop for Conn {
