@@ -1,15 +1,15 @@
 //! The lock-free write: a connection's posters write into the peer's region that its
-//! one-sided operations last reached with no lock of the connection's, one atomic exchange per
+//! unsignaled writes last reached with no lock of the connection's, one atomic exchange per
 //! write (the export entry's `busy` word, which the access must raise anyway).
 //!
-//! **Publication.** The locked paths, whenever they reach a writable mapped import (under the
-//! connection's import cache lock, so one publisher at a time), publish its key, slot,
-//! address, length and mapping here unless it is published already, a seqlock: `seq` is odd
-//! while nothing is published or the fields change, and only grows. A writer reads the fields, claims the entry's
-//! `busy` word (exchange to 1; when it was not 0 another access holds it and the writer leaves
-//! the write to the locked path), reads `seq` again and the entry's `live` key: when both are
-//! as they were, the region is the published one, mapped, and not withdrawn, so it copies and
-//! lowers `busy`.
+//! **Publication.** The paths that take the connection's import cache lock (so one publisher
+//! at a time), whenever they reach a writable mapped import for an unsignaled write without
+//! immediate data, publish its key, slot, address, length and mapping here unless it is
+//! published already, a seqlock: `seq` is odd while nothing is published or the fields change,
+//! and only grows. A writer reads the fields, claims the entry's `busy` word (exchange to 1;
+//! when it was not 0 another access holds it and the writer leaves the write to the locked
+//! path), reads `seq` again and the entry's `live` key: when both are as they were, the region
+//! is the published one, mapped, and not withdrawn, so it copies and lowers `busy`.
 //!
 //! **Retirement.** An import that was ever published, when it goes, first makes `seq` odd, then
 //! waits until `busy` is 0 (whichever of the two comes second sees the other, as in the export
