@@ -61,7 +61,9 @@ pub(crate) struct Shortcut {
     retired: Mutex<VecDeque<(usize, usize, bool)>>,
 }
 
-// SAFETY: `base` points into process-wide mappings that only the protocol above accesses.
+// SAFETY: `base` and `table` point into process-wide mappings - the peer's region, mapped or
+// reserved while any writer may reach it (the module docs), and the segment, which `seg`
+// keeps - that are accessed only as the protocol above says, from any thread.
 unsafe impl Send for Shortcut {}
 // SAFETY: as above; every field is atomic or under a lock.
 unsafe impl Sync for Shortcut {}
