@@ -12,6 +12,7 @@ use crate::mr::{Access, MemoryRegion};
 use crate::shm::onesided::{Inbox, OFFER, REVOKED, Refused, run};
 use crate::shm::ring::{self, Consumer, Producer};
 use crate::shm::segment::Segment;
+use crate::shm::shortcut::Shortcut;
 use crate::{Context, SendFlags};
 
 /// Reads the fuzzer's bytes in order; zeros once they run out.
@@ -197,12 +198,14 @@ pub fn ring(data: &[u8]) {
 }
 
 /// What the one-sided target needs once: a context, the region the offers map (its memfd),
-/// a local region for the requests' segments, and a segment holding the export table.
+/// a local region for the requests' segments, a segment holding the export table, and the
+/// lock-free write path over it.
 struct OneSided {
     ctx: Context,
     target: Arc<MemoryRegion>,
     local: Arc<MemoryRegion>,
-    seg: Segment,
+    seg: Arc<Segment>,
+    shortcut: Arc<Shortcut>,
     /// Both ends of a seqpacket pair: offers go in at `.0` and the inbox reads `.1`.
     socks: (OwnedFd, OwnedFd),
 }
@@ -225,6 +228,8 @@ fn onesided_state() -> &'static OneSided {
         let local =
             MemoryRegion::alloc(ctx.inner.clone(), LOCAL_LEN, Access::LOCAL_WRITE).expect("mr");
         let (seg, _fd) = Segment::create(64 * 1024).expect("a segment");
+        let seg = Arc::new(seg);
+        let shortcut = Arc::new(Shortcut::new(seg.clone(), 0));
         let mut sv = [0; 2];
         // SAFETY: plain syscall into a live local array of two descriptors.
         let r = unsafe {
@@ -243,6 +248,7 @@ fn onesided_state() -> &'static OneSided {
             target,
             local,
             seg,
+            shortcut,
             socks,
         }
     })
@@ -415,20 +421,28 @@ fn request(st: &OneSided, input: &mut Input<'_>, inbox: &Inbox, offers: &[[u8; 4
         let e = st.seg.export(0, slot).expect("an offered slot exists");
         e.live.store(value, Ordering::SeqCst);
     }
+    // A write of one segment also goes the lock-free way, as the connection's next one would
+    // once the import is published (the fuzzer runs one input at a time: the one publisher).
+    let single = wr.segs().count() == 1;
+    let quick = (matches!(op, RdmaOp::Write { imm: None }) && single).then(|| {
+        imp.publish(&st.shortcut);
+        let s = wr.segs().next().expect("one segment");
+        // SAFETY: the segment lies inside the local region (checked above).
+        unsafe { st.shortcut.write(remote.key, s.ptr, s.len, wr.remote_addr) }
+    });
     let r = run(&imp, &wr, &st.seg, 0, None);
     for &slot in &slots {
         let e = st.seg.export(0, slot).expect("an offered slot exists");
         e.live.store(0, Ordering::SeqCst);
     }
-    if r.is_ok() {
-        assert!(live, "an access on a withdrawn key");
-        let need = match op {
-            RdmaOp::Write { .. } => Access::REMOTE_WRITE.0,
-            RdmaOp::Read => Access::REMOTE_READ.0,
-            _ => Access::REMOTE_ATOMIC.0,
-        };
-        // Some offer of this key (the one the import came from) allowed exactly this access.
-        let allowed = offers
+    let need = match op {
+        RdmaOp::Write { .. } => Access::REMOTE_WRITE.0,
+        RdmaOp::Read => Access::REMOTE_READ.0,
+        _ => Access::REMOTE_ATOMIC.0,
+    };
+    // Some offer of this key (the one the import came from) allowed exactly this access.
+    let allowed = || {
+        offers
             .iter()
             .filter(|o| o[8..16] == remote.key.to_le_bytes())
             .any(|o| {
@@ -443,8 +457,19 @@ fn request(st: &OneSided, input: &mut Input<'_>, inbox: &Inbox, offers: &[[u8; 4
                 && off + wr.len as u64 <= len
                 && len <= TARGET_LEN as u64
                 && (need != Access::REMOTE_ATOMIC.0 || off % 8 == 0)
-            });
-        assert!(allowed, "an access no offer allowed: {wr:?}");
+            })
+    };
+    if quick == Some(true) {
+        assert!(live, "a lock-free write on a withdrawn key");
+        assert!(allowed(), "a lock-free write no offer allowed: {wr:?}");
+        assert!(
+            r.is_ok(),
+            "a lock-free write the general path refused: {wr:?} {r:?}"
+        );
+    }
+    if r.is_ok() {
+        assert!(live, "an access on a withdrawn key");
+        assert!(allowed(), "an access no offer allowed: {wr:?}");
     } else if r == Err(Refused::Withdrawn) {
         assert!(!live);
     }
