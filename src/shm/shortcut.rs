@@ -33,9 +33,10 @@ use parking_lot::Mutex;
 use crate::log::log;
 use crate::shm::segment::{EXPORT_SLOTS, Segment};
 
-/// Longest a retirement waits for a copy in progress (one copy of at most 4 GiB - 1): after it
-/// the range is never unmapped before the connection goes.
-const RETIRE_WAIT: Duration = Duration::from_secs(1);
+/// Longest a retirement waits for a copy in progress (one copy of at most 4 GiB - 1, by a
+/// thread that may be descheduled meanwhile): as long as the owner waits for an access. After
+/// it the range is never unmapped before the connection goes.
+const RETIRE_WAIT: Duration = crate::shm::onesided::REVOKE_WAIT;
 /// At most this many retired ranges are kept per connection; beyond, the oldest one whose
 /// wait ended is unmapped.
 const RETIRED_MAX: usize = 256;
@@ -373,9 +374,13 @@ mod tests {
                 s.seg.export(0, 2).unwrap().live.store(k, Ordering::SeqCst);
                 current.store(k, Ordering::Release);
                 publish(&s, &p, k);
-                while word(p.watch, LEN - 8) != k {
-                    std::hint::spin_loop();
-                }
+                let wrote = crate::sync::spin_until(Duration::from_secs(10), || {
+                    word(p.watch, LEN - 8) == k
+                });
+                assert!(
+                    wrote,
+                    "round {k}: the writer never wrote the published region"
+                );
                 s.retire(2, p.theirs, LEN);
                 // Release: pairs with the writer's Acquire.
                 retired.store(k, Ordering::Release);
