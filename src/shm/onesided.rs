@@ -1129,9 +1129,10 @@ mod tests {
             for k in 1..=ROUNDS {
                 entry.live.store(k, Ordering::SeqCst);
                 target.store(k, Ordering::Release);
-                while touched.load(Ordering::Relaxed) != k {
-                    std::hint::spin_loop();
-                }
+                let seen = crate::sync::spin_until(Duration::from_secs(10), || {
+                    touched.load(Ordering::Relaxed) == k
+                });
+                assert!(seen, "round {k}: the accessor never accessed");
                 close_entry(&entry, pid);
                 // The region's memory goes here; an access from now on would touch it.
                 touched.store(0, Ordering::Relaxed);
