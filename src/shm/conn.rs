@@ -24,7 +24,7 @@ use crate::shm::bell;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, Reach, RecvWr, SendSrc};
 use crate::shm::notice::Board;
-use crate::shm::onesided::{self, Exports, ImportCache, Inbox};
+use crate::shm::onesided::{self, Exports, Import, ImportCache, Inbox};
 use crate::shm::segment::Segment;
 use crate::shm::shortcut::Shortcut;
 use crate::sync::{SpinGuard, SpinLock};
@@ -507,12 +507,21 @@ impl Conn {
         let Some(imp) = cache.get(wr.key, seen) else {
             return false;
         };
-        if takes_shortcut(wr) {
-            imp.publish(&self.sh.shortcut);
-        }
         // The cache's lock keeps `imp` (and its mapping) alive through the access: teardown
         // and the background work drop cached imports only under it.
-        onesided::run(imp, wr, &self.sh.seg, 1 - self.sh.side, self.sh.peer_pid).is_ok()
+        self.access(imp, wr).is_ok()
+    }
+
+    /// Runs `wr` on the peer's region `imp`, cached (the caller holds the import cache's lock),
+    /// first publishing the region for the lock-free write when `wr` is what that write does:
+    /// the paths that reach a region for one publish it, so that the next goes that way. Only
+    /// those: a region that was published keeps its address range reserved until the
+    /// connection goes (see `shortcut.rs`).
+    fn access(&self, imp: &Import, wr: &RdmaRequest<'_>) -> Result<(), onesided::Refused> {
+        if !wr.signaled && wr.op == (RdmaOp::Write { imm: None }) {
+            imp.publish(&self.sh.shortcut);
+        }
+        onesided::run(imp, wr, &self.sh.seg, 1 - self.sh.side, self.sh.peer_pid)
     }
 
     /// Over shared memory the short way is [`write_now`](Self::write_now)'s: the rest of the
@@ -581,14 +590,8 @@ impl Conn {
             cache.set(seen, import);
             seen
         };
-        let peer_side = 1 - flow.side();
         let result = match cache.get(key, seen) {
-            Some(imp) => {
-                if takes_shortcut(wr) {
-                    imp.publish(&self.sh.shortcut);
-                }
-                onesided::run(imp, wr, flow.seg(), peer_side, flow.peer_pid())
-            }
+            Some(imp) => self.access(imp, wr),
             None => Err(onesided::Refused::Denied),
         };
         let was_busy = flow.busy();
@@ -631,14 +634,6 @@ impl Conn {
     pub(crate) fn disconnect(&self) {
         self.sh.wake.stop();
     }
-}
-
-/// Whether `wr` is what the lock-free write does (`Conn::write_now`): the paths that reach a
-/// region for one publish it there, so that the next goes that way. Only those: a region that
-/// was published keeps its address range reserved until the connection goes (see
-/// `shortcut.rs`).
-fn takes_shortcut(wr: &RdmaRequest<'_>) -> bool {
-    !wr.signaled && wr.op == (RdmaOp::Write { imm: None })
 }
 
 impl Drop for Conn {

@@ -459,21 +459,6 @@ impl Flow {
         });
     }
 
-    /// The segment.
-    pub(crate) fn seg(&self) -> &Segment {
-        &self.seg
-    }
-
-    /// This side's index in the segment.
-    pub(crate) fn side(&self) -> usize {
-        self.side
-    }
-
-    /// The peer's process, when this side may reach its memory.
-    pub(crate) fn peer_pid(&self) -> Option<libc::pid_t> {
-        self.peer_pid
-    }
-
     /// The connection's socket (open while the flow is not closed).
     pub(crate) fn sock(&self) -> RawFd {
         self.sock

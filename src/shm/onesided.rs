@@ -596,10 +596,17 @@ impl Import {
     /// Where `len` bytes at the peer's address `addr` start in the region, when they all lie
     /// inside it.
     fn offset(&self, addr: u64, len: usize) -> Option<usize> {
-        let off = addr.checked_sub(self.addr)?;
-        let end = off.checked_add(len as u64)?;
-        (end <= self.len).then_some(off as usize)
+        offset_in(self.addr, self.len, addr, len)
     }
+}
+
+/// Where `len` bytes at the peer's address `addr` start in a region of `size` bytes at the
+/// peer's address `start`, when they all lie inside it.
+#[inline(always)]
+pub(crate) fn offset_in(start: u64, size: u64, addr: u64, len: usize) -> Option<usize> {
+    let off = addr.checked_sub(start)?;
+    let end = off.checked_add(len as u64)?;
+    (end <= size).then_some(off as usize)
 }
 
 /// This side's reader of the connection's socket, and the regions of the peer it knows.

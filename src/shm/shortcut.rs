@@ -31,6 +31,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::log::log;
+use crate::shm::onesided::{copy, offset_in};
 use crate::shm::segment::{EXPORT_SLOTS, Segment};
 
 /// Longest a retirement waits for a copy in progress (one copy of at most 4 GiB - 1, by a
@@ -52,10 +53,9 @@ pub(crate) struct Shortcut {
     len: AtomicU64,
     /// Where the region is mapped here (writable).
     base: AtomicPtr<u8>,
-    /// The connection's segment, and the peer's side of it (whose export table holds the
-    /// entries), and where that table starts (see [`Segment::export_table`]).
-    seg: Arc<Segment>,
-    peer_side: usize,
+    /// The connection's segment, held so that it stays mapped for `table`: where the peer's
+    /// side of it has its export table (see [`Segment::export_table`]).
+    _seg: Arc<Segment>,
     table: NonNull<AtomicU64>,
     /// Retired ranges: start, length, and whether the retirement's wait ended (those may be
     /// unmapped before the connection goes).
@@ -63,7 +63,7 @@ pub(crate) struct Shortcut {
 }
 
 // SAFETY: `base` and `table` point into process-wide mappings - the peer's region, mapped or
-// reserved while any writer may reach it (the module docs), and the segment, which `seg`
+// reserved while any writer may reach it (the module docs), and the segment, which `_seg`
 // keeps - that are accessed only as the protocol above says, from any thread.
 unsafe impl Send for Shortcut {}
 // SAFETY: as above; every field is atomic or under a lock.
@@ -90,8 +90,7 @@ impl Shortcut {
             addr: AtomicU64::new(0),
             len: AtomicU64::new(0),
             base: AtomicPtr::new(std::ptr::null_mut()),
-            seg,
-            peer_side,
+            _seg: seg,
             retired: Mutex::new(VecDeque::new()),
         }
     }
@@ -127,6 +126,21 @@ impl Shortcut {
         self.seq.fetch_add(1, Ordering::Release);
     }
 
+    /// The `live` and `busy` words of entry `slot` of the peer's export table; `None` for a slot
+    /// out of range.
+    #[inline(always)]
+    fn entry(&self, slot: usize) -> Option<(&AtomicU64, &AtomicU64)> {
+        if slot >= EXPORT_SLOTS {
+            return None;
+        }
+        // SAFETY: entry `slot` of the table, whose two words lie inside the segment, which
+        // `self._seg` keeps mapped as long as `self`; shared words are only accessed atomically.
+        unsafe {
+            let at = self.table.as_ptr().add(2 * slot);
+            Some((&*at, &*at.add(1)))
+        }
+    }
+
     /// Copies `len` bytes at `src` to the peer's address `addr` of the region with `key` when
     /// that region is the published one, holds the range, and was not withdrawn: true then;
     /// false, having touched nothing, otherwise (the locked path then does the write).
@@ -145,22 +159,13 @@ impl Shortcut {
         let size = self.len.load(Ordering::Relaxed);
         let base = self.base.load(Ordering::Relaxed);
         let slot = self.slot.load(Ordering::Relaxed);
-        let Some(off) = addr.checked_sub(start) else {
+        let Some(off) = offset_in(start, size, addr, len) else {
             return false;
         };
-        if off.checked_add(len as u64).is_none_or(|end| end > size) {
-            return false;
-        }
         // A slot read in the middle of a change is still one of the table's (bounds-checked),
         // and the claim below is given back untouched when `seq` moved.
-        if slot >= EXPORT_SLOTS {
+        let Some((live, busy)) = self.entry(slot) else {
             return false;
-        }
-        // SAFETY: entry `slot` of the table, whose two words (`live`, `busy`) lie inside the
-        // segment, which `self.seg` keeps mapped; shared words are only accessed atomically.
-        let (live, busy) = unsafe {
-            let at = self.table.as_ptr().add(2 * slot);
-            (&*at, &*at.add(1))
         };
         // SeqCst: the claim comes before the reads of `seq` and `live` (Dekker with a
         // retirement's move of `seq` and read of `busy`, and with the owner's clear of `live`
@@ -176,8 +181,8 @@ impl Shortcut {
             // SAFETY: `seq` did not move between the reads of the fields and the claim, so
             // they describe the published import, whose mapping stays while the claim is held
             // (its retirement waits for `busy`) and is writable for `start..start + size`,
-            // which holds `off..off + len`; `src` is readable for `len` (the caller's contract).
-            unsafe { crate::shm::onesided::copy(src, base.add(off as usize), len) };
+            // which holds `addr..addr + len` (`offset_in`); `src` is readable for `len` (the caller's contract).
+            unsafe { copy(src, base.add(off), len) };
         }
         // Release: the copy comes before the owner, or a retirement, seeing 0.
         busy.store(0, Ordering::Release);
@@ -193,8 +198,8 @@ impl Shortcut {
         // SeqCst: the move comes before the read of `busy` (Dekker with `write`). Even to odd
         // (a move), or odd already, which is a move since any even value a writer read.
         self.seq.fetch_or(1, Ordering::SeqCst);
-        let waited = match self.seg.export(self.peer_side, slot) {
-            Some(entry) => wait_unclaimed(entry.busy),
+        let waited = match self.entry(slot) {
+            Some((_, busy)) => wait_unclaimed(busy),
             None => true,
         };
         // SAFETY: `base..base + len` is the import's own mapping (what mmap returned), which
@@ -302,11 +307,12 @@ mod tests {
     #[test]
     fn a_write_reaches_only_the_published_region_within_its_bounds() {
         let (seg, _fd) = Segment::create(64 * 1024).unwrap();
-        let s = Shortcut::new(Arc::new(seg), 0);
+        let seg = Arc::new(seg);
+        let s = Shortcut::new(seg.clone(), 0);
         let p = page();
         let v = 0x1122_3344_5566_7788u64;
         let src = (&raw const v).cast::<u8>();
-        let live = |k: u64| s.seg.export(0, 2).unwrap().live.store(k, Ordering::SeqCst);
+        let live = |k: u64| seg.export(0, 2).unwrap().live.store(k, Ordering::SeqCst);
         // SAFETY: `src` and `ONE`, all it is given, are 8 readable bytes.
         let w = |key: u64, src: *const u8, addr: u64| unsafe { s.write(key, src, 8, addr) };
         assert!(!w(7, src, ADDR), "nothing published");
@@ -326,7 +332,7 @@ mod tests {
         assert_eq!(watched(&p), v);
         // Claimed by another access: left to the locked path, and the claim left as it was.
         live(7);
-        let busy = s.seg.export(0, 2).unwrap().busy;
+        let busy = seg.export(0, 2).unwrap().busy;
         busy.store(1, Ordering::SeqCst);
         assert!(!w(7, (&raw const ONE).cast(), ADDR));
         assert_eq!(busy.load(Ordering::SeqCst), 1);
@@ -346,7 +352,8 @@ mod tests {
     fn no_write_reaches_a_region_after_its_retirement_returned() {
         const ROUNDS: u64 = 300;
         let (seg, _fd) = Segment::create(64 * 1024).unwrap();
-        let s = Shortcut::new(Arc::new(seg), 0);
+        let seg = Arc::new(seg);
+        let s = Shortcut::new(seg.clone(), 0);
         let current = AtomicU64::new(0);
         let retired = AtomicU64::new(0);
         let stop = AtomicBool::new(false);
@@ -371,7 +378,7 @@ mod tests {
             });
             for k in 1..=ROUNDS {
                 let p = page();
-                s.seg.export(0, 2).unwrap().live.store(k, Ordering::SeqCst);
+                seg.export(0, 2).unwrap().live.store(k, Ordering::SeqCst);
                 current.store(k, Ordering::Release);
                 publish(&s, &p, k);
                 let wrote = crate::sync::spin_until(Duration::from_secs(10), || {
