@@ -7,7 +7,9 @@
 #               64 KiB up  vs  rbr_rma_bench (write ping-pong polling memory, read round
 #               trips, streaming writes and reads, window 32; the client busy-polls, and the
 #               server, idle while the client reads or streams writes, waits sleeping for the
-#               next test (-P), as perftest's server does)
+#               next test (-P), as perftest's server does); and the 2 B read split at the
+#               client's write() to the device (benchmarks/write_split.c): inside it, the
+#               kernel's share of the round trip, outside it, the program's own
 #   setup:      cmtime (N connections)           vs  rbr_setup (N connections one after another,
 #               each connected, accepted, carrying a 64 B message each way and closed; server
 #               and client in two processes, as cmtime's); connections per second of the
@@ -44,6 +46,8 @@ if [ "$quick" = --quick ]; then
 fi
 
 next_port() { port=$((port + 1)); }
+# What the clients of perftest() and pair() run under (empty: nothing; see split_read).
+client_env=()
 now_ns() { date +%s%N; }
 
 # perftest: server and client of TOOL with ARGS; prints the client's result line. About 1 run in
@@ -57,7 +61,7 @@ perftest() { # TOOL ARGS...
     local s=$!
     sleep 1
     local row=
-    if timeout 120 "$tool" -R -d rxe0 -p "$port" "$@" "$ip" >/tmp/perf-client.log 2>&1; then
+    if env "${client_env[@]}" timeout 120 "$tool" -R -d rxe0 -p "$port" "$@" "$ip" >/tmp/perf-client.log 2>&1; then
       wait "$s"
       # The result row: the first line that starts with the size column. A row of 0 or inf
       # (seen on rxe) is a failed run.
@@ -158,7 +162,7 @@ pair() { # PROGRAM TEST SIZE COUNT [EXTRA...]
   local i
   # Up to 60 s: under emulation on a loaded host a server's first device open can take long.
   for i in $(seq 600); do grep -q '^listening on' "$slog" && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
-  timeout 300 "$build/$prog" -r client -a "$addr" -t "$test" -s "$size" -n "$count" \
+  env "${client_env[@]}" timeout 300 "$build/$prog" -r client -a "$addr" -t "$test" -s "$size" -n "$count" \
     -b "$((count * size))" -w 32 "${extra[@]}" >"$clog" 2>&1
   local c=$?
   wait "$s"; local r=$?
@@ -167,7 +171,7 @@ pair() { # PROGRAM TEST SIZE COUNT [EXTRA...]
     cat "$clog" "$slog" >&2
     return 1
   fi
-  grep "^RESULT $test " "$clog"
+  grep -E "^(RESULT $test |SPLIT )" "$clog"
 }
 
 # rbr_bench: TEST (lat, bw), measured as perftest measures: both sides busy-poll rbr_cq_poll
@@ -180,6 +184,27 @@ bench() { pair rbr_bench "$@"; } # TEST SIZE COUNT [-W|-Y]
 rma() { pair rbr_rma_bench "$@" -P; } # TEST SIZE COUNT
 
 record() { echo "RESULT $*" | tee -a "$results"; }
+
+# The read round trip split at the client's write() to the device, where soft-RoCE runs the
+# whole exchange (benchmarks/write_split.c): rkern = time inside it (the kernel's share),
+# ruser = from one write's return to the next (the program's own: the provider's poll and
+# post, and for ours the library's). Separate runs from the headline figures, which run
+# without the module. ASan (the CI build) would refuse a module loaded ahead of it.
+split_read() { # SIZE COUNT
+  local size=$1 n=$2 row out
+  client_env=(LD_PRELOAD="$build/librbr_write_split.so" ASAN_OPTIONS=verify_asan_link_order=0)
+  if row=$(perftest ib_read_lat -s "$size" -n "$n"); then
+    record_split "$size" ib_read_lat "$(grep '^SPLIT ' /tmp/perf-client.log)"
+  fi
+  if out=$(rma rlat "$size" "$n"); then
+    record_split "$size" rbr-rma "$(echo "$out" | grep '^SPLIT ')"
+  fi
+  client_env=()
+}
+record_split() { # SIZE TOOL SPLIT-LINE
+  record "rkern$1" "$2" p50 "$(echo "$3" | sed -n 's/.* in_write_p50_us=\([0-9.]*\).*/\1/p')"
+  record "ruser$1" "$2" p50 "$(echo "$3" | sed -n 's/.* outside_p50_us=\([0-9.]*\).*/\1/p')"
+}
 
 name() { case $1 in */-) echo "rbr-${1%/*}" ;; */1000000) echo "rbr-${1%/*}-busy" ;; *) echo "rbr-${1%/*}-spin${1#*/}" ;; esac; }
 
@@ -241,6 +266,7 @@ for round in $(seq "$rounds"); do
       fi
     done
   done
+  split_read "${lat_sizes%% *}" "$(lat_n "${lat_sizes%% *}")"
   for size in $bw_sizes; do
     n=$(bw_n "$size")
     for op in write read; do
@@ -276,6 +302,8 @@ awk '
     return c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2
   }
   function label(m) {
+    if (m ~ /^rkern/) return "read " substr(m, 6) " B: inside write()"
+    if (m ~ /^ruser/) return "read " substr(m, 6) " B: outside write()"
     if (m ~ /^[wr]lat/) { s = substr(m, 5) + 0; return (m ~ /^w/ ? "write" : "read") " latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^[wr]bw/) { s = substr(m, 4) + 0; return (m ~ /^w/ ? "write" : "read") " bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
     if (m ~ /^lat/) { s = substr(m, 4) + 0; return "latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
@@ -288,8 +316,8 @@ awk '
     printf "| --- | --- | --- | --- | --- | --- |\n"
     for (i = 1; i <= nm; i++) {
       m = order[i]; split(substr(tools[m], 2), ts, " ")
-      field = m ~ /^[wr]?lat/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
-      unit = m ~ /^[wr]?lat/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : " conn/s")
+      field = m ~ /^([wr]?lat|rkern|ruser)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
+      unit = m ~ /^([wr]?lat|rkern|ruser)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : " conn/s")
       ref = ts[1]; r50 = med(m SUBSEP ref SUBSEP field); r99 = med(m SUBSEP ref SUBSEP "p99")
       for (j = 1; (j in ts); j++) {
         t = ts[j]; k = m SUBSEP t SUBSEP field
@@ -307,7 +335,7 @@ fi
 # Every tool must have produced every round's figure.
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
-# size, 2 x 2 bandwidth figures per size)
-want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 2 + nl * 8 + nb * 4)))
+# size, 2 x 2 bandwidth figures per size; the read's split: 2 figures of each tool)
+want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 2 + nl * 8 + nb * 4 + 4)))
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }
