@@ -403,6 +403,9 @@ impl Connection {
     ) -> Result<()> {
         let op = RdmaOp::Write { imm: None };
         if let [one] = local {
+            if flags == SendFlags(0) && self.write_at_once(one, remote, remote_offset) {
+                return Ok(());
+            }
             if let Some(r) = self.rdma_now(op, one, remote, remote_offset, wr_id, flags) {
                 return r;
             }
@@ -519,11 +522,48 @@ impl Connection {
         self.imp.rdma(&wr)
     }
 
+    /// The unsignaled write (no immediate) of the one local segment `local` that a transport
+    /// finishes at once on the caller's thread ([`ConnSeam::write_now`]: shm, into a region
+    /// published on the connection): true when it did, false having done nothing (a failed
+    /// check included: the caller then posts it another way, which reports). Nothing on its
+    /// way can panic - checks that return, loads, a claim and a copy - so the C surface runs
+    /// it ahead of its catch of panics.
+    #[inline(always)]
+    #[deny(
+        clippy::panic,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing
+    )]
+    pub(crate) fn write_at_once(
+        &self,
+        local: &Sge<'_>,
+        remote: &RemoteRegion,
+        offset: u64,
+    ) -> bool {
+        let op = RdmaOp::Write { imm: None };
+        match wr::checked_one(
+            &self.ctx,
+            self.info.id,
+            op,
+            local,
+            remote,
+            offset,
+            SendFlags(0),
+        ) {
+            // SAFETY: `checked_one` found `ptr..ptr + len` inside `local.mr`, which the caller
+            // holds through the call.
+            Some((ptr, len, addr)) => unsafe { self.imp.write_now(ptr, len, remote.key, addr) },
+            None => false,
+        }
+    }
+
     /// Posts the write (without immediate) or read `op` of the one local segment `local` the
-    /// short way ([`ConnSeam::write_now`], [`ConnSeam::rdma_now`]: the common small operation,
-    /// with no request for four segments built and walked): `Some` with the outcome. `None`
-    /// having done nothing when a check fails or `op` is another operation: the caller then
-    /// posts it through [`Connection::transfer`], which reports the error.
+    /// short way ([`ConnSeam::rdma_now`]: the common small operation, with no request for four
+    /// segments built and walked; the callers of an unsignaled write try
+    /// [`write_at_once`](Self::write_at_once) first): `Some` with the outcome. `None` having done nothing when a check fails or `op`
+    /// is another operation: the caller then posts it through [`Connection::transfer`], which
+    /// reports the error.
     #[inline(always)]
     pub(crate) fn rdma_now(
         &self,
@@ -536,15 +576,6 @@ impl Connection {
     ) -> Option<Result<()>> {
         let (ptr, len, addr) =
             wr::checked_one(&self.ctx, self.info.id, op, local, remote, offset, flags)?;
-        // The unsignaled write first: a transport may finish it at once (shm).
-        if flags == SendFlags(0)
-            && op == (RdmaOp::Write { imm: None })
-            // SAFETY: `checked_one` found `ptr..ptr + len` inside `local.mr`, which the
-            // caller holds through the call.
-            && unsafe { self.imp.write_now(ptr, len, remote.key, addr) }
-        {
-            return Some(Ok(()));
-        }
         let one = OneOp {
             op,
             mr: local.mr,
@@ -555,7 +586,8 @@ impl Connection {
             wr_id,
             signaled: flags.signaled(),
         };
-        // SAFETY: as above.
+        // SAFETY: `checked_one` found `ptr..ptr + len` inside `local.mr`, which the caller
+        // holds through the call.
         Some(unsafe { self.imp.rdma_now(&one) })
     }
 

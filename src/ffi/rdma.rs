@@ -312,11 +312,50 @@ pub unsafe extern "C" fn rbr_conn_post_write(
     wr_id: u64,
     flags: u32,
 ) -> rbr_status {
+    // The unsignaled write a transport finishes at once, ahead of the catch of panics (none
+    // can happen on its way: see `Connection::write_at_once`).
+    // SAFETY: the caller's contract is post_transfer's.
+    if flags == 0 && unsafe { write_at_once(conn, sgl, nsge, remote, remote_offset) } {
+        return RBR_OK;
+    }
     let op = RdmaOp::Write { imm: None };
     ffi_body!({
         // SAFETY: the caller's contract is post_transfer's.
         unsafe { post_transfer(conn, sgl, nsge, remote, remote_offset, op, wr_id, flags) }
     })
+}
+
+/// The write of `rbr_conn_post_write` with flags 0, done at once if it is of one segment, every
+/// pointer set, and the transport finishes it on the caller's thread
+/// ([`Connection::write_at_once`](crate::Connection)): true then; false having done nothing.
+///
+/// # Safety
+/// As [`post_transfer`].
+#[inline(always)]
+#[deny(
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
+unsafe fn write_at_once(
+    conn: *mut rbr_conn,
+    sgl: *const rbr_sge,
+    nsge: usize,
+    remote: *const rbr_remote,
+    remote_offset: u64,
+) -> bool {
+    if nsge != 1 || conn.is_null() || sgl.is_null() || remote.is_null() {
+        return false;
+    }
+    // SAFETY: non-NULL, so live and readable (contract).
+    let (c, e, r): (_, _, RemoteRegion) = unsafe { (&*conn, &*sgl, (&*remote).into()) };
+    if e.mr.is_null() {
+        return false;
+    }
+    // SAFETY: a non-NULL `mr` is live (contract).
+    let one = unsafe { sge(e) };
+    c.inner.write_at_once(&one, &r, remote_offset)
 }
 
 /// As `rbr_conn_post_write`, then consumes a receive posted at the peer, which completes

@@ -143,11 +143,19 @@ impl Shortcut {
 
     /// Copies `len` bytes at `src` to the peer's address `addr` of the region with `key` when
     /// that region is the published one, holds the range, and was not withdrawn: true then;
-    /// false, having touched nothing, otherwise (the locked path then does the write).
+    /// false, having touched nothing, otherwise (the locked path then does the write). It runs
+    /// ahead of the C surface's catch of panics (`Connection::write_at_once`): nothing here
+    /// may panic.
     ///
     /// # Safety
     /// `src` is readable for `len` bytes.
     #[inline(always)]
+    #[deny(
+        clippy::panic,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing
+    )]
     pub(crate) unsafe fn write(&self, key: u64, src: *const u8, len: usize, addr: u64) -> bool {
         // Acquire: pairs with the publisher's Release, so the fields read are at least those.
         let seq = self.seq.load(Ordering::Acquire);
