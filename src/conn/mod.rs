@@ -541,6 +541,10 @@ impl Connection {
         remote: &RemoteRegion,
         offset: u64,
     ) -> bool {
+        // Only shm finishes a write at once: verbs posts every write to the device.
+        if self.info.transport != Transport::Shm {
+            return false;
+        }
         let op = RdmaOp::Write { imm: None };
         match wr::checked_one(
             &self.ctx,
