@@ -565,9 +565,9 @@ impl Connection {
     /// Posts the write (without immediate) or read `op` of the one local segment `local` the
     /// short way ([`ConnSeam::rdma_now`]: the common small operation, with no request for four
     /// segments built and walked; the callers of an unsignaled write try
-    /// [`write_at_once`](Self::write_at_once) first): `Some` with the outcome. `None` having done nothing when a check fails or `op`
-    /// is another operation: the caller then posts it through [`Connection::transfer`], which
-    /// reports the error.
+    /// [`write_at_once`](Self::write_at_once) first): `Some` with the outcome. `None` having
+    /// done nothing when a check fails or `op` is another operation: the caller then posts it
+    /// through [`Connection::transfer`], which reports the error.
     #[inline(always)]
     pub(crate) fn rdma_now(
         &self,
