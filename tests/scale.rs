@@ -146,9 +146,10 @@ fn a_thousand_connections_cost_no_more_threads_than_sixteen() {
         let l = sctx.listen(&addr, MANY as u32).unwrap();
         let mut pairs = Vec::new();
         open(&mut pairs, FEW, (&cctx, &ccq), (&l, &scq), &addr);
-        let (few_threads, few_fds) = (threads(), fd_count());
+        // Settled: the acceptor thread `open` joined may still be listed for a moment.
+        let (few_threads, few_fds) = (threads_settled(before + 2), fd_count());
         open(&mut pairs, MANY, (&cctx, &ccq), (&l, &scq), &addr);
-        let (many_threads, many_fds) = (threads(), fd_count());
+        let (many_threads, many_fds) = (threads_settled(few_threads), fd_count());
         eprintln!(
             "{progress:?}: {FEW} connections: {few_threads} threads, {few_fds} fds; \
              {MANY}: {many_threads} threads, {many_fds} fds (before: {before} threads)"
