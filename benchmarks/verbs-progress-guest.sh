@@ -61,7 +61,8 @@ perftest() { # TOOL ARGS...
     local s=$!
     sleep 1
     local row=
-    if env "${client_env[@]}" timeout 120 "$tool" -R -d rxe0 -p "$port" "$@" "$ip" >/tmp/perf-client.log 2>&1; then
+    if env "${client_env[@]}" timeout 120 "$tool" -R -d rxe0 -p "$port" "$@" "$ip" \
+      >/tmp/perf-client.log 2>&1; then
       wait "$s"
       # The result row: the first line that starts with the size column. A row of 0 or inf
       # (seen on rxe) is a failed run.
@@ -162,7 +163,8 @@ pair() { # PROGRAM TEST SIZE COUNT [EXTRA...]
   local i
   # Up to 60 s: under emulation on a loaded host a server's first device open can take long.
   for i in $(seq 600); do grep -q '^listening on' "$slog" && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
-  env "${client_env[@]}" timeout 300 "$build/$prog" -r client -a "$addr" -t "$test" -s "$size" -n "$count" \
+  env "${client_env[@]}" timeout 300 "$build/$prog" -r client -a "$addr" -t "$test" -s "$size" \
+    -n "$count" \
     -b "$((count * size))" -w 32 "${extra[@]}" >"$clog" 2>&1
   local c=$?
   wait "$s"; local r=$?

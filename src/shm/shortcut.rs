@@ -189,7 +189,8 @@ impl Shortcut {
             // SAFETY: `seq` did not move between the reads of the fields and the claim, so
             // they describe the published import, whose mapping stays while the claim is held
             // (its retirement waits for `busy`) and is writable for `start..start + size`,
-            // which holds `addr..addr + len` (`offset_in`); `src` is readable for `len` (the caller's contract).
+            // which holds `addr..addr + len` (`offset_in`); `src` is readable for `len` (the
+            // caller's contract).
             unsafe { copy(src, base.add(off), len) };
         }
         // Release: the copy comes before the owner, or a retirement, seeing 0.
