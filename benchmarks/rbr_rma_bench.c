@@ -16,11 +16,12 @@
  *   rlat  one read of SIZE bytes at a time; prints its completion time (the
  *         full round trip, as ib_read_lat reports it), p50 and p99;
  *   rbw   streaming reads with up to WINDOW outstanding; MB/s.
- * Both sides busy-poll (rbr_cq_poll), as the stock tools do; with -P the
+ * Both sides busy-poll (rbr_cq_poll), as the stock tools do (perftest's
+ * server, connected with -R, polls for the closing handshake all through the
+ * client's run, even while the client reads or streams writes); with -P the
  * server waits for control messages in rbr_cq_poll_wait instead (it sleeps
- * while the client reads or streams writes, needing no CPU of its own, as
- * perftest's server does in ib_read_lat, ib_read_bw and ib_write_bw; in wlat
- * it still busy-reads its memory).  Before each test the client sends a
+ * while the client reads or streams writes, needing no CPU of its own; in
+ * wlat it still busy-reads its memory).  Before each test the client sends a
  * control message; the server answers when ready.
  *
  * Output, one line per measurement:

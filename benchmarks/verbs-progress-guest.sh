@@ -5,9 +5,9 @@
 #   throughput: ib_send_bw -R from 64 KiB up     vs  rbr_client streaming, window 32
 #   one-sided:  ib_write_lat / ib_read_lat -R at 2 B and 4 KiB, ib_write_bw / ib_read_bw -R from
 #               64 KiB up  vs  rbr_rma_bench (write ping-pong polling memory, read round
-#               trips, streaming writes and reads, window 32; the client busy-polls, and the
-#               server, idle while the client reads or streams writes, waits sleeping for the
-#               next test (-P), as perftest's server does); and the 2 B read split at the
+#               trips, streaming writes and reads, window 32; both sides busy-poll, as
+#               perftest's do: with -R its server polls for the closing handshake all through
+#               the client's run, even while the client reads); and the 2 B read split at the
 #               client's write() to the device (benchmarks/write_split.c): inside it, the
 #               kernel's share of the round trip, outside it, the program's own
 #   setup:      cmtime (N connections)           vs  rbr_setup (N connections one after another,
@@ -181,9 +181,9 @@ pair() { # PROGRAM TEST SIZE COUNT [EXTRA...]
 # -W both wait with rbr_cq_poll_wait, with -Y with rbr_cq_poll then rbr_cq_wait.
 bench() { pair rbr_bench "$@"; } # TEST SIZE COUNT [-W|-Y]
 
-# rbr_rma_bench: TEST (wlat, rlat, wbw, rbw); its server sleeps between the control messages
-# (-P), as perftest's does while the client reads or streams writes.
-rma() { pair rbr_rma_bench "$@" -P; } # TEST SIZE COUNT
+# rbr_rma_bench: TEST (wlat, rlat, wbw, rbw); both sides busy-poll, as perftest's do (its
+# server, with -R, polls for the closing handshake while the client reads or streams writes).
+rma() { pair rbr_rma_bench "$@"; } # TEST SIZE COUNT
 
 record() { echo "RESULT $*" | tee -a "$results"; }
 
