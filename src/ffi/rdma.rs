@@ -220,6 +220,39 @@ unsafe fn sge<'a>(e: &rbr_sge) -> Sge<'a> {
     }
 }
 
+/// The connection, the one local segment and the remote region of a transfer call with exactly
+/// one segment and every pointer set (the common small operation, which the short ways take);
+/// `None` otherwise (the general way then checks the arguments and reports). Nothing here may
+/// panic: `rbr_conn_post_write` runs it ahead of its catch of panics.
+///
+/// # Safety
+/// As [`post_transfer`].
+#[inline(always)]
+#[deny(
+    clippy::panic,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing
+)]
+unsafe fn one_segment<'a>(
+    conn: *mut rbr_conn,
+    sgl: *const rbr_sge,
+    nsge: usize,
+    remote: *const rbr_remote,
+) -> Option<(&'a rbr_conn, Sge<'a>, RemoteRegion)> {
+    if nsge != 1 || conn.is_null() || sgl.is_null() || remote.is_null() {
+        return None;
+    }
+    // SAFETY: non-NULL, so live and readable (contract).
+    let (c, e, r): (&rbr_conn, &rbr_sge, RemoteRegion) =
+        unsafe { (&*conn, &*sgl, (&*remote).into()) };
+    if e.mr.is_null() {
+        return None;
+    }
+    // SAFETY: a non-NULL `mr` is live (contract).
+    Some((c, unsafe { sge(e) }, r))
+}
+
 /// The body of the three transfer calls. A write (without immediate) or read of one segment,
 /// every pointer set, goes the short way first ([`Connection::rdma_now`](crate::Connection));
 /// anything that declines, a failed check included, goes the general way, which makes the
@@ -239,17 +272,13 @@ unsafe fn post_transfer(
     wr_id: u64,
     flags: u32,
 ) -> rbr_status {
-    if nsge == 1 && !conn.is_null() && !sgl.is_null() && !remote.is_null() {
-        // SAFETY: non-NULL, so live and readable (contract).
-        let (c, e, r): (_, _, RemoteRegion) = unsafe { (&*conn, &*sgl, (&*remote).into()) };
-        if !e.mr.is_null() {
-            // SAFETY: a non-NULL `mr` is live (contract).
-            let one = unsafe { sge(e) };
-            let flags = SendFlags(flags);
-            if let Some(res) = c.inner.rdma_now(op, &one, &r, remote_offset, wr_id, flags) {
-                return status(res);
-            }
-        }
+    // SAFETY: the caller's contract.
+    if let Some((c, one, r)) = unsafe { one_segment(conn, sgl, nsge, remote) }
+        && let Some(res) = c
+            .inner
+            .rdma_now(op, &one, &r, remote_offset, wr_id, SendFlags(flags))
+    {
+        return status(res);
     }
     // SAFETY: the caller's contract.
     unsafe { post_transfer_general(conn, sgl, nsge, remote, remote_offset, op, wr_id, flags) }
@@ -313,9 +342,12 @@ pub unsafe extern "C" fn rbr_conn_post_write(
     flags: u32,
 ) -> rbr_status {
     // The unsignaled write a transport finishes at once, ahead of the catch of panics (none
-    // can happen on its way: see `Connection::write_at_once`).
-    // SAFETY: the caller's contract is post_transfer's.
-    if flags == 0 && unsafe { write_at_once(conn, sgl, nsge, remote, remote_offset) } {
+    // can happen on its way: see `one_segment` and `Connection::write_at_once`).
+    if flags == 0
+        // SAFETY: the caller's contract is post_transfer's.
+        && let Some((c, one, r)) = unsafe { one_segment(conn, sgl, nsge, remote) }
+        && c.inner.write_at_once(&one, &r, remote_offset)
+    {
         return RBR_OK;
     }
     let op = RdmaOp::Write { imm: None };
@@ -323,39 +355,6 @@ pub unsafe extern "C" fn rbr_conn_post_write(
         // SAFETY: the caller's contract is post_transfer's.
         unsafe { post_transfer(conn, sgl, nsge, remote, remote_offset, op, wr_id, flags) }
     })
-}
-
-/// The write of `rbr_conn_post_write` with flags 0, done at once if it is of one segment, every
-/// pointer set, and the transport finishes it on the caller's thread
-/// ([`Connection::write_at_once`](crate::Connection)): true then; false having done nothing.
-///
-/// # Safety
-/// As [`post_transfer`].
-#[inline(always)]
-#[deny(
-    clippy::panic,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing
-)]
-unsafe fn write_at_once(
-    conn: *mut rbr_conn,
-    sgl: *const rbr_sge,
-    nsge: usize,
-    remote: *const rbr_remote,
-    remote_offset: u64,
-) -> bool {
-    if nsge != 1 || conn.is_null() || sgl.is_null() || remote.is_null() {
-        return false;
-    }
-    // SAFETY: non-NULL, so live and readable (contract).
-    let (c, e, r): (_, _, RemoteRegion) = unsafe { (&*conn, &*sgl, (&*remote).into()) };
-    if e.mr.is_null() {
-        return false;
-    }
-    // SAFETY: a non-NULL `mr` is live (contract).
-    let one = unsafe { sge(e) };
-    c.inner.write_at_once(&one, &r, remote_offset)
 }
 
 /// As `rbr_conn_post_write`, then consumes a receive posted at the peer, which completes
