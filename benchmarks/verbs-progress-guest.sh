@@ -313,9 +313,18 @@ awk '
     return "connection setup"
   }
   function ratio(a, b) { return (b > 0 && a != "") ? sprintf("%.2fx", a / b) : "-" }
+  # The median over rounds of each round'"'"'s ratio (the two ran minutes apart at most, under
+  # the same load), and the ratios round by round.
+  function paired(k, kr,   i, j, t, c, a, s) {
+    c = n[k]; if (!c || n[kr] != c) return "-"
+    for (i = 1; i <= c; i++) { if (v[kr, i] + 0 <= 0) return "-"; a[i] = v[k, i] / v[kr, i] }
+    s = ""; for (i = 1; i <= c; i++) s = s (i > 1 ? ", " : "") sprintf("%.2f", a[i])
+    for (i = 2; i <= c; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+    return sprintf("%.2fx (%s)", c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2, s)
+  }
   END {
-    printf "| measure | tool | p50 or figure (min-max) | p99 (min-max) | ratio p50 | ratio p99 |\n"
-    printf "| --- | --- | --- | --- | --- | --- |\n"
+    printf "| measure | tool | p50 or figure (min-max) | p99 (min-max) | ratio p50 | ratio p99 | ratio p50 by round: median (rounds) |\n"
+    printf "| --- | --- | --- | --- | --- | --- | --- |\n"
     for (i = 1; i <= nm; i++) {
       m = order[i]; split(substr(tools[m], 2), ts, " ")
       field = m ~ /^([wr]?lat|rkern|ruser)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
@@ -325,8 +334,9 @@ awk '
         t = ts[j]; k = m SUBSEP t SUBSEP field
         a = med(k); if (a == "") continue
         kb = m SUBSEP t SUBSEP "p99"; b = med(kb)
-        printf "| %s | %s | %s%s (%s-%s) | %s | %s | %s |\n", label(m), t, a, unit, lo[k], hi[k],
-          (b == "" ? "-" : b unit " (" lo[kb] "-" hi[kb] ")"), ratio(a, r50), (b == "" ? "-" : ratio(b, r99))
+        printf "| %s | %s | %s%s (%s-%s) | %s | %s | %s | %s |\n", label(m), t, a, unit, lo[k], hi[k],
+          (b == "" ? "-" : b unit " (" lo[kb] "-" hi[kb] ")"), ratio(a, r50), (b == "" ? "-" : ratio(b, r99)),
+          paired(k, m SUBSEP ref SUBSEP field)
       }
     }
   }' "$results" | tee /tmp/bench-table.md

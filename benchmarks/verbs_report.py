@@ -9,8 +9,10 @@ Reads RESULTS_DIR/raw.txt, lines of "RESULT MEASURE TOOL FIELD VALUE" written in
 (MEASURE: lat, bw = send/receive; wlat, rlat, wbw, rbw = RDMA write and read; rkern, ruser =
 a read's round trip inside and outside the client's write() to the device; then the size;
 conn = connection setup). Writes into RESULTS_DIR:
-    results.csv  per measure, tool and field: median, min, max over rounds, and the ratio of
-                 the median to the stock tool's median for the same measure and field
+    results.csv  per measure, tool and field: median, min, max over rounds, the ratio of
+                 the median to the stock tool's median for the same measure and field, and
+                 the median over rounds of each round's ratio (ours and the stock tool ran
+                 minutes apart at most within a round, under the same load)
     plot.dat / plot.gp  what gnuplot draws into verbs.png (run by verbs-progress.sh)
 """
 import csv
@@ -46,15 +48,22 @@ def main():
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["measure", "size_bytes", "tool", "field", "median", "min", "max", "rounds",
-                    "ratio_to_stock", "stock_tool", "better"])
+                    "ratio_to_stock", "ratio_by_round_median", "stock_tool", "better"])
         for k in sorted(vals):
             kind, size, tool, field = k
             stock = STOCK.get(kind)
             ref = med.get((kind, size, stock, field))
             ratio = "" if not ref else "%.3f" % (med[k] / ref)
+            # Every tool gives one figure per round, in round order (the guest checks the
+            # count), so the i-th figures of two tools are of the same round.
+            refs = vals.get((kind, size, stock, field), [])
+            pairs = [a / b for a, b in zip(vals[k], refs) if b > 0]
+            by_round = ("%.3f" % statistics.median(pairs)
+                        if pairs and len(refs) == len(vals[k]) else "")
             better = "lower" if field in ("p50", "p99") else "higher"
             w.writerow([kind, size, tool, field, "%g" % med[k], "%g" % min(vals[k]),
-                        "%g" % max(vals[k]), len(vals[k]), ratio, stock or "", better])
+                        "%g" % max(vals[k]), len(vals[k]), ratio, by_round, stock or "",
+                        better])
     # One data block per (panel, tool): latency p50 and bandwidth against size.
     blocks = []
     for panel, kinds, field in (("lat", ("lat", "wlat", "rlat"), "p50"),
