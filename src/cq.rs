@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
+use crate::ffi::cq::rbr_completion;
 use crate::shm::notice::{Board, SLOTS};
 use crate::sync::{SpinGuard, SpinLock, SpinningWait, YIELD_EVERY, pinned_to_one_cpu};
 use crate::sys::{self, EventFd};
@@ -344,14 +345,24 @@ impl CompletionQueue {
     /// Takes up to `slots.len()` completions, oldest first, into the first slots. Returns
     /// how many (that many slots are initialized). Never blocks.
     pub(crate) fn poll_slots(&self, slots: &mut [MaybeUninit<Completion>]) -> usize {
+        self.poll_sink(Sink::new(slots, self))
+    }
+
+    /// [`poll_slots`](Self::poll_slots) into a C caller's records.
+    pub(crate) fn poll_c(&self, slots: &mut [MaybeUninit<rbr_completion>]) -> usize {
+        self.poll_sink(Sink::new_c(slots, self))
+    }
+
+    /// Takes completions, oldest first, into `out`'s slots, and no more. Returns how many.
+    #[inline(always)]
+    fn poll_sink(&self, mut out: Sink<'_>) -> usize {
         // Not a read-modify-write: pollers racing may count two polls as one, which is still
         // a sign of life.
         self.polls
             .store(self.polls.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-        if slots.is_empty() {
+        if out.room() == 0 {
             return 0;
         }
-        let mut out = Sink::new(slots, self);
         // The queue's count first: an empty poll then calls nothing to look at the queue.
         if !self.ready.none_pending() {
             self.pop_into(&mut out);
@@ -419,6 +430,7 @@ impl CompletionQueue {
     /// connections, or adding or removing one), the others return at once - the one inside
     /// takes what the connections have, and the marks it has not taken stay on the board for
     /// the next poll. (The sleeping path, `each_source`, does wait: it must look at them all.)
+    #[inline(always)]
     fn each_ready(&self, mut f: impl FnMut(&dyn Source)) {
         let marked = self.board.get().filter(|b| b.any());
         if marked.is_none() && self.nscan.load(Ordering::Relaxed) == 0 {

@@ -1,16 +1,28 @@
 //! Where a poll puts the completions it takes: straight into the caller's records while they
-//! last, into the queue after that. The transports write each completion once, where it is
-//! going, with no call through a closure per completion.
+//! last (Rust records, or the C surface's, converted as they are written), into the queue after
+//! that. The transports write each completion once, where it is going, with no call through a
+//! closure per completion.
 
 use std::mem::MaybeUninit;
 
 use super::{Completion, CompletionQueue};
+use crate::ffi::cq::rbr_completion;
+
+/// The caller's records a poll fills.
+enum Slots<'a> {
+    Rust(&'a mut [MaybeUninit<Completion>]),
+    /// A C caller's: each record is converted as it is written, so a poll through the C
+    /// surface needs no records of its own in between.
+    C(&'a mut [MaybeUninit<rbr_completion>]),
+}
 
 /// The records a poll fills (perhaps none: everything then goes into the queue) and the
 /// queue that takes whatever does not fit - a poll may produce more than it was asked for (a
 /// message's completion brings the completions of the sends it follows).
 pub(crate) struct Sink<'a> {
-    slots: &'a mut [MaybeUninit<Completion>],
+    slots: Slots<'a>,
+    /// How many records `slots` has.
+    len: usize,
     /// Records written into `slots`, from the start.
     filled: usize,
     /// Records pushed into `queue`.
@@ -25,7 +37,22 @@ impl<'a> Sink<'a> {
         queue: &'a CompletionQueue,
     ) -> Self {
         Sink {
-            slots,
+            len: slots.len(),
+            slots: Slots::Rust(slots),
+            filled: 0,
+            queued: 0,
+            queue,
+        }
+    }
+
+    /// Fills a C caller's `slots` first (converting each record), then `queue`.
+    pub(crate) fn new_c(
+        slots: &'a mut [MaybeUninit<rbr_completion>],
+        queue: &'a CompletionQueue,
+    ) -> Self {
+        Sink {
+            len: slots.len(),
+            slots: Slots::C(slots),
             filled: 0,
             queued: 0,
             queue,
@@ -40,15 +67,23 @@ impl<'a> Sink<'a> {
     /// Hands over one completion.
     #[inline]
     pub(crate) fn put(&mut self, c: Completion) {
-        match self.slots.get_mut(self.filled) {
-            Some(slot) => {
-                slot.write(c);
-                self.filled += 1;
+        let i = self.filled;
+        if i < self.len {
+            // SAFETY: `i < len`, the length of the slice `slots` holds.
+            unsafe {
+                match &mut self.slots {
+                    Slots::Rust(s) => {
+                        s.get_unchecked_mut(i).write(c);
+                    }
+                    Slots::C(s) => {
+                        s.get_unchecked_mut(i).write(c.into());
+                    }
+                }
             }
-            None => {
-                self.queue.push(c);
-                self.queued += 1;
-            }
+            self.filled = i + 1;
+        } else {
+            self.queue.push(c);
+            self.queued += 1;
         }
     }
 
@@ -56,24 +91,20 @@ impl<'a> Sink<'a> {
     /// [`room`](Self::room) of them.
     #[inline]
     pub(crate) fn direct(&self) -> bool {
-        self.filled < self.slots.len()
+        self.filled < self.len
     }
 
     /// Slots still free.
     #[inline]
     pub(crate) fn room(&self) -> usize {
-        self.slots.len() - self.filled
+        self.len - self.filled
     }
 
     /// How many records the poll asked for (all there are when it has no slots).
     #[cfg(feature = "verbs")]
     #[inline]
     pub(crate) fn asked(&self) -> usize {
-        if self.slots.is_empty() {
-            usize::MAX
-        } else {
-            self.slots.len()
-        }
+        if self.len == 0 { usize::MAX } else { self.len }
     }
 
     /// Runs a source's `take(limit, sink)` so that its records arrive in order: straight into

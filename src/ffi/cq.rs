@@ -296,10 +296,12 @@ pub unsafe extern "C" fn rbr_cq_poll(
         if max == 0 {
             return fail(Error::invalid("max is 0"));
         }
-        let q = &cq.inner;
-        // SAFETY: `out` is writable for `max` records (caller contract).
-        let got =
-            unsafe { poll_out(q, out, max, |first| Ok(q.poll_slots(first))) }.unwrap_or_default();
+        // No slice may span more than isize::MAX bytes (no caller's array does).
+        let max = max.min(isize::MAX as usize / std::mem::size_of::<rbr_completion>());
+        // SAFETY: `out` is writable for `max` records (caller contract); `MaybeUninit` has
+        // the layout of the record, and nothing is read from the slots.
+        let slots = unsafe { std::slice::from_raw_parts_mut(out.cast(), max) };
+        let got = cq.inner.poll_c(slots);
         // SAFETY: `n` is non-NULL and writable (caller contract).
         unsafe { n.write(got) };
         if got == 0 { RBR_EMPTY } else { RBR_OK }
