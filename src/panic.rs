@@ -95,11 +95,33 @@ mod depth {
         v as u32
     }
 
-    /// Adds `d` (wrapping) to this thread's counter.
+    /// Where this thread's counter is, from the thread pointer: valid for the thread's life.
+    #[derive(Clone, Copy)]
+    pub(super) struct Slot(u64);
+
+    /// Counts this thread in; returns where its counter is, for [`leave`]: one descriptor call
+    /// for both.
     #[inline(always)]
-    pub(super) fn add(d: u32) {
+    pub(super) fn enter() -> Slot {
+        let at: u64;
         // SAFETY: as in `get`; the counter is this thread's alone.
-        unsafe { tlsdesc_asm!("add dword ptr fs:[rax], {d:e}", d = in(reg) d, out("rax") _,) };
+        unsafe { tlsdesc_asm!("add dword ptr fs:[rax], 1", out("rax") at,) };
+        Slot(at)
+    }
+
+    /// Counts this thread out of what [`enter`] counted it into.
+    #[inline(always)]
+    pub(super) fn leave(at: Slot) {
+        // SAFETY: `at` is this thread's counter's offset from its thread pointer (from `enter`
+        // on this thread: the value is the thread's whole life the same); the counter is this
+        // thread's alone.
+        unsafe {
+            std::arch::asm!(
+                "sub dword ptr fs:[{at}], 1",
+                at = in(reg) at.0,
+                options(nostack),
+            )
+        };
     }
 }
 
@@ -116,8 +138,15 @@ mod depth {
         DEPTH.with(Cell::get)
     }
 
-    pub(super) fn add(d: u32) {
-        DEPTH.with(|c| c.set(c.get().wrapping_add(d)));
+    pub(super) struct Slot;
+
+    pub(super) fn enter() -> Slot {
+        DEPTH.with(|c| c.set(c.get() + 1));
+        Slot
+    }
+
+    pub(super) fn leave(_: Slot) {
+        DEPTH.with(|c| c.set(c.get() - 1));
     }
 }
 
@@ -154,9 +183,9 @@ fn install() {
 /// Runs `f`, turning a panic into `Err` with its message, silently.
 pub(crate) fn catch<R>(f: impl FnOnce() -> R) -> Result<R, String> {
     install();
-    depth::add(1);
+    let at = depth::enter();
     let r = std::panic::catch_unwind(AssertUnwindSafe(f));
-    depth::add(u32::MAX);
+    depth::leave(at);
     r.map_err(|_| MESSAGE.with(|s| std::mem::take(&mut *s.borrow_mut())))
 }
 
