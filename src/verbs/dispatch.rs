@@ -266,6 +266,7 @@ pub(super) fn complete(sh: &Shared, st: &mut PostState, wc: &Wc, out: &mut Sink<
                 out.put(sh.report.record(e.wr_id, e.op, s, 0, None));
                 n += 1;
             }
+            e.release();
             if this {
                 break;
             }
