@@ -202,28 +202,6 @@ rbr_status ex_wait_one(rbr_cq *cq, rbr_completion *out, int32_t timeout_ms)
     return ex_wait_completions(cq, out, 1, &n, timeout_ms);
 }
 
-rbr_status ex_busy_poll(rbr_cq *cq, rbr_completion *out, size_t max, size_t *n,
-                        int64_t timeout_ns)
-{
-    uint64_t deadline = 0;
-    uint32_t spins = 0;
-
-    for (;;) {
-        rbr_status st = rbr_cq_poll(cq, out, max, n);
-
-        if (st != RBR_EMPTY)
-            return st;
-        if (++spins % 4096 == 0) {
-            uint64_t now = ex_now_ns();
-
-            if (deadline == 0)
-                deadline = now + (uint64_t)timeout_ns;
-            else if (now > deadline)
-                return RBR_ERR_TIMEOUT;
-        }
-    }
-}
-
 const char *ex_opcode_str(uint32_t opcode)
 {
     switch (opcode) {
