@@ -649,14 +649,39 @@ impl CompletionQueue {
         slots: &mut [MaybeUninit<Completion>],
         timeout: Option<Duration>,
     ) -> Result<usize> {
-        let n = self.poll_slots(slots);
-        if n > 0 || slots.is_empty() {
+        if slots.is_empty() {
+            return Ok(self.poll_slots(slots));
+        }
+        self.poll_wait_by(|| self.poll_slots(slots), timeout)
+    }
+
+    /// [`poll_wait_slots`](Self::poll_wait_slots) into a C caller's records.
+    pub(crate) fn poll_wait_c(
+        &self,
+        slots: &mut [MaybeUninit<rbr_completion>],
+        timeout: Option<Duration>,
+    ) -> Result<usize> {
+        if slots.is_empty() {
+            return Ok(self.poll_c(slots));
+        }
+        self.poll_wait_by(|| self.poll_c(slots), timeout)
+    }
+
+    /// Polls with `poll` (which takes completions into the caller's records and returns how
+    /// many), waiting as [`poll_wait_with`](Self::poll_wait_with) does for the first.
+    fn poll_wait_by(
+        &self,
+        mut poll: impl FnMut() -> usize,
+        timeout: Option<Duration>,
+    ) -> Result<usize> {
+        let n = poll();
+        if n > 0 {
             return Ok(n);
         }
         let mut start = None;
         let mut n = 0;
         if self.spin(&mut start, timeout, || {
-            n = self.poll_slots(slots);
+            n = poll();
             n > 0
         }) {
             self.note_spun(start);
@@ -666,7 +691,7 @@ impl CompletionQueue {
         let deadline = timeout.map(|t| start + t);
         // Another thread may take what woke this one: sleep again until the deadline.
         while self.sleep_until(start, deadline)? {
-            let n = self.poll_slots(slots);
+            let n = poll();
             if n > 0 {
                 return Ok(n);
             }

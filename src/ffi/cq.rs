@@ -296,11 +296,8 @@ pub unsafe extern "C" fn rbr_cq_poll(
         if max == 0 {
             return fail(Error::invalid("max is 0"));
         }
-        // No slice may span more than isize::MAX bytes (no caller's array does).
-        let max = max.min(isize::MAX as usize / std::mem::size_of::<rbr_completion>());
-        // SAFETY: `out` is writable for `max` records (caller contract); `MaybeUninit` has
-        // the layout of the record, and nothing is read from the slots.
-        let slots = unsafe { std::slice::from_raw_parts_mut(out.cast(), max) };
+        // SAFETY: `out` is writable for `max` records (caller contract).
+        let slots = unsafe { caller_records(out, max) };
         let got = cq.inner.poll_c(slots);
         // SAFETY: `n` is non-NULL and writable (caller contract).
         unsafe { n.write(got) };
@@ -308,26 +305,19 @@ pub unsafe extern "C" fn rbr_cq_poll(
     })
 }
 
-/// Fills the caller's `max` records at `out` in batches (see `CompletionQueue::poll_batches`),
-/// the first from `first` (a poll, or a poll that waits), written out as C records. Returns
-/// how many records it wrote.
+/// The caller's `max` records at `out`, for a poll to fill (records the caller's array cannot
+/// hold are never asked for: no slice spans more than isize::MAX bytes).
 ///
 /// # Safety
-/// `out` writable for `max` records.
-unsafe fn poll_out(
-    cq: &CompletionQueue,
+/// `out` is non-NULL, aligned and writable for `max` records, for the returned lifetime.
+unsafe fn caller_records<'a>(
     out: *mut rbr_completion,
     max: usize,
-    first: impl FnOnce(&mut [MaybeUninit<Completion>]) -> crate::Result<usize>,
-) -> crate::Result<usize> {
-    cq.poll_batches(max, first, |batch, before| {
-        for (i, c) in batch.iter().enumerate() {
-            // SAFETY: the batch's slots are initialized (`Completion` is `Copy`); the batches
-            // hold at most `max` records in all, so before + i < max, and `out` is writable
-            // for `max` records (caller contract).
-            unsafe { out.add(before + i).write(c.assume_init_read().into()) };
-        }
-    })
+) -> &'a mut [MaybeUninit<rbr_completion>] {
+    let max = max.min(isize::MAX as usize / std::mem::size_of::<rbr_completion>());
+    // SAFETY: writable for `max` records (the caller's contract); `MaybeUninit` has the
+    // record's layout, and nothing is read from the slots before they are written.
+    unsafe { std::slice::from_raw_parts_mut(out.cast(), max) }
 }
 
 /// Waits until a completion is queued (RBR_OK) or `timeout_ms` passes (RBR_ERR_TIMEOUT);
@@ -383,10 +373,9 @@ pub unsafe extern "C" fn rbr_cq_poll_wait(
             Ok(t) => t,
             Err(s) => return s,
         };
-        let q = &cq.inner;
-        // SAFETY: `out` is writable for `max` records (caller contract).
-        let r = unsafe { poll_out(q, out, max, |first| q.poll_wait_slots(first, timeout)) };
-        match r {
+        // SAFETY: as in `rbr_cq_poll`.
+        let slots = unsafe { caller_records(out, max) };
+        match cq.inner.poll_wait_c(slots, timeout) {
             Ok(0) => fail(Error::Timeout("waiting for a completion")),
             Ok(got) => {
                 // SAFETY: `n` is non-NULL and writable (caller contract).
