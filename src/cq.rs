@@ -649,10 +649,7 @@ impl CompletionQueue {
         slots: &mut [MaybeUninit<Completion>],
         timeout: Option<Duration>,
     ) -> Result<usize> {
-        if slots.is_empty() {
-            return Ok(self.poll_slots(slots));
-        }
-        self.poll_wait_by(|| self.poll_slots(slots), timeout)
+        self.poll_wait_into(slots, timeout, Self::poll_slots)
     }
 
     /// [`poll_wait_slots`](Self::poll_wait_slots) into a C caller's records.
@@ -661,27 +658,25 @@ impl CompletionQueue {
         slots: &mut [MaybeUninit<rbr_completion>],
         timeout: Option<Duration>,
     ) -> Result<usize> {
-        if slots.is_empty() {
-            return Ok(self.poll_c(slots));
-        }
-        self.poll_wait_by(|| self.poll_c(slots), timeout)
+        self.poll_wait_into(slots, timeout, Self::poll_c)
     }
 
-    /// Polls with `poll` (which takes completions into the caller's records and returns how
-    /// many), waiting as [`poll_wait_with`](Self::poll_wait_with) does for the first.
-    fn poll_wait_by(
+    /// Polls with `poll` ([`poll_slots`](Self::poll_slots) or [`poll_c`](Self::poll_c)) into
+    /// `slots`, waiting as [`poll_wait_with`](Self::poll_wait_with) does for the first.
+    fn poll_wait_into<T>(
         &self,
-        mut poll: impl FnMut() -> usize,
+        slots: &mut [MaybeUninit<T>],
         timeout: Option<Duration>,
+        poll: impl Fn(&Self, &mut [MaybeUninit<T>]) -> usize,
     ) -> Result<usize> {
-        let n = poll();
-        if n > 0 {
+        let n = poll(self, slots);
+        if n > 0 || slots.is_empty() {
             return Ok(n);
         }
         let mut start = None;
         let mut n = 0;
         if self.spin(&mut start, timeout, || {
-            n = poll();
+            n = poll(self, slots);
             n > 0
         }) {
             self.note_spun(start);
@@ -691,7 +686,7 @@ impl CompletionQueue {
         let deadline = timeout.map(|t| start + t);
         // Another thread may take what woke this one: sleep again until the deadline.
         while self.sleep_until(start, deadline)? {
-            let n = poll();
+            let n = poll(self, slots);
             if n > 0 {
                 return Ok(n);
             }

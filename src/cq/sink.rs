@@ -36,13 +36,7 @@ impl<'a> Sink<'a> {
         slots: &'a mut [MaybeUninit<Completion>],
         queue: &'a CompletionQueue,
     ) -> Self {
-        Sink {
-            len: slots.len(),
-            slots: Slots::Rust(slots),
-            filled: 0,
-            queued: 0,
-            queue,
-        }
+        Sink::of(slots.len(), Slots::Rust(slots), queue)
     }
 
     /// Fills a C caller's `slots` first (converting each record), then `queue`.
@@ -50,9 +44,13 @@ impl<'a> Sink<'a> {
         slots: &'a mut [MaybeUninit<rbr_completion>],
         queue: &'a CompletionQueue,
     ) -> Self {
+        Sink::of(slots.len(), Slots::C(slots), queue)
+    }
+
+    fn of(len: usize, slots: Slots<'a>, queue: &'a CompletionQueue) -> Self {
         Sink {
-            len: slots.len(),
-            slots: Slots::C(slots),
+            slots,
+            len,
             filled: 0,
             queued: 0,
             queue,
