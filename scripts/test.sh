@@ -26,6 +26,9 @@ RBR_PROGRESS=thread cargo test --release --test shm
 echo "== model checks (loom): shm ring, completion-queue readiness, doorbells"
 # Its own target dir: --cfg loom rebuilds every crate, which would otherwise throw away the build above.
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/loom" cargo test --release --lib loom
+echo "== cargo package: the crate as published builds (only what Cargo.toml's include lists)"
+# --allow-dirty: like every step here, this checks the tree as it stands, edits included.
+cargo package --allow-dirty --quiet
 echo "== C examples (Debug: ASan + UBSan) under ctest"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build -j2
