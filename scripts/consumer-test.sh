@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the library with CMake alone (cargo run by CMake, into a target directory of its own
 # given by CARGO_TARGET_DIR, so nothing built before is reused), installs it into a scratch
-# prefix, and builds tests/consumer against it every way the README gives: find_package,
-# pkg-config (shared and static), add_subdirectory and FetchContent. Runs every program.
+# prefix, runs the installed rdmabridge-info, checks the license files, and builds
+# tests/consumer against it every way the README gives: find_package, pkg-config (shared and
+# static), add_subdirectory and FetchContent. Runs every program.
 # Usage: scripts/consumer-test.sh [OUT_DIR]   (default build-consumer)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,6 +20,23 @@ cmake --build "$out/lib" -j2
 cmake --install "$out/lib" --prefix "$prefix"
 [ -f "$CARGO_TARGET_DIR/release/librdmabridge.so" ] || {
   echo "consumer-test: cargo did not build into CARGO_TARGET_DIR" >&2; exit 1; }
+
+echo "== the installed rdmabridge-info runs (exit 0 with or without an RDMA device)"
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$root/Cargo.toml" | head -n 1)
+info=$("$prefix/bin/rdmabridge-info" shm://consumer-test) || {
+  echo "consumer-test: $prefix/bin/rdmabridge-info failed (exit $?)" >&2; exit 1; }
+printf '%s\n' "$info"
+grep -qxF "rdmabridge $version" <<<"$info" || {
+  echo "consumer-test: rdmabridge-info did not print its version, $version" >&2; exit 1; }
+for want in "transports: shm, verbs" "RDMA devices: " "memlock limit (ulimit -l): " \
+  "address shm://consumer-test: shm to consumer-test ("; do
+  grep -qF -- "$want" <<<"$info" || {
+    echo "consumer-test: rdmabridge-info printed no \"$want\"" >&2; exit 1; }
+done
+for f in LICENSE-MIT LICENSE-APACHE; do
+  cmp "$root/$f" "$prefix/share/doc/rdmabridge/$f" || {
+    echo "consumer-test: share/doc/rdmabridge/$f is missing or differs" >&2; exit 1; }
+done
 
 programs() { # DIR: runs the three consumer programs of a CMake build
   "$1/consumer_c"
