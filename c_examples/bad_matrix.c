@@ -173,6 +173,19 @@ static rbr_completion next(rbr_cq *cq)
 }
 
 /* Drains cq until RBR_OP_DISCONNECTED arrives; returns 0, or -1 if it did not in time. */
+/* The status of the queue's disconnect record, -1 if none came. */
+static int32_t disconnect_status(rbr_cq *cq)
+{
+    for (int i = 0; i < 10000; i++) {
+        rbr_completion c = next(cq);
+        if (c.status == -1)
+            return -1;
+        if (c.opcode == RBR_OP_DISCONNECTED)
+            return c.status;
+    }
+    return -1;
+}
+
 static int wait_disconnected(rbr_cq *cq)
 {
     for (int i = 0; i < 10000; i++) {
@@ -800,6 +813,8 @@ static void matrix_conn_live(rbr_ctx *other_ctx, rbr_conn *a, rbr_cq *acq, rbr_c
          "rbr_conn_remote_from_raw NULL out");
     CASE(rbr_conn_remote_from_raw(a, UINT64_MAX - 8, 64, 1, &rem), RBR_ERR_INVALID,
          "rbr_conn_remote_from_raw range wraps");
+    CASE(rbr_conn_remote_from_raw(a, 0x1000, 64, (uint64_t)1 << 32, &rem), RBR_ERR_INVALID,
+         "rbr_conn_remote_from_raw key wider than 32 bits");
     EXPECT_TRUE(memcmp(&rem, &sent_rem, sizeof rem) == 0,
               "rbr_conn_remote_from_raw wrote *out on failure");
     if (EX_CHECK(rbr_conn_unpack_remote(a, bdesc, sizeof bdesc, &rem)))
@@ -984,10 +999,14 @@ static void matrix_closed_and_error(rbr_ctx *ctx, rbr_listener *l, const char *a
         goto out;
     }
     forged = rem;
-    forged.key ^= 0x5a5a5a5a;
+    forged.key |= (uint64_t)1 << 32;
     sge.mr = mr;
     sge.offset = 0;
     sge.len = 8;
+    CASE(rbr_conn_post_write(c, &sge, 1, &forged, 0, 76, RBR_SEND_SIGNALED), RBR_ERR_INVALID,
+         "rbr_conn_post_write with a key wider than 32 bits");
+    forged = rem;
+    forged.key ^= 0x5a5a5a5a;
     CASE(rbr_conn_post_write(c, &sge, 1, &forged, 0, 77, RBR_SEND_SIGNALED), RBR_OK,
          "rbr_conn_post_write with a forged key is posted");
     x = next(ccq);
@@ -995,6 +1014,8 @@ static void matrix_closed_and_error(rbr_ctx *ctx, rbr_listener *l, const char *a
               "a write with a forged key completes with RBR_WC_REMOTE_ACCESS");
     EXPECT_TRUE(all_bytes(rbr_mr_addr(tmr), 4096, 0), "the forged write touched the peer's memory");
     EXPECT_TRUE(wait_disconnected(ccq) == 0, "the failed connection reports RBR_OP_DISCONNECTED");
+    EXPECT_TRUE(disconnect_status(scq) == RBR_WC_PEER_ACCESS,
+                "the target's connection ends with RBR_WC_PEER_ACCESS");
     posts_refused(c, mr, &rem, "in error");
     /* Outside the region the peer gave: the same, on a fresh pair. */
     rbr_conn_destroy(c);

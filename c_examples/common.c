@@ -245,6 +245,8 @@ const char *ex_wc_status_str(int32_t status)
         return "REMOTE_ACCESS";
     case RBR_WC_GENERAL:
         return "GENERAL";
+    case RBR_WC_PEER_ACCESS:
+        return "PEER_ACCESS";
     default:
         return "UNKNOWN";
     }

@@ -147,8 +147,9 @@
  * Opcode (connection event): the connection is down; every work request it had has
  * completed before this record, and none follows it. `status` is RBR_WC_SUCCESS for an
  * orderly close by either side (over verbs this includes a peer process that was killed: its
- * kernel closes the connection), RBR_WC_TRANSPORT when the peer vanished without a close, or
- * the error that failed the connection. How soon a vanished peer is noticed: shm at once (its
+ * kernel closes the connection), RBR_WC_TRANSPORT when the peer vanished without a close,
+ * RBR_WC_PEER_ACCESS when the peer made a one-sided access this side had not allowed, or the
+ * error that failed the connection. How soon a vanished peer is noticed: shm at once (its
  * socket closes); verbs, for a lost host or link, within about keepalive_ms (1 s, for an idle
  * connection) + (retry_count + 1) x 4.096 us x 2^ack_timeout: about 3 s with the default
  * options. The host whose own link (RDMA port) goes down fails its connections within
@@ -178,7 +179,7 @@
 #define RBR_WC_REMOTE_ERROR 3
 
 /**
- * The peer vanished or the link failed.
+ * The peer vanished or the link failed (not a peer's bad access: RBR_WC_PEER_ACCESS).
  */
 #define RBR_WC_TRANSPORT 4
 
@@ -196,6 +197,17 @@
  * Any other failure.
  */
 #define RBR_WC_GENERAL 7
+
+/**
+ * Disconnect events only: the peer made a one-sided access this side had not allowed it (a
+ * key it was never given, a range past a region, a right the region does not grant), and the
+ * connection failed for it: a misbehaving peer, told apart from one that vanished
+ * (RBR_WC_TRANSPORT). Over shm the peer's library checks every access and says so; over
+ * verbs this side's device fails the connection's queue pair for the request, and the library
+ * finds it so when the peer disconnects. Not reported for a peer that reads or writes where it
+ * was allowed, whatever it writes.
+ */
+#define RBR_WC_PEER_ACCESS 8
 
 /**
  * Completion flag: `imm_data` holds immediate data.
@@ -245,8 +257,10 @@
 #define RBR_PRIVATE_DATA_RECV_MAX 196
 
 /**
- * Send flag: report a completion when the send finishes. Without it a send reports only a
- * failure; post a signaled send at least once per send-queue depth.
+ * Send flag: report a completion when the send (or one-sided operation) finishes. Without it
+ * the operation reports only a failure, and its slot of the send queue still frees once it is
+ * done: the library sees to it, so no signaled post once per send-queue depth is needed (over
+ * verbs a full queue empties as the completion queue is polled).
  */
 #define RBR_SEND_SIGNALED 1
 
@@ -264,7 +278,9 @@
  * Bytes of a packed remote-memory descriptor (`rbr_conn_pack_region`). Its layout is fixed:
  * bytes 0..2 "RB", 2 version (1), 3 transport (RBR_TRANSPORT_*), 4 the remote RBR_ACCESS_*
  * bits, 5..8 zero, 8..16 the region's address in its owner's process, 16..24 its length,
- * 24..32 its key (over verbs the rkey, in the low 32 bits); numbers little endian.
+ * 24..28 its key, 28..32 zero; numbers little endian. A key is 32 bits on both transports
+ * (over verbs the rkey), so a program may carry address, length and a 4-byte key its own way
+ * and rebuild the remote with `rbr_conn_remote_from_raw`, over either transport.
  */
 #define RBR_REMOTE_DESC_LEN 32
 
@@ -536,11 +552,14 @@ typedef struct rbr_remote {
    */
   uint64_t len;
   /**
-   * The key the peer's library checks each access against.
+   * The key the peer's library checks each access against (32 bits: a larger value is
+   * RBR_ERR_INVALID at the post).
    */
   uint64_t key;
   /**
-   * The remote RBR_ACCESS_* bits the peer described.
+   * The remote RBR_ACCESS_* bits the peer described; after `rbr_conn_remote_from_raw`,
+   * all three (raw fields say nothing of them). Informative only: the peer's library or
+   * device checks each access against what it registered.
    */
   uint32_t access;
   /**
@@ -1180,8 +1199,12 @@ rbr_status rbr_conn_unpack_remote(const struct rbr_conn *conn,
 
 /**
  * Fills `*out` from raw fields, for peers that send address, length and key in their own
- * format (a plain librdmacm peer such as rping sends its buffer's address, rkey and length).
- * A range that wraps past the end of the address space is RBR_ERR_INVALID.
+ * format (a plain librdmacm peer such as rping sends its buffer's address, rkey and length;
+ * for a region of this library, over either transport, they are bytes 8..16, 16..24 and
+ * 24..28 of its packed descriptor). `out->access` is every remote right
+ * (RBR_ACCESS_REMOTE_WRITE | RBR_ACCESS_REMOTE_READ | RBR_ACCESS_REMOTE_ATOMIC); what the peer
+ * allows is checked when an access runs. A range that wraps past the end of the address space,
+ * or a key wider than 32 bits, is RBR_ERR_INVALID.
  *
  * # Safety
  * `conn` live; `out` writable.
@@ -1198,13 +1221,20 @@ rbr_status rbr_conn_remote_from_raw(const struct rbr_conn *conn,
  * the peer). The local bytes must not change until the write completes (RBR_OP_WRITE). When
  * it completes the bytes are in the peer's memory; the peer is sure to see them once it has
  * received a later message or write-with-immediate of this connection. A key the peer did
- * not give, a range outside its region, or a region without the access completes the write
- * with RBR_WC_REMOTE_ACCESS, touches no byte of the peer's memory, and fails the connection,
- * as over verbs. `flags`: RBR_SEND_SIGNALED. RBR_ERR_QUEUE_FULL when the send queue is full.
+ * not give, a range outside its region, or a region without the access is posted and
+ * completes the write with RBR_WC_REMOTE_ACCESS (signaled or not), touches no byte of the
+ * peer's memory, and fails the connection, as over verbs; the peer's connection ends with
+ * RBR_WC_PEER_ACCESS. `flags`: RBR_SEND_SIGNALED. Unsignaled, the write holds a slot of the
+ * send queue until it is done: over shm it runs during the call (the source may change once it
+ * returns); over verbs the slot frees, and the source may change, once a later completion of
+ * the send queue is taken (the library asks the device for one every few unsignaled requests
+ * and takes it at the next poll; no signaled post is needed), at once for a write of at most
+ * max_inline bytes. RBR_ERR_QUEUE_FULL when the send queue is full.
  * Refused at once (nothing posted): `nsge` above RBR_SGE_MAX, a segment with a NULL `mr`
  * (RBR_ERR_NULL), of another context, or over 4 GiB - 1 in all, a `remote` unpacked on another
- * connection, a `remote_offset` that wraps, an unknown flag (RBR_ERR_INVALID); a segment
- * outside its region (RBR_ERR_RANGE); a connection that is down (RBR_ERR_DISCONNECTED).
+ * connection or with a key wider than 32 bits, a `remote_offset` that wraps, an unknown flag
+ * (RBR_ERR_INVALID); a segment outside its region (RBR_ERR_RANGE); a connection that is down
+ * (RBR_ERR_DISCONNECTED).
  *
  * # Safety
  * `conn`, `remote` live; `sgl` readable for `nsge` entries whose `mr` are live (NULL allowed
@@ -1258,9 +1288,10 @@ rbr_status rbr_conn_post_read(struct rbr_conn *conn,
  * `mr[offset..offset+8]` (8-byte aligned, RBR_ACCESS_LOCAL_WRITE) in host byte order; the
  * operation completes with RBR_OP_FETCH_ADD. Atomic against every other atomic on the word,
  * from any connection, and over shm against the owner's own atomic instructions too.
- * Refused at once (nothing posted): an offset or `remote_offset` not 8-byte aligned or
- * wrapping, `mr` of another context, a `remote` unpacked on another connection, an unknown
- * flag (RBR_ERR_INVALID); `mr[offset..offset+8]` outside the region (RBR_ERR_RANGE); `mr`
+ * Refused at once (nothing posted, no completion, the connection stays up): a local word
+ * (`mr` + `offset`) or remote word (`remote->addr + remote_offset`) not 8-byte aligned, a
+ * `remote_offset` that wraps, `mr` of another context, a `remote` unpacked on another
+ * connection or with a key wider than 32 bits, an unknown flag (RBR_ERR_INVALID); `mr[offset..offset+8]` outside the region (RBR_ERR_RANGE); `mr`
  * without RBR_ACCESS_LOCAL_WRITE (RBR_ERR_ACCESS); a full send queue (RBR_ERR_QUEUE_FULL); a
  * connection that is down (RBR_ERR_DISCONNECTED).
  *

@@ -65,6 +65,11 @@ pub enum WcStatus {
     RemoteAccess,
     /// Any other failure.
     General,
+    /// For a disconnect event: the peer made a one-sided access this side had not allowed (a
+    /// key it was never given, a range past a region, a right the region does not grant), and
+    /// the connection failed for it. Over verbs: the device failed the queue pair for a request
+    /// of the peer's, as it does for such an access.
+    PeerAccess,
 }
 
 /// One finished work request or connection event.

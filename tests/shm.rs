@@ -49,6 +49,7 @@ suite_over_shm!(
     fetch_and_add_from_two_connections_sums_exactly,
     compare_and_swap_makes_a_working_lock,
     bad_remote_accesses_fail_with_remote_access_and_touch_nothing,
+    raw_remote_built_as_the_guide_says_reaches_the_region,
 );
 
 /// A peer running as another user is turned away (peer credentials), and the listener keeps

@@ -13,7 +13,12 @@
 //! | 5..8 | zero |
 //! | 8..16 | address of the region's first byte in the owner's address space, little endian |
 //! | 16..24 | length in bytes, little endian |
-//! | 24..32 | key, little endian (verbs: the rkey in the low 32 bits) |
+//! | 24..28 | key, little endian: 32 bits on both transports (over verbs the rkey) |
+//! | 28..32 | zero |
+//!
+//! A key is 32 bits on both transports, so that a program that carries address, length and
+//! key its own way (4 bytes of key, as a verbs rkey) works unchanged over either, through
+//! [`crate::Connection::remote_from_raw`].
 
 use crate::conn::Transport;
 use crate::error::{Error, Result};
@@ -86,6 +91,19 @@ pub(crate) fn pack(
     d
 }
 
+/// The largest key: keys are 32 bits on both transports.
+pub(crate) const KEY_MAX: u64 = u32::MAX as u64;
+
+/// `key` is a key (32 bits).
+pub(crate) fn check_key(key: u64) -> Result<()> {
+    if key > KEY_MAX {
+        return Err(Error::invalid(format!(
+            "key {key:#x} is wider than 32 bits: keys are 32 bits on both transports"
+        )));
+    }
+    Ok(())
+}
+
 /// Unpacks a descriptor for connection `conn_id` over `transport`. Checks the form only: the
 /// key and the bounds are checked when an operation uses them, against what the owner
 /// registered.
@@ -116,6 +134,7 @@ pub(crate) fn unpack(desc: &[u8], transport: Transport, conn_id: u64) -> Result<
     }
     let word = |i: usize| u64::from_le_bytes(desc[i..i + 8].try_into().expect("8 bytes"));
     let (addr, len, key) = (word(8), word(16), word(24));
+    check_key(key)?;
     if addr.checked_add(len).is_none() {
         return Err(Error::invalid(
             "the descriptor's range wraps past the end of the address space",
@@ -131,8 +150,10 @@ pub(crate) fn unpack(desc: &[u8], transport: Transport, conn_id: u64) -> Result<
 }
 
 /// A region described by its raw fields (for peers that exchange address, key and length their
-/// own way).
+/// own way). Its access is every remote right: the peer's library (or device) checks what it
+/// registered when an operation runs.
 pub(crate) fn from_raw(addr: u64, len: u64, key: u64, conn_id: u64) -> Result<RemoteRegion> {
+    check_key(key)?;
     if addr.checked_add(len).is_none() {
         return Err(Error::invalid(
             "the range wraps past the end of the address space",
@@ -190,5 +211,28 @@ mod tests {
         }
         let wraps = pack(Transport::Shm, Access::REMOTE_READ, u64::MAX - 8, 64, 1);
         assert!(unpack(&wraps, Transport::Shm, 1).is_err());
+        let mut wide = d;
+        wide[28] = 1;
+        assert!(
+            unpack(&wide, Transport::Shm, 1).is_err(),
+            "a key over 32 bits"
+        );
+    }
+
+    #[test]
+    fn the_key_is_bytes_24_to_28_and_raw_fields_make_the_same_region() {
+        let d = pack(
+            Transport::Shm,
+            Access::REMOTE_WRITE,
+            0x1000,
+            64,
+            0xfeed_f00d,
+        );
+        assert_eq!(d[24..28], 0xfeed_f00du32.to_le_bytes());
+        assert_eq!(d[28..32], [0; 4]);
+        let key = u32::from_le_bytes(d[24..28].try_into().unwrap());
+        let raw = from_raw(0x1000, 64, key.into(), 3).unwrap();
+        assert_eq!(raw.key(), unpack(&d, Transport::Shm, 3).unwrap().key());
+        assert!(from_raw(0x1000, 64, 1 << 32, 3).is_err());
     }
 }

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use crate::conn::remote::{RemoteRegion, SGE_MAX};
+use crate::conn::remote::{KEY_MAX, RemoteRegion, SGE_MAX, check_key};
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
 use crate::mr::{Access, MemoryRegion};
@@ -397,6 +397,7 @@ pub(crate) fn checked_one(
     };
     if flags.0 & !SendFlags::SIGNALED.0 != 0
         || remote.conn_id != conn_id
+        || remote.key > KEY_MAX
         || !local.mr.same_context(ctx)
         || len > u32::MAX as usize
         || (read && !local.mr.access().contains(Access::LOCAL_WRITE))
@@ -408,14 +409,15 @@ pub(crate) fn checked_one(
     Some((ptr, len, addr))
 }
 
-/// The remote region was unpacked on this connection.
+/// The remote region was unpacked on this connection, and its key is one (a C caller fills
+/// the record as it likes).
 fn check_remote(remote: &RemoteRegion, conn_id: u64) -> Result<()> {
     if remote.conn_id != conn_id {
         return Err(Error::invalid(
             "the remote region was unpacked on another connection",
         ));
     }
-    Ok(())
+    check_key(remote.key)
 }
 
 /// The target address of `len` bytes at `offset` of `remote`, if it does not wrap. (Whether

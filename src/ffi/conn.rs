@@ -35,8 +35,10 @@ const _: () = assert!(RBR_PRIVATE_DATA_MAX == crate::PRIVATE_DATA_MAX);
 /// reject). A buffer of this size always holds it whole.
 pub const RBR_PRIVATE_DATA_RECV_MAX: usize = 196;
 
-/// Send flag: report a completion when the send finishes. Without it a send reports only a
-/// failure; post a signaled send at least once per send-queue depth.
+/// Send flag: report a completion when the send (or one-sided operation) finishes. Without it
+/// the operation reports only a failure, and its slot of the send queue still frees once it is
+/// done: the library sees to it, so no signaled post once per send-queue depth is needed (over
+/// verbs a full queue empties as the completion queue is polled).
 pub const RBR_SEND_SIGNALED: u32 = 1;
 
 /// Transport: shared memory on this host.

@@ -38,8 +38,9 @@ pub const RBR_OP_RECV_WRITE_IMM: u32 = 7;
 /// Opcode (connection event): the connection is down; every work request it had has
 /// completed before this record, and none follows it. `status` is RBR_WC_SUCCESS for an
 /// orderly close by either side (over verbs this includes a peer process that was killed: its
-/// kernel closes the connection), RBR_WC_TRANSPORT when the peer vanished without a close, or
-/// the error that failed the connection. How soon a vanished peer is noticed: shm at once (its
+/// kernel closes the connection), RBR_WC_TRANSPORT when the peer vanished without a close,
+/// RBR_WC_PEER_ACCESS when the peer made a one-sided access this side had not allowed, or the
+/// error that failed the connection. How soon a vanished peer is noticed: shm at once (its
 /// socket closes); verbs, for a lost host or link, within about keepalive_ms (1 s, for an idle
 /// connection) + (retry_count + 1) x 4.096 us x 2^ack_timeout: about 3 s with the default
 /// options. The host whose own link (RDMA port) goes down fails its connections within
@@ -55,7 +56,7 @@ pub const RBR_WC_FLUSHED: i32 = 1;
 pub const RBR_WC_LOCAL_LENGTH: i32 = 2;
 /// The peer could not take the message (its receive buffer was too small).
 pub const RBR_WC_REMOTE_ERROR: i32 = 3;
-/// The peer vanished or the link failed.
+/// The peer vanished or the link failed (not a peer's bad access: RBR_WC_PEER_ACCESS).
 pub const RBR_WC_TRANSPORT: i32 = 4;
 /// The local memory region does not allow the access.
 pub const RBR_WC_LOCAL_PROTECTION: i32 = 5;
@@ -63,6 +64,14 @@ pub const RBR_WC_LOCAL_PROTECTION: i32 = 5;
 pub const RBR_WC_REMOTE_ACCESS: i32 = 6;
 /// Any other failure.
 pub const RBR_WC_GENERAL: i32 = 7;
+/// Disconnect events only: the peer made a one-sided access this side had not allowed it (a
+/// key it was never given, a range past a region, a right the region does not grant), and the
+/// connection failed for it: a misbehaving peer, told apart from one that vanished
+/// (RBR_WC_TRANSPORT). Over shm the peer's library checks every access and says so; over
+/// verbs this side's device fails the connection's queue pair for the request, and the library
+/// finds it so when the peer disconnects. Not reported for a peer that reads or writes where it
+/// was allowed, whatever it writes.
+pub const RBR_WC_PEER_ACCESS: i32 = 8;
 
 /// Completion flag: `imm_data` holds immediate data.
 pub const RBR_WC_WITH_IMM: u32 = 1;
@@ -119,6 +128,7 @@ impl From<Completion> for rbr_completion {
                 WcStatus::LocalProtection => RBR_WC_LOCAL_PROTECTION,
                 WcStatus::RemoteAccess => RBR_WC_REMOTE_ACCESS,
                 WcStatus::General => RBR_WC_GENERAL,
+                WcStatus::PeerAccess => RBR_WC_PEER_ACCESS,
             },
             byte_len: c.byte_len,
             imm_data: c.imm.unwrap_or(0),

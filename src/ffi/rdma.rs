@@ -20,7 +20,9 @@ use crate::{Access, Error, RemoteRegion, SendFlags, Sge};
 /// Bytes of a packed remote-memory descriptor (`rbr_conn_pack_region`). Its layout is fixed:
 /// bytes 0..2 "RB", 2 version (1), 3 transport (RBR_TRANSPORT_*), 4 the remote RBR_ACCESS_*
 /// bits, 5..8 zero, 8..16 the region's address in its owner's process, 16..24 its length,
-/// 24..32 its key (over verbs the rkey, in the low 32 bits); numbers little endian.
+/// 24..28 its key, 28..32 zero; numbers little endian. A key is 32 bits on both transports
+/// (over verbs the rkey), so a program may carry address, length and a 4-byte key its own way
+/// and rebuild the remote with `rbr_conn_remote_from_raw`, over either transport.
 pub const RBR_REMOTE_DESC_LEN: usize = 32;
 const _: () = assert!(RBR_REMOTE_DESC_LEN == REMOTE_DESC_LEN);
 
@@ -49,9 +51,12 @@ pub struct rbr_remote {
     pub addr: u64,
     /// Its length in bytes, as described.
     pub len: u64,
-    /// The key the peer's library checks each access against.
+    /// The key the peer's library checks each access against (32 bits: a larger value is
+    /// RBR_ERR_INVALID at the post).
     pub key: u64,
-    /// The remote RBR_ACCESS_* bits the peer described.
+    /// The remote RBR_ACCESS_* bits the peer described; after `rbr_conn_remote_from_raw`,
+    /// all three (raw fields say nothing of them). Informative only: the peer's library or
+    /// device checks each access against what it registered.
     pub access: u32,
     /// Zero.
     pub reserved: u32,
@@ -155,8 +160,12 @@ pub unsafe extern "C" fn rbr_conn_unpack_remote(
 }
 
 /// Fills `*out` from raw fields, for peers that send address, length and key in their own
-/// format (a plain librdmacm peer such as rping sends its buffer's address, rkey and length).
-/// A range that wraps past the end of the address space is RBR_ERR_INVALID.
+/// format (a plain librdmacm peer such as rping sends its buffer's address, rkey and length;
+/// for a region of this library, over either transport, they are bytes 8..16, 16..24 and
+/// 24..28 of its packed descriptor). `out->access` is every remote right
+/// (RBR_ACCESS_REMOTE_WRITE | RBR_ACCESS_REMOTE_READ | RBR_ACCESS_REMOTE_ATOMIC); what the peer
+/// allows is checked when an access runs. A range that wraps past the end of the address space,
+/// or a key wider than 32 bits, is RBR_ERR_INVALID.
 ///
 /// # Safety
 /// `conn` live; `out` writable.
@@ -320,13 +329,20 @@ unsafe fn post_transfer_general(
 /// the peer). The local bytes must not change until the write completes (RBR_OP_WRITE). When
 /// it completes the bytes are in the peer's memory; the peer is sure to see them once it has
 /// received a later message or write-with-immediate of this connection. A key the peer did
-/// not give, a range outside its region, or a region without the access completes the write
-/// with RBR_WC_REMOTE_ACCESS, touches no byte of the peer's memory, and fails the connection,
-/// as over verbs. `flags`: RBR_SEND_SIGNALED. RBR_ERR_QUEUE_FULL when the send queue is full.
+/// not give, a range outside its region, or a region without the access is posted and
+/// completes the write with RBR_WC_REMOTE_ACCESS (signaled or not), touches no byte of the
+/// peer's memory, and fails the connection, as over verbs; the peer's connection ends with
+/// RBR_WC_PEER_ACCESS. `flags`: RBR_SEND_SIGNALED. Unsignaled, the write holds a slot of the
+/// send queue until it is done: over shm it runs during the call (the source may change once it
+/// returns); over verbs the slot frees, and the source may change, once a later completion of
+/// the send queue is taken (the library asks the device for one every few unsignaled requests
+/// and takes it at the next poll; no signaled post is needed), at once for a write of at most
+/// max_inline bytes. RBR_ERR_QUEUE_FULL when the send queue is full.
 /// Refused at once (nothing posted): `nsge` above RBR_SGE_MAX, a segment with a NULL `mr`
 /// (RBR_ERR_NULL), of another context, or over 4 GiB - 1 in all, a `remote` unpacked on another
-/// connection, a `remote_offset` that wraps, an unknown flag (RBR_ERR_INVALID); a segment
-/// outside its region (RBR_ERR_RANGE); a connection that is down (RBR_ERR_DISCONNECTED).
+/// connection or with a key wider than 32 bits, a `remote_offset` that wraps, an unknown flag
+/// (RBR_ERR_INVALID); a segment outside its region (RBR_ERR_RANGE); a connection that is down
+/// (RBR_ERR_DISCONNECTED).
 ///
 /// # Safety
 /// `conn`, `remote` live; `sgl` readable for `nsge` entries whose `mr` are live (NULL allowed
@@ -440,9 +456,10 @@ unsafe fn post_atomic(
 /// `mr[offset..offset+8]` (8-byte aligned, RBR_ACCESS_LOCAL_WRITE) in host byte order; the
 /// operation completes with RBR_OP_FETCH_ADD. Atomic against every other atomic on the word,
 /// from any connection, and over shm against the owner's own atomic instructions too.
-/// Refused at once (nothing posted): an offset or `remote_offset` not 8-byte aligned or
-/// wrapping, `mr` of another context, a `remote` unpacked on another connection, an unknown
-/// flag (RBR_ERR_INVALID); `mr[offset..offset+8]` outside the region (RBR_ERR_RANGE); `mr`
+/// Refused at once (nothing posted, no completion, the connection stays up): a local word
+/// (`mr` + `offset`) or remote word (`remote->addr + remote_offset`) not 8-byte aligned, a
+/// `remote_offset` that wraps, `mr` of another context, a `remote` unpacked on another
+/// connection or with a key wider than 32 bits, an unknown flag (RBR_ERR_INVALID); `mr[offset..offset+8]` outside the region (RBR_ERR_RANGE); `mr`
 /// without RBR_ACCESS_LOCAL_WRITE (RBR_ERR_ACCESS); a full send queue (RBR_ERR_QUEUE_FULL); a
 /// connection that is down (RBR_ERR_DISCONNECTED).
 ///

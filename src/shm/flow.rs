@@ -1209,6 +1209,8 @@ impl Flow {
         match end {
             End::Local | End::Peer { clean: true } if peer_fatal == 0 => WcStatus::Success,
             End::Local | End::Peer { .. } if refused_seq.is_some() => WcStatus::RemoteError,
+            // The peer's library refused one of its own accesses to this side's memory.
+            End::Peer { .. } if peer_fatal >> 48 == FATAL_ACCESS => WcStatus::PeerAccess,
             End::Peer { clean: false } => WcStatus::Transport,
             End::LocalLength => WcStatus::LocalLength,
             End::RemoteAccess => WcStatus::RemoteAccess,

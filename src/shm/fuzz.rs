@@ -535,7 +535,7 @@ pub fn ring_seeds() -> Vec<(&'static str, Vec<u8>)> {
 
 /// Seeds for [`onesided`]: real offers and descriptors, with every operation.
 pub fn onesided_seeds() -> Vec<(&'static str, Vec<u8>)> {
-    let key = 0x5eed_0000_0000_0001u64;
+    let key = 0x5eed_0001u64; // keys are 32 bits
     let (addr, len) = (0x7f12_3450_0000u64, 4096u64);
     let all = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
     let offer = |mapped: bool, slot: u32, access: Access| {

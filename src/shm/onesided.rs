@@ -1,8 +1,10 @@
 //! One-sided operations over shm: the regions a side lets its peer reach (exports), the
 //! peer's view of them (imports), and the accesses themselves.
 //!
-//! **Offers.** Exposing a region on a connection gives it a random 64-bit key (never a
-//! counter) and a slot in this side's export table in the shared segment (`segment.rs`,
+//! **Offers.** Exposing a region on a connection gives it a random 32-bit key (never a
+//! counter; 32 bits as a verbs rkey, so that a program carries keys of either transport the
+//! same way), unique among the connection's live keys and unlike the slot's previous one, and a
+//! slot in this side's export table in the shared segment (`segment.rs`,
 //! [`Export`]), stores the key in the slot's `live` word, and sends the peer an offer on the
 //! connection's socket before returning: slot, key, address, length and remote access bits,
 //! plus, for a region the library allocated, its memfd (SCM_RIGHTS; a read-only descriptor when
@@ -76,12 +78,13 @@ const OFFER_SEND_WAIT: Duration = Duration::from_secs(1);
 
 const REMOTE_BITS: u32 = Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0;
 
-/// A random key: 64 bits from the kernel, never 0 (0 marks a withdrawn slot).
+/// A random key: 32 bits from the kernel (a key is 32 bits on both transports, see
+/// `conn/remote.rs`), never 0 (0 marks a withdrawn slot).
 fn random_key() -> Result<u64> {
     loop {
-        let mut k = 0u64;
-        // SAFETY: fills 8 bytes of a live local.
-        let n = unsafe { libc::getrandom((&raw mut k).cast(), 8, 0) };
+        let mut k = 0u32;
+        // SAFETY: fills 4 bytes of a live local.
+        let n = unsafe { libc::getrandom((&raw mut k).cast(), 4, 0) };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -89,7 +92,19 @@ fn random_key() -> Result<u64> {
             }
             return Err(Error::MemoryRegion(e));
         }
-        if n == 8 && k != 0 {
+        if n == 4 && k != 0 {
+            return Ok(u64::from(k));
+        }
+    }
+}
+
+/// A fresh key for `slot`: none of the connection's live keys (the peer finds imports by key),
+/// and not the key the slot last held, so that a peer's access still holding the previous
+/// region's import fails the slot's `live` check instead of landing in the old mapping.
+fn fresh_key(st: &ExportState, slot: usize) -> Result<u64> {
+    loop {
+        let k = random_key()?;
+        if k != st.last_key[slot] && !st.by_mr.values().any(|&(live, _)| live == k) {
             return Ok(k);
         }
     }
@@ -110,6 +125,8 @@ struct ExportState {
     by_mr: HashMap<u64, (u64, usize)>,
     /// Slots in use.
     used: Vec<bool>,
+    /// The key each slot held last (0: none yet).
+    last_key: Vec<u64>,
     /// The connection ended: nothing more is exposed.
     closed: bool,
     /// The connection's socket, for withdrawal notices; `None` once its teardown began (the
@@ -132,6 +149,7 @@ impl Exports {
             peer_proc,
             state: Mutex::new(ExportState {
                 used: vec![false; EXPORT_SLOTS],
+                last_key: vec![0; EXPORT_SLOTS],
                 sock: Some(sock),
                 ..Default::default()
             }),
@@ -197,7 +215,7 @@ impl Exports {
                 "at most {EXPORT_SLOTS} regions may be exposed on one shm connection at once"
             )));
         };
-        let key = random_key()?;
+        let key = fresh_key(&st, slot)?;
         let entry = self.seg.export(self.side, slot).expect("slot in range");
         // SeqCst: live before the offer leaves, so that the peer finds it live once it has it.
         entry.live.store(key, Ordering::SeqCst);
@@ -229,6 +247,7 @@ impl Exports {
             return Err(e);
         }
         st.used[slot] = true;
+        st.last_key[slot] = key;
         st.by_mr.insert(mr.id(), (key, slot));
         let weak: Weak<dyn Exposure> = Arc::downgrade(self) as Weak<dyn Exposure>;
         mr.add_exposure(weak);
@@ -1227,8 +1246,12 @@ mod tests {
     }
 
     #[test]
-    fn keys_are_random_and_never_zero() {
+    fn keys_are_random_32_bits_and_never_zero() {
         let keys: Vec<u64> = (0..64).map(|_| random_key().unwrap()).collect();
+        assert!(
+            keys.iter().all(|&k| k <= u64::from(u32::MAX)),
+            "a key is 32 bits"
+        );
         let mut sorted = keys.clone();
         sorted.sort_unstable();
         sorted.dedup();

@@ -249,6 +249,26 @@ impl Engine {
         self.post_empty_write(st);
     }
 
+    /// Whether the device has put the queue pair in the error state (false when it cannot
+    /// say). Only before this side's own disconnect, which puts it there.
+    fn qp_in_error(&self) -> bool {
+        // SAFETY: plain data; zero is a valid start for both.
+        let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: the QP lives until the teardown's `Leave` stage; both out-parameters are live
+        // locals.
+        let r = unsafe {
+            sys::ibv_query_qp(
+                self.sh.qp,
+                &mut attr,
+                sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
+                &mut init,
+            )
+        };
+        r == 0 && attr.qp_state == sys::ibv_qp_state::IBV_QPS_ERR
+    }
+
     /// One teardown turn (see the module's doc).
     fn teardown(&mut self) -> Next {
         loop {
@@ -259,6 +279,17 @@ impl Engine {
                         return Next::Yield;
                     };
                     st.closed = true;
+                    // The peer disconnected with nothing of this side's failed, but the queue
+                    // pair is in error already (nothing here moved it; a disconnect does not):
+                    // the device failed it as the responder of a request of the peer's, which a
+                    // peer of this library makes only with a one-sided access it was not
+                    // allowed (a bad key or range, a right the region lacks).
+                    let end = match end {
+                        End::Peer if st.failed.is_none() && self.qp_in_error() => {
+                            End::Failed(WcStatus::PeerAccess)
+                        }
+                        end => end,
+                    };
                     // SAFETY: live id; moves the QP to the error state so outstanding work is
                     // flushed. An error (already disconnected) changes nothing.
                     unsafe { sys::rdma_disconnect(self.res().id_raw()) };

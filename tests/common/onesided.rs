@@ -462,6 +462,134 @@ pub fn bad_remote_accesses_fail_with_remote_access_and_touch_nothing(net: &Net) 
             "{case}: the connection is down"
         );
         assert_eq!(checksum(&target), before, "{case}: the target changed");
+        // The target learns why its connection ended: a peer's bad access, not a peer that
+        // vanished (Transport) or closed (Success).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let end = loop {
+            let d = next(&scq);
+            if d.opcode == Opcode::Disconnected {
+                break d;
+            }
+            assert_eq!(d.status, WcStatus::Flushed, "{case}: {d:?}");
+            assert!(
+                Instant::now() < deadline,
+                "{case}: no Disconnected at the target"
+            );
+        };
+        assert_eq!(
+            end.status,
+            WcStatus::PeerAccess,
+            "{case} (warm {warm}): {end:?}"
+        );
         drop((client, server));
     }
+}
+
+/// A raw remote built exactly as docs/one-sided.md says - address, length and key read from
+/// bytes 8..16, 16..24 and 24..28 of the packed descriptor - reaches the region on either
+/// transport with every operation, and has every remote right. Then what the guide says of
+/// posting: an atomic on an unaligned word is refused at the post and posts nothing, the
+/// connection staying up; a key wider than 32 bits is no key; and unsignaled writes, four
+/// times the send queue's depth of them, need no signaled one to get through.
+pub fn raw_remote_built_as_the_guide_says_reaches_the_region(net: &Net) {
+    const DEPTH: u32 = 4;
+    let ctx = Context::new().unwrap();
+    let copts = ConnOptions {
+        send_queue_depth: DEPTH,
+        ..Default::default()
+    };
+    let (client, ccq, server, scq) = pair(net, &ctx, &copts, &ConnOptions::default());
+    let all = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+    let target = ctx.alloc_mr(4096, Access::LOCAL_WRITE | all).unwrap();
+    let desc = server.pack_region(&target).unwrap();
+    let got = hand_over(&ctx, &server, &scq, &client, &ccq, &desc);
+    let u64_at = |i: usize| u64::from_le_bytes(got[i..i + 8].try_into().unwrap());
+    let key = u32::from_le_bytes(got[24..28].try_into().unwrap());
+    assert_eq!(got[28..32], [0; 4], "bytes 28..32 of a descriptor are zero");
+    let raw = client
+        .remote_from_raw(u64_at(8), u64_at(16), key.into())
+        .unwrap();
+    assert_eq!(raw.access(), all, "a raw remote has every remote right");
+
+    let local = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    let seg = |offset: usize, len: usize| Sge {
+        mr: &local,
+        offset,
+        len,
+    };
+    // Write (signaled), read back (signaled), fetch-and-add and compare-and-swap.
+    unsafe { local.write(0, &pattern(5, 256)) }.unwrap();
+    client
+        .post_write(&[seg(0, 256)], &raw, 512, 11, SIG)
+        .unwrap();
+    expect_ok(&ccq, Opcode::Write, 11);
+    assert_eq!(bytes(&target, 512, 256), pattern(5, 256));
+    client
+        .post_read(&[seg(1024, 256)], &raw, 512, 12, SIG)
+        .unwrap();
+    expect_ok(&ccq, Opcode::Read, 12);
+    assert_eq!(bytes(&local, 1024, 256), pattern(5, 256));
+    unsafe { target.write(0, &40u64.to_ne_bytes()) }.unwrap();
+    client
+        .post_fetch_add(&local, 2048, &raw, 0, 2, 13, SIG)
+        .unwrap();
+    expect_ok(&ccq, Opcode::FetchAdd, 13);
+    client
+        .post_cmp_swap(&local, 2056, &raw, 0, 42, 7, 14, SIG)
+        .unwrap();
+    expect_ok(&ccq, Opcode::CmpSwap, 14);
+    assert_eq!(
+        bytes(&local, 2048, 16),
+        [40u64.to_ne_bytes(), 42u64.to_ne_bytes()].concat()
+    );
+    assert_eq!(bytes(&target, 0, 8), 7u64.to_ne_bytes());
+
+    // An unaligned atomic: refused at the post, nothing posted, the connection up.
+    let r = client.post_fetch_add(&local, 2048, &raw, 4, 1, 15, SIG);
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    let r = client.post_cmp_swap(&local, 2048, &raw, 12, 0, 1, 16, SIG);
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    // A key wider than 32 bits is no key of either transport.
+    let r = client.remote_from_raw(u64_at(8), u64_at(16), u64::from(key) | 1 << 32);
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    assert!(ccq.poll().is_none(), "a refused post queued a record");
+    assert_eq!(bytes(&target, 0, 8), 7u64.to_ne_bytes());
+
+    // Unsignaled writes, 4x the depth, then a signaled read: a queue full of them (over verbs
+    // it may be, for a moment) empties as the completion queue is polled, which returns
+    // nothing for them.
+    let post_polling = |what: &str, post: &dyn Fn() -> rdmabridge::Result<()>| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match post() {
+                Ok(()) => return,
+                Err(Error::QueueFull(_)) => {
+                    assert!(Instant::now() < deadline, "{what}: the queue stayed full");
+                    assert!(ccq.poll().is_none(), "a record for an unsignaled write");
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                Err(e) => panic!("{what}: {e}"),
+            }
+        }
+    };
+    for k in 0..4 * DEPTH as usize {
+        unsafe { local.write(k * 64, &pattern(k as u64 + 100, 64)) }.unwrap();
+        let at = 1024 + k as u64 * 64;
+        post_polling(&format!("write {k}"), &|| {
+            client.post_write(&[seg(k * 64, 64)], &raw, at, 100 + k as u64, SendFlags(0))
+        });
+    }
+    // The read completes after them (the send queue completes in order).
+    post_polling("read", &|| {
+        client.post_read(&[seg(2048, 1024)], &raw, 1024, 17, SIG)
+    });
+    expect_ok(&ccq, Opcode::Read, 17);
+    for k in 0..4 * DEPTH as usize {
+        assert_eq!(
+            bytes(&local, 2048 + k * 64, 64),
+            pattern(k as u64 + 100, 64),
+            "write {k}"
+        );
+    }
+    assert!(ccq.poll().is_none(), "a record for an unsignaled write");
 }
