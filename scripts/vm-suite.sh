@@ -52,8 +52,14 @@ stock_server() { # stock rdma_server, our client; RBR_LOG names the server's add
   local port=7472
   local log=/tmp/stock_server.log
   timeout 60 rdma_server -p "$port" & local s=$!
-  sleep 2
-  RBR_LOG=info timeout 30 "$build/rbr_client" -P -a "rdma://$ip:$port" -n 1 -s 16 2>"$log"; local c=$?
+  # rdma_server says nothing when it listens: retry the connect while it starts (a fixed wait
+  # is too short for an emulated VM on a loaded machine).
+  local c=1
+  for _ in $(seq 30); do
+    sleep 1
+    RBR_LOG=info timeout 30 "$build/rbr_client" -P -a "rdma://$ip:$port" -n 1 -s 16 2>"$log"; c=$?
+    grep -q 'RBR_ERR_REFUSED\|RBR_ERR_REJECTED' "$log" || break
+  done
   wait "$s"; local r=$?
   cat "$log"
   echo "rbr_client exit $c, rdma_server exit $r"
@@ -98,7 +104,7 @@ step "rust suite over verbs, RBR_PROGRESS=thread" env RBR_PROGRESS=thread "$verb
   --test-threads=1 --exact bad_posts_return_clear_errors_and_post_nothing \
   completion_fd_is_readable_exactly_while_completions_are_queued \
   disconnect_flushes_and_reports_on_both_sides idle_connection_stays_up_and_reports_nothing \
-  peer_killed_mid_stream_is_reported_within_one_second \
+  peer_killed_mid_stream_is_reported_at_once \
   receive_too_small_fails_both_sides_with_length_errors slot_is_free_once_its_completion_is_seen \
   slow_receiver_holds_sender_back_and_loses_nothing \
   bad_remote_accesses_fail_with_remote_access_and_touch_nothing \

@@ -606,7 +606,8 @@ fn get_request_with_timeout_zero_is_empty_not_an_error() {
         let mut r = sentinel;
         let t = std::time::Instant::now();
         assert_eq!(rbr_listener_get_request(l, 0, &mut r), RBR_EMPTY);
-        assert!(t.elapsed() < std::time::Duration::from_millis(100));
+        // Does not wait (a ceiling for a loaded machine: 0 read as "forever" would hang).
+        assert!(t.elapsed() < std::time::Duration::from_secs(1));
         assert_eq!(r, sentinel);
         assert_eq!(cstr(rbr_last_error()), before);
         assert_eq!(rbr_listener_get_request(l, 10, &mut r), RBR_ERR_TIMEOUT);

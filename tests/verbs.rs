@@ -24,7 +24,7 @@ suite_over_verbs!(
     reject_carries_private_data_both_ways,
     accept_private_data_reaches_the_client,
     oversized_private_data_is_invalid_and_nothing_is_sent,
-    peer_killed_mid_stream_is_reported_within_one_second,
+    peer_killed_mid_stream_is_reported_at_once,
     slow_receiver_holds_sender_back_and_loses_nothing,
     receive_too_small_fails_both_sides_with_length_errors,
     bad_posts_return_clear_errors_and_post_nothing,
@@ -51,7 +51,8 @@ suite_over_verbs!(
 );
 
 /// A connect to an address no route reaches fails with its own status, within the timeout.
-/// (198.18.99.0/24 is on no interface of the VM, so nothing is ever sent.)
+/// (198.18.99.0/24 is on no interface of the VM, so nothing is ever sent.) The ceiling leaves
+/// the emulated VM 2 s past the timeout and stays below the 5 s default.
 #[test]
 #[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
 fn connect_to_unroutable_address_is_unreachable_within_timeout() {
@@ -67,7 +68,7 @@ fn connect_to_unroutable_address_is_unreachable_within_timeout() {
     let t = Instant::now();
     let r = ctx.connect("rdma://198.18.99.1:7471", &cq, &opts);
     assert!(matches!(r, Err(Error::Unreachable(_))), "{r:?}");
-    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
 }
 
 /// Takes the test network interface down, and back up (waiting for the RDMA port to be active
@@ -112,8 +113,9 @@ impl Drop for LinkDown {
 /// The local link goes down under idle connections that send no keepalives: the device's port
 /// event alone makes both ends fail - every receive flushed, then a TRANSPORT disconnect -
 /// within the documented bound (about 1 s + the retry bound of 1.9 s with the defaults; checked
-/// against 8 s since the VM runs under emulation). Run on its own (scripts/vm-suite.sh): it
-/// takes the VM's test interface down for a while.
+/// against 20 s since the VM runs under emulation, on a machine that may be loaded; without the
+/// port event nothing would ever end these idle connections). Run on its own
+/// (scripts/vm-suite.sh): it takes the VM's test interface down for a while.
 #[test]
 #[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
 fn local_link_down_fails_idle_connections_within_bound() {
@@ -133,22 +135,33 @@ fn local_link_down_fails_idle_connections_within_bound() {
     // Idle for a while first: nothing may happen while the link is up.
     assert!(!ccq.wait(Some(Duration::from_millis(1500))).unwrap());
     assert!(!scq.wait(Some(Duration::from_millis(10))).unwrap());
+    const BOUND: Duration = Duration::from_secs(20);
+    // Each record within the bound (common::next gives up at 10 s).
+    let next = |cq: &rdmabridge::CompletionQueue| loop {
+        if let Some(c) = cq.poll() {
+            return c;
+        }
+        assert!(
+            cq.wait(Some(BOUND)).unwrap(),
+            "no completion within {BOUND:?}"
+        );
+    };
     let down = LinkDown::new(&netdev);
     let t0 = Instant::now();
     for (cq, wr_id) in [(&ccq, 1), (&scq, 2)] {
-        let r = common::next(cq);
+        let r = next(cq);
         assert_eq!(
             (r.wr_id, r.opcode, r.status),
             (wr_id, Opcode::Recv, WcStatus::Flushed)
         );
-        let d = common::next(cq);
+        let d = next(cq);
         assert_eq!(
             (d.opcode, d.status),
             (Opcode::Disconnected, WcStatus::Transport)
         );
         let took = t0.elapsed();
         eprintln!("link down -> disconnect (wr {wr_id}'s side) after {took:?}");
-        assert!(took < Duration::from_secs(8), "{took:?}");
+        assert!(took < BOUND, "{took:?}");
     }
     drop(down);
     drop((c, s));
@@ -221,7 +234,8 @@ fn plain_client_without_rnr_retries_fails_a_send_that_finds_no_receive() {
     );
     let took = took.unwrap();
     eprintln!("send without a receive at the plain peer failed after {took:?}");
-    assert!(took < Duration::from_secs(2), "{took:?}");
+    // It fails at once (no RNR retries); the ceiling is for an emulated VM on a loaded machine.
+    assert!(took < Duration::from_secs(5), "{took:?}");
     drop(conn);
     let _ = client.wait();
 }

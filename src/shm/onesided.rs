@@ -1192,8 +1192,9 @@ mod tests {
             wait_idle(&busy, pid);
         });
         let took = t.elapsed();
+        // Half the bound it must not wait out: a loaded machine has seconds to spare.
         assert!(
-            took < Duration::from_secs(2),
+            took < REVOKE_WAIT / 2,
             "released {took:?} after the start (the bound is {REVOKE_WAIT:?})"
         );
         child.wait().unwrap();

@@ -40,15 +40,23 @@ pub fn processes_exchange_verified_messages_at_all_sizes(net: &Net) {
     }
 }
 
+/// Refused at once, not when the connect's timeout is up: the bound leaves a loaded machine
+/// seconds to spare and stays far below the timeout.
 pub fn connect_to_name_nobody_listens_on_is_refused_at_once(net: &Net) {
     let ctx = Context::new().unwrap();
     let cq = CompletionQueue::new().unwrap();
+    let opts = ConnOptions {
+        timeout: Some(Duration::from_secs(60)),
+        ..Default::default()
+    };
     let t = Instant::now();
-    let r = ctx.connect(&net.addr("nobody"), &cq, &ConnOptions::default());
+    let r = ctx.connect(&net.addr("nobody"), &cq, &opts);
     assert!(matches!(r, Err(Error::Refused(_))), "{r:?}");
-    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 }
 
+/// Times out after its own timeout, not before, and not at the 5 s default (the ceiling leaves
+/// a loaded machine seconds to spare, and stays below the default).
 pub fn connect_to_silent_listener_times_out_within_its_timeout(net: &Net) {
     let ctx = Context::new().unwrap();
     let cq = CompletionQueue::new().unwrap();
@@ -63,7 +71,7 @@ pub fn connect_to_silent_listener_times_out_within_its_timeout(net: &Net) {
     let took = t.elapsed();
     assert!(matches!(r, Err(Error::Timeout(_))), "{r:?}");
     assert!(
-        took >= Duration::from_millis(300) && took < Duration::from_millis(1300),
+        took >= Duration::from_millis(300) && took < Duration::from_secs(4),
         "{took:?}"
     );
 }
@@ -133,8 +141,11 @@ pub fn oversized_private_data_is_invalid_and_nothing_is_sent(net: &Net) {
 }
 
 /// A peer killed with SIGKILL mid-stream: the survivor gets flush completions for all its
-/// outstanding work and a disconnect event within 1 s, and tears down cleanly.
-pub fn peer_killed_mid_stream_is_reported_within_one_second(net: &Net) {
+/// outstanding work and a disconnect event at once (the dead process's socket or connection
+/// closes; it takes milliseconds, and the 5 s ceiling is for a loaded machine: learning it
+/// from a timer instead - keepalives, the device's retries - would show as the wrong status
+/// over verbs), and tears down cleanly.
+pub fn peer_killed_mid_stream_is_reported_at_once(net: &Net) {
     let ctx = Context::new().unwrap();
     let cq = CompletionQueue::new().unwrap();
     let addr = net.addr("kill");
@@ -201,7 +212,7 @@ pub fn peer_killed_mid_stream_is_reported_within_one_second(net: &Net) {
         }
     }
     assert!(
-        killed.elapsed() < Duration::from_secs(1),
+        killed.elapsed() < Duration::from_secs(5),
         "took {:?}",
         killed.elapsed()
     );
@@ -429,8 +440,9 @@ pub fn delivered_unsignaled_send_reports_nothing_at_close(net: &Net) {
         (Opcode::Disconnected, WcStatus::Success),
         "the delivered unsignaled send reported {e:?}"
     );
+    // The wait it must not make is 2 s long, never shorter: the ceiling sits just below it.
     assert!(
-        t.elapsed() < Duration::from_millis(1500),
+        t.elapsed() < Duration::from_millis(1900),
         "the close took {:?}: the library waited for a flush that never comes",
         t.elapsed()
     );
@@ -866,6 +878,9 @@ pub fn event_loop_accepts_a_burst_without_losing_a_peer(net: &Net) {
         Net::Shm => 200,
         Net::Verbs(_) => 20,
     };
+    // A call that blocked would wait for a request (forever) or for a silent peer's 2 s: the
+    // ceiling stays below that and leaves a loaded machine room.
+    const NEVER_BLOCKS: Duration = Duration::from_secs(1);
     let ctx = Context::new().unwrap();
     let addr = net.addr("burst");
     let l = ctx.listen(&addr, 256).unwrap();
@@ -881,11 +896,7 @@ pub fn event_loop_accepts_a_burst_without_losing_a_peer(net: &Net) {
     };
     let t = Instant::now();
     assert!(l.try_get_request().unwrap().is_none());
-    assert!(
-        t.elapsed() < Duration::from_millis(100),
-        "{:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < NEVER_BLOCKS, "{:?}", t.elapsed());
     assert!(!readable(0), "readable with nobody connecting");
     // Silent peers (shm): connected sockets that never send a hello.
     let silent: Vec<std::os::fd::OwnedFd> = match net {
@@ -902,11 +913,7 @@ pub fn event_loop_accepts_a_burst_without_losing_a_peer(net: &Net) {
             l.try_get_request().unwrap().is_none(),
             "a silent peer is no request"
         );
-        assert!(
-            t.elapsed() < Duration::from_millis(100),
-            "{:?}",
-            t.elapsed()
-        );
+        assert!(t.elapsed() < NEVER_BLOCKS, "{:?}", t.elapsed());
         assert!(!readable(0), "silent peers keep the descriptor readable");
     }
     let scq = CompletionQueue::new().unwrap();
@@ -1234,7 +1241,8 @@ pub fn threads_posting_on_one_connection_deliver_each_message_once(net: &Net) {
 /// In both progress modes, one thread sleeps in `wait` and another on the queue's descriptor,
 /// with two receives posted, while the main thread destroys - the waiters' connection, its
 /// peer, or everything the main thread holds (connection, context and its handle of the
-/// queue): both waiters return within 5 s, the queue then holds the flushed receives and the
+/// queue): both waiters return within 10 s (well before their 30 s timeouts, which they would
+/// reach if nothing woke them), the queue then holds the flushed receives and the
 /// disconnect record, last, and the destroyed connection has let go of the queue.
 pub fn destroying_a_connection_wakes_threads_waiting_on_its_queue(net: &Net) {
     #[derive(Debug, Clone, Copy, PartialEq)]
@@ -1287,10 +1295,10 @@ pub fn destroying_a_connection_wakes_threads_waiting_on_its_queue(net: &Net) {
                 }
                 let (r, took) = waiter.join().unwrap();
                 assert_eq!(r, Ok(true), "{case}: wait");
-                assert!(took < Duration::from_secs(5), "{case}: wait took {took:?}");
+                assert!(took < Duration::from_secs(10), "{case}: wait took {took:?}");
                 let (readable, took) = fd_waiter.join().unwrap();
                 assert!(readable, "{case}: descriptor");
-                assert!(took < Duration::from_secs(5), "{case}: poll took {took:?}");
+                assert!(took < Duration::from_secs(10), "{case}: poll took {took:?}");
             });
             let mut seen = Vec::new();
             loop {
@@ -1335,7 +1343,7 @@ pub fn destroying_a_connection_wakes_threads_waiting_on_its_queue(net: &Net) {
 
 /// The same through the C surface, which allows destroying a connection while another thread
 /// waits on its queue (only the queue itself must not be destroyed under a waiter): a thread
-/// in `rbr_cq_wait` with two receives posted returns RBR_OK within 5 s of
+/// in `rbr_cq_wait` (30 s) with two receives posted returns RBR_OK within 10 s of
 /// `rbr_conn_destroy`, and finds the flushed receives and RBR_OP_DISCONNECTED, last.
 pub fn c_destroying_a_connection_wakes_a_thread_in_rbr_cq_wait(net: &Net) {
     use rdmabridge::ffi::conn::*;
@@ -1396,7 +1404,7 @@ pub fn c_destroying_a_connection_wakes_a_thread_in_rbr_cq_wait(net: &Net) {
         rbr_conn_destroy(server);
         let (st, took) = waiter.join().unwrap();
         assert_eq!(st, RBR_OK, "rbr_cq_wait");
-        assert!(took < Duration::from_secs(5), "rbr_cq_wait took {took:?}");
+        assert!(took < Duration::from_secs(10), "rbr_cq_wait took {took:?}");
         let mut seen = Vec::new();
         while seen
             .last()
