@@ -1,7 +1,11 @@
 //! The doorbell handshake: a side about to sleep announces it in a word of the segment, then
 //! looks at its rings once more; the peer, after writing to them, rings the doorbell (a packet
 //! on the handshake socket, the data path's one system call) only if it finds that
-//! announcement, and takes it down as it rings, so each sleep costs one doorbell at most. A
+//! announcement, and takes it down as it rings, so each sleep costs one doorbell at most. The
+//! announcement says what the sleeper waits for: new records ([`RECORDS`]), and, when it has
+//! sends to complete or to write, the peer taking its records too ([`TAKEN`]); a peer that only
+//! took records rings a sleeper that asked for that alone, since waking a process is the
+//! costliest step of a message (tens of microseconds in a VM) and lands on the peer's path. A
 //! SeqCst fence on each side between its store and its look at the other's words (Dekker)
 //! means that either the sleeper sees the writer's record or the writer sees the sleeper's
 //! announcement: a sleeper is never left asleep with work waiting. The `loom` check below
@@ -55,31 +59,41 @@ impl Flag for AtomicU32 {
     }
 }
 
-/// Sets (or clears) one of this side's request flags for the peer. The SeqCst fence orders
-/// the store before the caller's re-check of the rings, pairing with the peer's fence in
-/// [`must_ring`] before it reads the flag: either the peer sees the request or the caller
-/// sees what the peer wrote.
+/// A sleeper's request: ring when you write records.
+pub(crate) const RECORDS: u32 = 1;
+/// A sleeper's request, with [`RECORDS`]: ring also when you take my records (my sends
+/// complete, my ring has room).
+pub(crate) const TAKEN: u32 = 2;
+
+/// Sets one of this side's request words for the peer to `value` (0: no request). The SeqCst
+/// fence orders the store before the caller's re-check of the rings, pairing with the peer's
+/// fence in [`must_ring`] before it reads the word: either the peer sees the request or the
+/// caller sees what the peer wrote. A sleeper announces again (and looks again) whenever what
+/// it waits for changes.
 #[inline(always)]
-pub(crate) fn announce<F: Flag>(flag: &F, on: bool) {
-    flag.store(u32::from(on), Ordering::SeqCst);
+pub(crate) fn announce<F: Flag>(flag: &F, value: u32) {
+    flag.store(value, Ordering::SeqCst);
     F::fence(Ordering::SeqCst);
 }
 
-/// The writer's side, after its ring and credit stores: whether to ring the peer's doorbell,
-/// which it must when the peer announced that it sleeps (`sleeping`); taking the
+/// The writer's side, after its ring stores: whether to ring the peer's doorbell, which it
+/// must when the peer announced that it sleeps (`sleeping`) waiting for any of `news`
+/// ([`RECORDS`]: records were written; [`TAKEN`]: the peer's records were taken); taking the
 /// announcement down makes this writer the one that rings. `between` runs after the fence
 /// that orders the writer's stores before its reads of the peer's words (it marks the
-/// peer's notice board).
+/// peer's notice board). When the announcement changes under the look, the sleeper looks at
+/// the rings again after it (see [`announce`]), so no doorbell is owed.
 #[inline(always)]
-pub(crate) fn must_ring<F: Flag>(sleeping: &F, between: impl FnOnce()) -> bool {
-    // SeqCst fence: our ring/credit stores are ordered before reading the peer's notice
-    // board and `sleeping`, pairing with its clearing of the board, and its store of
-    // `sleeping` (`announce`), before its re-check of the rings (Dekker).
+pub(crate) fn must_ring<F: Flag>(sleeping: &F, news: u32, between: impl FnOnce()) -> bool {
+    // SeqCst fence: our ring stores are ordered before reading the peer's notice board and
+    // `sleeping`, pairing with its clearing of the board, and its store of `sleeping`
+    // (`announce`), before its re-check of the rings (Dekker).
     F::fence(Ordering::SeqCst);
     between();
-    sleeping.load(Ordering::SeqCst) == 1
+    let asked = sleeping.load(Ordering::SeqCst);
+    asked & news != 0
         && sleeping
-            .compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .compare_exchange(asked, 0, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok()
 }
 
@@ -171,7 +185,7 @@ mod loom_model {
                     // SAFETY: `byte` is readable for its one byte.
                     let wrote = unsafe { tx.write(byte.as_ptr(), 1, true, true, None, 1) };
                     assert_eq!(wrote.unwrap(), Some(1), "three small records fit");
-                    if must_ring(&*flag, || {}) {
+                    if must_ring(&*flag, RECORDS, || {}) {
                         *count.lock().unwrap() += 1;
                         bell.send();
                     }
@@ -188,7 +202,7 @@ mod loom_model {
                 if got == N {
                     break;
                 }
-                announce(&*sleeping, true);
+                announce(&*sleeping, RECORDS);
                 announced += 1;
                 if rx.has_data().unwrap() {
                     continue;

@@ -251,7 +251,7 @@ impl Source for Shared {
         self.idle_polls.store(0, Ordering::Relaxed);
         // Not under the flow's lock: the queue's changes of its lists, from which this and
         // `settle` are called, come one at a time, and so do the changes of `want_mark`.
-        bell::announce(self.seg.ctrl(self.side).want_mark, false);
+        bell::announce(self.seg.ctrl(self.side).want_mark, 0);
     }
 }
 
@@ -450,8 +450,15 @@ impl Conn {
             offset: wr.offset,
             len: wr.len,
         };
-        self.sh.lock().post_recv(wr)?;
-        self.sh.posted();
+        let mut flow = self.sh.lock();
+        flow.post_recv(wr, &self.sh.report)?;
+        // Taking a message that waited for this receive may have ended the connection, or read
+        // packets of the background work's from the socket: it looks at them now.
+        let wake = flow.failed.is_some() || flow.take_inbox_news();
+        drop(flow);
+        if wake {
+            self.sh.wake.wake();
+        }
         Ok(())
     }
 

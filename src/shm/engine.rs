@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::cq::{Opcode, Sink};
 use crate::driver::{Handler, Next, Ready};
+use crate::shm::bell;
 use crate::shm::conn::{FlowGuard, Shared};
 use crate::shm::flow::{BYE, End, send_packet};
 
@@ -121,7 +122,9 @@ impl Engine {
         let Some(flow) = try_lock(&self.sh) else {
             return Ok(self.contended());
         };
-        flow.set_sleeping(true);
+        // What the sleep waits for, as of now: a post meanwhile kicks this work, whose next
+        // sleep asks again.
+        flow.set_sleeping(flow.sleep_request());
         Ok(if flow.has_work() {
             Next::Again
         } else {
@@ -192,7 +195,8 @@ impl Engine {
             return Ok(Next::Again);
         }
         let help = assist || flow.blocked();
-        flow.set_sleeping(help);
+        // Everything, while it assists: posts do not kick it (see `Shared::posted`).
+        flow.set_sleeping(if help { bell::RECORDS | bell::TAKEN } else { 0 });
         let work = help && flow.has_work();
         Ok(if work {
             Next::Again

@@ -1,17 +1,19 @@
-//! The data path of one shm connection: posted work, the two rings, credits and completions.
+//! The data path of one shm connection: posted work, the two rings and completions.
 //! Whoever holds the connection's lock drives it: the thread that posts writes its message
-//! straight into the outgoing ring when credits and space allow, and the thread that polls the
+//! straight into the outgoing ring when it has room, and the thread that polls the
 //! completion queue takes incoming messages straight into the posted receives
 //! ([`Progress::Caller`](crate::Progress::Caller)); the context's progress driver
 //! (`engine.rs`) does the same only while somebody sleeps on the queue, or always with
 //! [`Progress::Thread`](crate::Progress::Thread).
 //!
-//! Flow control is by credits: the receiver publishes how many receives it has posted in all,
-//! and the sender starts message `n` only once `n` receives exist, so a message always has a
-//! buffer when it arrives and a slow receiver holds the sender back instead of losing data.
-//! A send completes when the receiver has taken it out of the ring, as an RC send completes
-//! when the peer acknowledges it; a receive too small for its message fails the connection and
-//! the send with [`WcStatus::RemoteError`].
+//! A message goes into the ring at once, whether or not the peer has posted a receive for it
+//! yet: the ring holds it until a receive is there, and the receiver takes it the moment one
+//! is - the thread that posts that receive takes it on the spot - so a send that waited for
+//! its receive moves with no wake-up of the sender, its library's thread or a timer. A slow
+//! receiver holds the sender back by the ring's room, and nothing is lost. A send completes
+//! when the receiver has taken it out of the ring, as an RC send completes when the peer
+//! acknowledges it; a receive too small for its message fails the connection and the send with
+//! [`WcStatus::RemoteError`].
 
 use std::os::fd::RawFd;
 use std::sync::Arc;
@@ -167,16 +169,16 @@ pub(crate) struct Flow {
     pending: Fifo<SendWr>,
     copied: usize,
     inflight: Fifo<InFlight>,
+    /// How many of `inflight` report a completion when they end (see `sleep_request`).
+    inflight_signaled: usize,
     /// Posted receives; the front one has `filled` bytes of a message when `filling`.
     recvs: Fifo<RecvWr>,
     filling: bool,
     filled: usize,
-    /// Messages started (credits used), receives posted, messages received.
+    /// Messages started, messages received.
     msgs_started: u64,
-    recvs_posted: u64,
     msgs_received: u64,
-    /// The peer's receive count and ring head when the sender last tried to write.
-    seen_credits: u64,
+    /// The ring's head when the sender last tried to write.
     seen_head: u64,
     /// The peer's notice board and our slot there: marked whenever the peer has news.
     peer_board: Option<(Board, u32)>,
@@ -191,9 +193,6 @@ pub(crate) struct Flow {
     sent_from: Option<(u64, u64)>,
     /// See [`Flow::take_inbox_news`].
     inbox_news: bool,
-    /// Receives were posted since the peer's doorbell was last looked at: the next step or
-    /// send rings it if it sleeps (see `post_recv`).
-    bell_owed: bool,
     /// No more posting or progress: the connection is down (set by its driver in teardown).
     pub(crate) closed: bool,
     /// Why the connection must end, as found by whoever drove it; its driver tears it down.
@@ -242,13 +241,12 @@ impl Flow {
             pending: Fifo::with_capacity(send_depth as usize),
             copied: 0,
             inflight: Fifo::with_capacity(send_depth as usize),
+            inflight_signaled: 0,
             recvs: Fifo::with_capacity(recv_depth as usize),
             filling: false,
             filled: 0,
             msgs_started: 0,
-            recvs_posted: 0,
             msgs_received: 0,
-            seen_credits: 0,
             seen_head: 0,
             peer_board,
             peer_pid,
@@ -256,7 +254,6 @@ impl Flow {
             reach,
             sent_from: None,
             inbox_news: false,
-            bell_owed: false,
             closed: false,
             failed: None,
         }
@@ -290,7 +287,7 @@ impl Flow {
 
     /// Posts a send of `len` bytes at `ptr` (inside `region`, when they are in one): written
     /// into the ring at once, or started as a direct record, when nothing waits before it and
-    /// credits and space allow (the bytes are then no longer needed, or held with the region);
+    /// the ring has room (the bytes are then no longer needed, or held with the region);
     /// otherwise queued, with `keep` making the bytes outlive the call.
     ///
     /// `gate`: the flow's [`gate`](Self::gate) as the caller read it at the start of its hold
@@ -355,8 +352,9 @@ impl Flow {
     }
 
     /// Posts the record of a write with immediate data whose `written` bytes are already in
-    /// the peer's memory: it consumes a receive there like a message, so it waits for a credit
-    /// (and behind the sends that wait) as a send does, and completes when the peer took it.
+    /// the peer's memory: it consumes a receive there like a message, so it goes into the ring
+    /// (behind the sends that wait for room) as a send does, and completes when the peer took
+    /// it.
     pub(crate) fn post_write_imm(
         &mut self,
         imm: u32,
@@ -365,7 +363,7 @@ impl Flow {
         signaled: bool,
     ) -> Result<()> {
         self.claim_send()?;
-        if self.pending.is_empty() && self.has_credit() {
+        if self.pending.is_empty() {
             let wrote = self.tx.write_imm(imm, written);
             if self.or_fail(wrote)? {
                 self.start_write_imm(wr_id, signaled);
@@ -383,13 +381,13 @@ impl Flow {
         self.wait_for_room(false)
     }
 
-    /// After a send (or write with immediate data) was queued to wait for a credit or ring
-    /// space: asks the peer for a doorbell when either changes, so the connection's driver can
-    /// move it on even if nobody polls here. Then writes what fits now, which also covers a
-    /// change that came before the request (Dekker with `ring_peer`), and tells the peer about
-    /// everything written (`wrote`: some of the send went in already).
+    /// After a send (or write with immediate data) was queued to wait for ring space: asks the
+    /// peer for a doorbell when it frees some, so the connection's driver can move it on even
+    /// if nobody polls here. Then writes what fits now, which also covers room made before the
+    /// request (Dekker with `ring_peer`), and tells the peer about everything written
+    /// (`wrote`: some of the send went in already).
     fn wait_for_room(&mut self, wrote: bool) -> Result<()> {
-        self.set_sleeping(true);
+        self.set_sleeping(bell::RECORDS | bell::TAKEN);
         let moved = self.transmit();
         if self.or_fail(moved)? || wrote {
             self.ring_peer();
@@ -408,8 +406,8 @@ impl Flow {
 
     /// A one-sided operation ran (at post time) and ended with `status`: it completes now,
     /// or, when sends are in flight, after them, so that the connection's completions come in
-    /// the order the work was posted (sends still waiting for a receive credit or ring space
-    /// do not hold it back). An unsignaled success reports nothing and takes no slot. A
+    /// the order the work was posted (sends still waiting for ring space do not hold it
+    /// back). An unsignaled success reports nothing and takes no slot. A
     /// signaled success with nothing in flight is reported by the next poll, straight into the
     /// caller's hands as a send's completion is, rather than through the queue (whose blocks a
     /// push allocates now and then); until then it holds a slot, as over verbs.
@@ -430,7 +428,7 @@ impl Flow {
             report.complete(wr_id, opcode, status, 0, None);
             return;
         }
-        self.inflight.push_back(InFlight {
+        self.push_inflight(InFlight {
             // Nothing before it to wait for: any head passes it.
             end: if done { 0 } else { self.tx.tail() },
             // Never a message's number: the peer refuses none of it.
@@ -444,10 +442,17 @@ impl Flow {
         });
     }
 
+    /// Puts `f` in flight, behind the others.
+    #[inline]
+    fn push_inflight(&mut self, f: InFlight) {
+        self.inflight_signaled += usize::from(f.signaled);
+        self.inflight.push_back(f);
+    }
+
     /// A write-with-immediate record went into the ring: it is in flight.
     fn start_write_imm(&mut self, wr_id: u64, signaled: bool) {
         self.msgs_started += 1;
-        self.inflight.push_back(InFlight {
+        self.push_inflight(InFlight {
             end: self.tx.tail(),
             seq: self.msgs_started - 1,
             wr_id,
@@ -474,7 +479,7 @@ impl Flow {
         self.failed.get_or_insert(End::RemoteAccess);
     }
 
-    /// Whether sends wait for a credit or ring space.
+    /// Whether sends wait for ring space.
     pub(crate) fn blocked(&self) -> bool {
         !self.pending.is_empty()
     }
@@ -526,8 +531,8 @@ impl Flow {
         self.peer_reads_us
     }
 
-    /// Starts a message of `len` bytes at `ptr` (inside `mr`) as a direct record if a credit
-    /// and room allow; returns whether it did. The send holds `mr` until the peer takes the
+    /// Starts a message of `len` bytes at `ptr` (inside `mr`) as a direct record if the ring
+    /// has room; returns whether it did. The send holds `mr` until the peer takes the
     /// record, which it does only after copying the bytes.
     #[allow(clippy::too_many_arguments)]
     fn start_direct(
@@ -539,14 +544,11 @@ impl Flow {
         mr: &Arc<MemoryRegion>,
         key: u64,
     ) -> Result<bool> {
-        if !self.has_credit() {
-            return Ok(false);
-        }
         if !self.tx.write_direct(ptr as u64, key, len)? {
             return Ok(false);
         }
         self.msgs_started += 1;
-        self.inflight.push_back(InFlight {
+        self.push_inflight(InFlight {
             end: self.tx.tail(),
             seq: self.msgs_started - 1,
             wr_id,
@@ -559,7 +561,7 @@ impl Flow {
         Ok(true)
     }
 
-    /// Writes the first record of a new message if a credit and room allow; returns how many
+    /// Writes the first record of a new message if the ring has room; returns how many
     /// bytes went in (`None`: nothing did). A message written whole is in flight.
     ///
     /// # Safety
@@ -571,16 +573,13 @@ impl Flow {
         wr_id: u64,
         signaled: bool,
     ) -> Result<Option<usize>> {
-        if !self.has_credit() {
-            return Ok(None);
-        }
         let want = len.min(self.max_chunk);
         // SAFETY: `ptr` is readable for `len >= want` bytes (caller contract).
         let wrote = unsafe { self.tx.write(ptr, want, true, want == len, None, len)? };
         let Some(n) = wrote else { return Ok(None) };
         self.msgs_started += 1;
         if n == len {
-            self.inflight.push_back(InFlight {
+            self.push_inflight(InFlight {
                 end: self.tx.tail(),
                 seq: self.msgs_started - 1,
                 wr_id,
@@ -594,56 +593,39 @@ impl Flow {
         Ok(Some(n))
     }
 
-    /// Posts a receive and publishes the new credit.
-    pub(crate) fn post_recv(&mut self, wr: RecvWr) -> Result<()> {
+    /// Posts a receive. A message that waited in the ring for it (the peer sent before any
+    /// receive was there) is taken now, on this thread: its completion goes into the queue
+    /// and the peer's send completes, with no wake-up of either side in between. A reason to
+    /// end the connection found on the way is left in `failed` (the post itself succeeded).
+    pub(crate) fn post_recv(&mut self, wr: RecvWr, report: &Reporter) -> Result<()> {
         self.check_open()?;
         if self.recvs.len() >= self.recv_depth {
             return Err(Error::QueueFull("receive"));
         }
+        let starved = self.recvs.is_empty();
         self.recvs.push_back(wr);
-        self.recvs_posted += 1;
-        // Release: the peer reading this count may send into the receives it counts.
-        self.seg
-            .ctrl(self.side)
-            .recv_posted
-            .store(self.recvs_posted, Ordering::Release);
-        // No mark on the peer's board: a peer whose sends wait for this credit keeps looking
-        // at the connection by itself (see `busy`). A peer seen asleep is woken now. The look
-        // that cannot miss a peer just falling asleep needs a full fence after the store
-        // above (see `bell`); it comes with this side's next send, poll or wait, or the
-        // background work's next turn (the caller kicks it when the queue is watched), so a
-        // stream of receives posted one by one pays it once per poll, not once per receive.
-        if self
-            .seg
-            .ctrl(1 - self.side)
-            .sleeping
-            .load(Ordering::Relaxed)
-            == 1
-        {
-            self.notify_peer(false);
-        } else {
-            self.bell_owed = true;
+        // Only the first receive can find a message waiting for one: with receives posted,
+        // messages are taken as they come. The look reads the stamp at our head, the line
+        // the next poll reads anyway.
+        if starved && self.rx.has_data().unwrap_or(true) {
+            let taken = match self.receive(report, usize::MAX, &mut Sink::queue(&report.cq)) {
+                Ok(taken) => taken,
+                Err(ReceiveError::Length) => {
+                    self.failed.get_or_insert(End::LocalLength);
+                    return Ok(());
+                }
+                Err(ReceiveError::Protocol) => {
+                    self.fail_protocol();
+                    return Ok(());
+                }
+            };
+            if taken {
+                // The peer's send completed and its ring has room: a doorbell if it sleeps
+                // waiting for that.
+                self.notify_peer(bell::TAKEN);
+            }
         }
         Ok(())
-    }
-
-    /// Whether a new message may start: the peer has a receive for it. The peer's count is
-    /// read again only when the one seen last is used up, which keeps its cache line off the
-    /// common path.
-    fn has_credit(&mut self) -> bool {
-        self.msgs_started < self.seen_credits || self.msgs_started < self.credits()
-    }
-
-    /// The peer's receive count: our send credits.
-    fn credits(&mut self) -> u64 {
-        // Acquire: pairs with the peer's Release of its receive count.
-        let c = self
-            .seg
-            .ctrl(1 - self.side)
-            .recv_posted
-            .load(Ordering::Acquire);
-        self.seen_credits = c;
-        c
     }
 
     /// Records a protocol failure of the peer in our control words; the connection ends.
@@ -667,11 +649,10 @@ impl Flow {
             return false;
         }
         let mut moved = false;
-        // Whether the peer must hear of it: a doorbell if it sleeps (it may wait for ring
-        // space), and a mark on its board only for new messages - a peer with sends in flight
-        // or waiting keeps looking at the connection by itself (see `busy`).
-        let mut ring = false;
-        let mut mark = false;
+        // What the peer must hear of: a doorbell if it sleeps waiting for it, and a mark on
+        // its board only for new records - a peer with sends in flight or waiting keeps
+        // looking at the connection by itself (see `busy`).
+        let mut news = 0;
         let received = match self.receive(report, limit, out) {
             Ok(m) => m,
             Err(ReceiveError::Length) => {
@@ -684,7 +665,9 @@ impl Flow {
             }
         };
         moved |= received;
-        ring |= received;
+        if received {
+            news |= bell::TAKEN;
+        }
         // Sends complete when the peer has taken them, which means reading the peer's cursor:
         // a cache line the peer writes. A step that delivered messages leaves that for the
         // next one (the caller is waiting for what it got), unless the send queue is filling.
@@ -700,16 +683,17 @@ impl Flow {
         match self.transmit() {
             Ok(m) => {
                 moved |= m;
-                ring |= m;
-                mark |= m;
+                if m {
+                    news |= bell::RECORDS;
+                }
             }
             Err(_) => {
                 self.fail_protocol();
                 return true;
             }
         }
-        if ring || self.bell_owed {
-            self.notify_peer(mark);
+        if news != 0 {
+            self.notify_peer(news);
         }
         moved
     }
@@ -720,19 +704,15 @@ impl Flow {
         !self.inflight.is_empty() || !self.pending.is_empty()
     }
 
-    /// Writes as much of the waiting sends into the ring as credits and space allow.
+    /// Writes as much of the waiting sends into the ring as its room allows.
     fn transmit(&mut self) -> Result<bool> {
         if self.pending.is_empty() {
             return Ok(false);
         }
-        let credits = self.credits();
         self.seen_head = self.tx.head()?;
         let mut moved = false;
         while let Some(wr) = self.pending.front() {
             let first = self.copied == 0;
-            if first && self.msgs_started >= credits {
-                break;
-            }
             if let SendKind::WriteImm { imm, written } = wr.kind {
                 if !self.tx.write_imm(imm, written)? {
                     break;
@@ -778,7 +758,7 @@ impl Flow {
             self.copied += n;
             if self.copied == wr.len {
                 let wr = self.pending.pop_front().expect("front exists");
-                self.inflight.push_back(InFlight {
+                self.push_inflight(InFlight {
                     end: self.tx.tail(),
                     seq: self.msgs_started - 1,
                     wr_id: wr.wr_id,
@@ -809,6 +789,7 @@ impl Flow {
             // reaps it may post again at once, as with a verbs queue pair.
             self.inflight.drop_front();
             if signaled {
+                self.inflight_signaled -= 1;
                 out.put(report.record(wr_id, opcode, WcStatus::Success, 0, None));
             }
             moved = true;
@@ -817,7 +798,8 @@ impl Flow {
     }
 
     /// Moves records from the incoming ring into posted receives, until `limit` messages
-    /// have completed.
+    /// have completed or no receive is left: a message that finds none waits in the ring
+    /// (see `post_recv`).
     fn receive(
         &mut self,
         report: &Reporter,
@@ -827,6 +809,7 @@ impl Flow {
         let mut moved = false;
         let mut done = 0;
         while done < limit
+            && !self.recvs.is_empty()
             && let Some(rec) = self.rx.peek()?
         {
             if rec.flags & WHOLE_MASK == ring::FIRST | ring::LAST && !self.filling {
@@ -910,7 +893,7 @@ impl Flow {
             return Err(proto("message boundaries out of order"));
         }
         let Some(wr) = self.recvs.front() else {
-            return Err(proto("message sent without a receive credit"));
+            return Err(proto("message without a receive"));
         };
         if first {
             if rec.total > wr.len {
@@ -1098,27 +1081,27 @@ impl Flow {
         std::mem::take(&mut self.inbox_news)
     }
 
-    /// Tells the peer it has news: marks its notice board (so its pollers look at this
-    /// connection), and rings its doorbell if it sleeps.
+    /// Tells the peer it has new records: marks its notice board (so its pollers look at
+    /// this connection), and rings its doorbell if it sleeps.
     fn ring_peer(&mut self) {
-        self.notify_peer(true);
+        self.notify_peer(bell::RECORDS);
     }
 
-    /// Rings the peer's doorbell if it sleeps - the one system call of the data path, made
-    /// only when the peer asked for it - and with `mark`, marks its notice board.
-    fn notify_peer(&mut self, mark: bool) {
-        self.bell_owed = false;
+    /// Rings the peer's doorbell if it sleeps waiting for any of `news` (see `bell`) - the one
+    /// system call of the data path, made only when the peer asked for it - and for new
+    /// records ([`bell::RECORDS`]), marks its notice board.
+    fn notify_peer(&mut self, news: u32) {
         let peer = self.seg.ctrl(1 - self.side);
-        // After the fence that orders our ring/credit stores before it (see `bell`).
+        // After the fence that orders our ring stores before it (see `bell`).
         let mark_board = || {
-            if mark
+            if news & bell::RECORDS != 0
                 && peer.want_mark.load(Ordering::SeqCst) == 1
                 && let Some((board, slot)) = &self.peer_board
             {
                 board.mark(*slot);
             }
         };
-        if bell::must_ring(peer.sleeping, mark_board) {
+        if bell::must_ring(peer.sleeping, news, mark_board) {
             send_packet(self.sock, WAKE);
         }
     }
@@ -1126,17 +1109,33 @@ impl Flow {
     /// Announces (or withdraws) that this side wants its notice board marked when the peer
     /// writes (it no longer polls the connection every time).
     pub(crate) fn set_want_mark(&self, on: bool) {
-        announce(self.seg.ctrl(self.side).want_mark, on);
+        bell::announce(self.seg.ctrl(self.side).want_mark, u32::from(on));
     }
 
-    /// Announces (or withdraws) that this side wants a doorbell when the peer writes.
-    pub(crate) fn set_sleeping(&self, on: bool) {
-        announce(self.seg.ctrl(self.side).sleeping, on);
+    /// Announces (or withdraws: 0) that this side wants a doorbell for `news` of the peer's
+    /// (see `bell`).
+    pub(crate) fn set_sleeping(&self, news: u32) {
+        bell::announce(self.seg.ctrl(self.side).sleeping, news);
+    }
+
+    /// What a sleep of this side waits for: new records, and the peer taking ours when sends
+    /// wait for room or a completion is to be reported when it does. Unsignaled sends
+    /// alone need no doorbell when taken: their slots come back with the next poll.
+    pub(crate) fn sleep_request(&self) -> u32 {
+        if self.inflight_signaled > 0 || !self.pending.is_empty() {
+            bell::RECORDS | bell::TAKEN
+        } else {
+            bell::RECORDS
+        }
     }
 
     /// Whether anything could move now (checked after announcing sleep).
     pub(crate) fn has_work(&self) -> bool {
-        if self.failed.is_some() || self.rx.has_data().unwrap_or(true) {
+        if self.failed.is_some() {
+            return true;
+        }
+        // A message without a receive waits for one: the post of that receive takes it.
+        if !self.recvs.is_empty() && self.rx.has_data().unwrap_or(true) {
             return true;
         }
         if !self.inflight.is_empty() {
@@ -1146,21 +1145,9 @@ impl Flow {
                 Ok(_) => {}
             }
         }
-        if !self.pending.is_empty() {
-            // A stalled sender waits for credits or ring space: did either change since the
-            // last attempt?
-            let credits = self
-                .seg
-                .ctrl(1 - self.side)
-                .recv_posted
-                .load(Ordering::Acquire);
-            if credits != self.seen_credits
-                || self.tx.load_head().map_or(true, |h| h != self.seen_head)
-            {
-                return true;
-            }
-        }
-        false
+        // A stalled sender waits for ring space: did the peer free some since the last
+        // attempt?
+        !self.pending.is_empty() && self.tx.load_head().map_or(true, |h| h != self.seen_head)
     }
 
     /// Ends the data path: no more posting or progress. Takes what the peer delivered before
@@ -1190,6 +1177,7 @@ impl Flow {
         let peer_fatal = self.seg.ctrl(1 - self.side).fatal.load(Ordering::SeqCst);
         let refused_seq =
             (peer_fatal >> 48 == FATAL_LENGTH).then_some(peer_fatal & ((1 << 48) - 1));
+        self.inflight_signaled = 0;
         while let Some(f) = self.inflight.pop_front() {
             let status = if Some(f.seq) == refused_seq {
                 WcStatus::RemoteError
@@ -1222,11 +1210,6 @@ impl Flow {
 /// The flags that tell a record holding a whole message of its own (both ends, neither
 /// direct nor a write with immediate data).
 const WHOLE_MASK: u32 = ring::FIRST | ring::LAST | ring::DIRECT | ring::WRITE_IMM;
-
-/// Sets one of this side's request flags for the peer (see [`bell::announce`]).
-fn announce(flag: &std::sync::atomic::AtomicU32, on: bool) {
-    bell::announce(flag, on);
-}
 
 /// Sends one packet on the handshake socket without waiting.
 pub(crate) fn send_packet(sock: RawFd, b: u8) {

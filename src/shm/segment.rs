@@ -4,8 +4,8 @@
 //! Layout (all offsets from the start of the mapping):
 //! - `0`: magic `u64`, version `u32`, ring capacity `u32`.
 //! - `CTRL + side * CTRL_STRIDE`: the control words one side writes (`side` 0 = the connecting
-//!   side, 1 = the accepting side): `sleeping` and `want_mark` (u32 each), `recv_posted`
-//!   (u64), `fatal` (u64), `reads_peer` (u32), each on its own cache line pair.
+//!   side, 1 = the accepting side): `sleeping` and `want_mark` (u32 each), a word unused since
+//!   version 4 (u64), `fatal` (u64), `reads_peer` (u32), each on its own cache line pair.
 //! - `RING + dir * RING_STRIDE`: the cursor of ring `dir` (ring `d` carries side `d`'s
 //!   messages): `head`, written by the consumer (the records announce themselves, see
 //!   `ring.rs`).
@@ -26,7 +26,9 @@ use crate::sys::cvt;
 
 const MAGIC: u64 = 0x5242_5348_4d53_4547; // "RBSHMSEG"
 /// Version 3: export tables (one-sided operations) and write-with-immediate records.
-const VERSION: u32 = 3;
+/// Version 4: messages go into the ring before the peer has a receive for them (no receive
+/// credits: the count of receives posted is gone).
+const VERSION: u32 = 4;
 const CTRL: usize = 256;
 const CTRL_STRIDE: usize = 512;
 const RING: usize = CTRL + 2 * CTRL_STRIDE;
@@ -54,8 +56,6 @@ pub(crate) struct Ctrl<'a> {
     /// 1 while that side wants its notice board marked when the other has news (it does not
     /// poll the connection every time). Next to `sleeping`: the writer reads both together.
     pub(crate) want_mark: &'a AtomicU32,
-    /// How many receives that side has posted in total (the peer's send credits).
-    pub(crate) recv_posted: &'a AtomicU64,
     /// Non-zero once that side failed the connection: `FATAL_* << 48 | message sequence`.
     pub(crate) fatal: &'a AtomicU64,
     /// [`READS_PEER_YES`] once that side has found it can copy straight from the other's
@@ -200,7 +200,6 @@ impl Segment {
         Ctrl {
             sleeping: self.u32_at(b),
             want_mark: self.u32_at(b + 4),
-            recv_posted: self.u64_at(b + 128),
             fatal: self.u64_at(b + 256),
             reads_peer: self.u32_at(b + 384),
         }
