@@ -925,12 +925,16 @@ rbr_status rbr_cq_poll_wait(struct rbr_cq *cq,
                             int32_t timeout_ms);
 
 /**
- * Writes into `*fd` a descriptor for epoll/poll/select that is readable exactly while
- * completions (including connection events) are queued: level-triggered, no lost wake-up.
- * The pattern: poll until RBR_EMPTY, then sleep on the descriptor. (With RBR_PROGRESS_CALLER,
- * asking for the descriptor makes the devices announce every completion from then on, and the
- * library's threads queue them as they come: the queue then works as with
- * RBR_PROGRESS_THREAD. A program that only polls should not ask for it.)
+ * Writes into `*fd` a descriptor for epoll/poll/select that wakes a sleeper when completions
+ * (including connection events) are queued, with no lost wake-up. Level-triggered, it is
+ * readable exactly while completions are queued; edge-triggered (EPOLLET), a new edge comes
+ * with the first completion queued after a poll that found the queue empty (RBR_EMPTY, or a
+ * call that returned fewer records than asked for). The pattern for both: poll until
+ * RBR_EMPTY (or a short batch), then sleep on the descriptor; it may wake with nothing to take
+ * when another thread took it. (With RBR_PROGRESS_CALLER, asking for the descriptor makes the
+ * devices announce every completion from then on, and the library's threads queue them as they
+ * come: the queue then works as with RBR_PROGRESS_THREAD. A program that only polls should not
+ * ask for it.)
  * The queue owns it: do not read, write or close it. Valid until the queue is destroyed.
  *
  * # Safety
@@ -963,8 +967,10 @@ void rbr_listener_destroy(struct rbr_listener *l);
 
 /**
  * Writes into `*fd` a descriptor for epoll/poll/select that is readable while a call to
- * `rbr_listener_get_request` with timeout 0 may make progress (level-triggered). The pattern:
- * when it is readable, call `rbr_listener_get_request(l, 0, &req)` until RBR_EMPTY. A readable
+ * `rbr_listener_get_request` with timeout 0 may make progress (level-triggered); registered
+ * edge-triggered (EPOLLET), whatever arrives after a call that returned RBR_EMPTY makes a new
+ * edge. The pattern for both: when it is readable, call `rbr_listener_get_request(l, 0, &req)`
+ * until RBR_EMPTY, then sleep on it again. A readable
  * descriptor may still give RBR_EMPTY (a handshake that has only partly arrived, or a client
  * that was turned away); a client that connects and says nothing never makes it readable and
  * is dropped after 2 s. Owned by the listener: do not read or close it. Valid until the

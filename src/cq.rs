@@ -3,7 +3,7 @@
 //! [`Progress::Caller`] the pollers also take verbs completions straight from the devices.
 
 use std::mem::MaybeUninit;
-use std::os::fd::RawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -379,6 +379,11 @@ impl CompletionQueue {
             }
             // No arming here for a sleeper on the descriptor: once it has been asked for, the
             // library's threads keep the devices' completion events armed (see `fd`).
+        }
+        // Room left: the poll found the queue empty, which is where an edge-triggered waiter
+        // goes to sleep; the next completion queued must make a new edge for it.
+        if out.room() > 0 && self.ready.starve() {
+            self.pop_into(&mut out);
         }
         out.filled()
     }
@@ -837,7 +842,7 @@ impl CompletionQueue {
 
     /// Sleeps until the descriptor is readable, as a watcher (see [`Readiness::watching`]).
     fn sleep(&self, deadline: Option<Instant>) -> Result<bool> {
-        self.ready.update();
+        self.ready.update(false);
         self.arm_sources();
         if self.fill_from_sources(true) > 0 {
             return Ok(true);
@@ -850,11 +855,25 @@ impl CompletionQueue {
         .map_err(Error::CompletionQueue)
     }
 
-    /// A descriptor for epoll/poll/select: readable exactly while completions are queued
-    /// (level-triggered). With [`Progress::Caller`], asking for it makes the devices announce
-    /// every completion from then on, and the library's threads queue them as they come (as
-    /// with [`Progress::Thread`]); a program that only polls should not ask for it. Owned by the
-    /// queue; do not read, write or close it.
+    /// A descriptor for epoll, poll, select, mio or tokio's `AsyncFd` (also through
+    /// [`AsFd`] and [`AsRawFd`]). Owned by the queue; do not read, write or close it.
+    ///
+    /// Readiness, for both kinds of waiter:
+    /// - level-triggered (`poll`, `select`, plain `epoll`): readable exactly while completions
+    ///   are queued, once the calls that queue and take them have returned;
+    /// - edge-triggered (`EPOLLET`, mio, tokio): after a [`poll`](Self::poll) (or any of the
+    ///   polling calls) finds the queue empty, the next completion makes a new edge. So the
+    ///   usual loop is safe: poll until `None` (for the batch forms, until a call returns
+    ///   fewer than it asked for), then wait for the next edge (tokio: `clear_ready`, then
+    ///   `readable().await`).
+    ///
+    /// Either way it may also wake with nothing to take (another thread took it first): poll,
+    /// and wait again when the poll finds nothing.
+    ///
+    /// With [`Progress::Caller`], asking for it makes the devices announce every completion
+    /// from then on, and the library's threads queue them as they come (as with
+    /// [`Progress::Thread`]), which costs latency; a program that only polls should not ask
+    /// for it.
     pub fn fd(&self) -> RawFd {
         if self.ready.export() {
             // From now on the devices announce every completion: ask for the next one, then
@@ -863,6 +882,22 @@ impl CompletionQueue {
             self.fill_from_sources(true);
         }
         self.ready.signal().raw()
+    }
+}
+
+impl AsFd for CompletionQueue {
+    /// [`CompletionQueue::fd`], borrowed for as long as the queue lives.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the eventfd is owned by the queue and closed only when it drops, which the
+        // borrow of `self` rules out for the lifetime returned.
+        unsafe { BorrowedFd::borrow_raw(self.fd()) }
+    }
+}
+
+impl AsRawFd for CompletionQueue {
+    /// [`CompletionQueue::fd`].
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd()
     }
 }
 

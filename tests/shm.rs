@@ -34,6 +34,9 @@ suite_over_shm!(
     disconnect_flushes_and_reports_on_both_sides,
     delivered_unsignaled_send_reports_nothing_at_close,
     completion_fd_is_readable_exactly_while_completions_are_queued,
+    edge_triggered_waiter_never_sleeps_on_a_queued_completion,
+    tokio_async_fd_loop_never_sleeps_on_a_queued_completion,
+    edge_triggered_listener_takes_a_burst,
     slot_is_free_once_its_completion_is_seen,
     idle_connection_stays_up_and_reports_nothing,
     sleepers_wake_for_late_completions_in_both_progress_modes,
@@ -1537,4 +1540,11 @@ mod large_messages {
         let opts = ConnOptions::default();
         pair(&Net::Shm, ctx, &opts, &opts)
     }
+}
+
+/// More dead peers than the listener looks at in one go, then a real client: an `EPOLLET`
+/// loop on the listener gets the client without sleeping on it.
+#[test]
+fn edge_triggered_listener_sees_a_request_behind_dead_peers() {
+    common::edge::edge_triggered_listener_sees_a_request_behind_dead_peers();
 }

@@ -2,7 +2,7 @@
 //! [`ConnRequest`], [`Connection`] and their options; the work requests and their checks
 //! (`wr.rs`); and the seam a transport implements behind them ([`seam`]).
 
-use std::os::fd::RawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -201,13 +201,31 @@ impl Listener {
         self.imp.take(Some(Instant::now()))
     }
 
-    /// A descriptor that is readable while a call to [`try_get_request`](Self::try_get_request)
-    /// may make progress (level-triggered), for epoll/poll/select. A readable descriptor may
-    /// still give no request (a handshake partly arrived, or a client turned away); a client
-    /// that connects and says nothing never makes it readable. Owned by the listener; do not
-    /// read it or close it.
+    /// A descriptor for epoll, poll, select, mio or tokio's `AsyncFd` (also through [`AsFd`]
+    /// and [`AsRawFd`]). Level-triggered, it is readable while a call to
+    /// [`try_get_request`](Self::try_get_request) may make progress; edge-triggered, once a
+    /// call has returned `Ok(None)`, whatever arrives next makes a new edge - so call it until
+    /// `Ok(None)`, then wait. A readable descriptor may still give no request (a handshake
+    /// partly arrived, or a client turned away); a client that connects and says nothing never
+    /// makes it readable. Owned by the listener; do not read it or close it.
     pub fn fd(&self) -> RawFd {
         self.imp.fd()
+    }
+}
+
+impl AsFd for Listener {
+    /// [`Listener::fd`], borrowed for as long as the listener lives.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the descriptor is owned by the listener and closed only when it drops, which
+        // the borrow of `self` rules out for the lifetime returned.
+        unsafe { BorrowedFd::borrow_raw(self.fd()) }
+    }
+}
+
+impl AsRawFd for Listener {
+    /// [`Listener::fd`].
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd()
     }
 }
 

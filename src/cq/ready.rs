@@ -27,14 +27,28 @@ impl Signal for EventFd {
     }
 }
 
-/// The lock-free half of a completion queue's descriptor: keeps `signal` readable exactly
-/// while completions are queued - once every push and pop has returned, and whenever a
-/// watcher looks - touching it only on the 0 <-> 1 transitions of the count while somebody
-/// watches. The `loom` checks (`mod loom_model`) run these functions as they are, over the
-/// model's atomics and lock (`crate::sync`).
+/// Set in [`Readiness::pending`] by a consumer that found the queue empty while somebody
+/// watches: the next push must make a new edge on the descriptor (see [`Readiness::starve`]).
+const STARVED: usize = 1 << (usize::BITS - 1);
+
+/// The lock-free half of a completion queue's descriptor. Two contracts, for the two kinds
+/// of waiter:
+/// - level-triggered: `signal` is readable exactly while completions are queued - once every
+///   push and pop has returned, and whenever a watcher looks - touching it only on the
+///   0 <-> 1 transitions of the count while somebody watches;
+/// - edge-triggered (tokio, mio and any `EPOLLET` waiter): once a consumer has polled the
+///   queue empty ([`starve`]), the next completion queued writes `signal` again, even if it
+///   is readable already, so a waiter that drained the queue always gets a new edge.
+///
+/// The `loom` checks (`mod loom_model`) run these functions as they are, over the model's
+/// atomics and lock (`crate::sync`).
+///
+/// [`starve`]: Readiness::starve
 pub(crate) struct Readiness<S: Signal = EventFd> {
     /// Count of completions pushed or about to be pushed, never below the queue's length:
-    /// producers add before they push, consumers subtract after they pop.
+    /// producers add before they push, consumers subtract after they pop. The top bit is
+    /// [`STARVED`]; one word, so that a consumer's mark and a producer's count are ordered by
+    /// the word's own modification order.
     pending: AtomicUsize,
     /// Whether `signal` is readable. Only changed under the lock, so the descriptor's state
     /// and `pending` can't disagree once both sides are done (no lost or stale wake-up).
@@ -66,8 +80,19 @@ impl<S: Signal> Readiness<S> {
         // increment and its look at `pending` (one of the two sees the other).
         let before = self.pending.fetch_add(1, Ordering::SeqCst);
         push();
-        if before == 0 && self.watchers.load(Ordering::SeqCst) > 0 {
-            self.update();
+        if self.watchers.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        // A read-modify-write even when nobody starved: a plain load could be satisfied
+        // before this thread's push is visible to a consumer marking the word meanwhile,
+        // which would then miss both the completion and the edge (store-load reordering).
+        let starved = self.pending.fetch_and(!STARVED, Ordering::SeqCst) & STARVED != 0;
+        if before & !STARVED == 0 || starved {
+            // 0 -> 1: readable for level-triggered waiters. Starved: a consumer found the
+            // queue empty since the last edge (perhaps while this completion was counted but
+            // not yet pushed), and its descriptor may be readable already, so only a new
+            // write makes the edge it waits for.
+            self.update(starved);
         }
     }
 
@@ -75,10 +100,10 @@ impl<S: Signal> Readiness<S> {
     #[inline]
     pub(crate) fn pop<T>(&self, pop: impl FnOnce() -> Option<T>) -> Option<T> {
         let c = pop()?;
-        if self.pending.fetch_sub(1, Ordering::SeqCst) == 1
+        if self.pending.fetch_sub(1, Ordering::SeqCst) & !STARVED == 1
             && self.watchers.load(Ordering::SeqCst) > 0
         {
-            self.update();
+            self.update(false);
         }
         Some(c)
     }
@@ -88,7 +113,24 @@ impl<S: Signal> Readiness<S> {
     pub(crate) fn none_pending(&self) -> bool {
         // Acquire: a completion counted here was pushed by a thread whose writes before it
         // we may then read.
-        self.pending.load(Ordering::Acquire) == 0
+        self.pending.load(Ordering::Acquire) & !STARVED == 0
+    }
+
+    /// Notes that a consumer polled the queue empty, so that the next completion queued makes
+    /// a new edge on the descriptor for an edge-triggered waiter. Call it after a poll that
+    /// found nothing more; it does nothing while nobody watches. Returns true when a push was
+    /// under way as it looked: the caller polls once more (what that push queued is then
+    /// either found by that poll or announced by a new edge, never neither).
+    #[inline]
+    pub(crate) fn starve(&self) -> bool {
+        if self.watchers.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        // SeqCst read-modify-write on the producers' word: a push whose `fetch_and` comes
+        // later sees the mark and writes the descriptor; one whose `fetch_and` came earlier
+        // has pushed before it, which the poll that follows this sees (the read-modify-writes
+        // synchronize).
+        self.pending.fetch_or(STARVED, Ordering::SeqCst) & !STARVED > 0
     }
 
     /// What the descriptor's readiness is kept in.
@@ -119,24 +161,24 @@ impl<S: Signal> Readiness<S> {
             return false;
         }
         self.watchers.fetch_add(1, Ordering::SeqCst);
-        self.update();
+        self.update(false);
         true
     }
 
-    /// Brings `signal`'s readability in line with `pending`. Runs only on the 0 <-> 1
-    /// transitions while someone watches, so the lock is off the steady-state path.
-    pub(crate) fn update(&self) {
+    /// Brings `signal`'s readability in line with `pending`, and with `edge` writes it again
+    /// even if it is readable already (a new edge for a waiter that drained the queue). Runs
+    /// only on the 0 <-> 1 transitions and after a starved poll while someone watches, so the
+    /// lock is off the steady-state path.
+    pub(crate) fn update(&self, edge: bool) {
         let mut armed = self.armed.lock().unwrap_or_else(|p| p.into_inner());
         // SeqCst: see every increment and decrement published before the lock was taken.
-        let want = self.pending.load(Ordering::SeqCst) > 0;
-        if want != *armed {
-            if want {
-                self.signal.signal();
-            } else {
-                self.signal.clear();
-            }
-            *armed = want;
+        let want = self.pending.load(Ordering::SeqCst) & !STARVED > 0;
+        if want && (edge || !*armed) {
+            self.signal.signal();
+        } else if !want && *armed {
+            self.signal.clear();
         }
+        *armed = want;
     }
 }
 
@@ -151,34 +193,54 @@ mod loom_model {
     use loom::sync::{Arc, Condvar};
     use loom::thread;
 
-    /// The eventfd: readable or not, and a sleeper on it.
+    /// The eventfd: readable or not, the writes made to it (each one an edge for an
+    /// `EPOLLET` waiter), and a sleeper on it.
     #[derive(Default)]
     struct Fd {
-        readable: Mutex<bool>,
+        state: Mutex<FdState>,
         changed: Condvar,
+    }
+
+    #[derive(Default)]
+    struct FdState {
+        readable: bool,
+        edges: usize,
     }
 
     impl Signal for Fd {
         fn signal(&self) {
-            *self.readable.lock().unwrap() = true;
+            let mut st = self.state.lock().unwrap();
+            st.readable = true;
+            st.edges += 1;
             self.changed.notify_all();
         }
 
         fn clear(&self) {
-            *self.readable.lock().unwrap() = false;
+            self.state.lock().unwrap().readable = false;
         }
     }
 
     impl Fd {
         fn is_readable(&self) -> bool {
-            *self.readable.lock().unwrap()
+            self.state.lock().unwrap().readable
+        }
+
+        /// `epoll_wait` on an `EPOLLET` registration without a timeout: returns once a write
+        /// newer than the `seen`-th came (loom fails the run as a deadlock if none ever does),
+        /// with the count of writes so far (the events taken).
+        fn sleep_until_edge_after(&self, seen: usize) -> usize {
+            let mut st = self.state.lock().unwrap();
+            while st.edges == seen {
+                st = self.changed.wait(st).unwrap();
+            }
+            st.edges
         }
 
         /// `poll(2)` without a timeout: loom fails the run as a deadlock if this never returns.
         fn sleep_until_readable(&self) {
-            let mut r = self.readable.lock().unwrap();
-            while !*r {
-                r = self.changed.wait(r).unwrap();
+            let mut st = self.state.lock().unwrap();
+            while !st.readable {
+                st = self.changed.wait(st).unwrap();
             }
         }
     }
@@ -274,7 +336,7 @@ mod loom_model {
             let waiter = thread::spawn(move || {
                 loop {
                     q1.ready.watching(|| {
-                        q1.ready.update();
+                        q1.ready.update(false);
                         q1.ready.signal().sleep_until_readable();
                     });
                     if !q1.is_empty() {
@@ -296,5 +358,60 @@ mod loom_model {
             waiter.join().unwrap();
             assert!(!q.ready.watched());
         });
+    }
+
+    /// `CompletionQueue::poll` as an edge-triggered consumer calls it until it finds nothing:
+    /// takes one if there is one, else marks the queue starved and takes one if a push was
+    /// under way (the poll's end, `poll_sink`).
+    fn poll(q: &Q) -> bool {
+        q.pop() || (q.ready.starve() && q.pop())
+    }
+
+    /// tokio's textbook `AsyncFd` loop (or any `EPOLLET` waiter) on a handed-out descriptor:
+    /// poll until nothing comes, then sleep until the next edge, until `want` completions were
+    /// taken, while `pushes` completions are queued by another thread (after `before` queued
+    /// before the loop starts). A lost edge - the waiter asleep with a completion queued and no
+    /// write to come - is a deadlock loom reports.
+    fn edge_triggered_consumer_takes_all(before: usize, pushes: usize) {
+        model(move || {
+            let q = Q::new();
+            assert!(q.ready.export());
+            for _ in 0..before {
+                q.push();
+            }
+            let q2 = q.clone();
+            let pusher = thread::spawn(move || {
+                for _ in 0..pushes {
+                    q2.push();
+                }
+            });
+            let (mut taken, mut seen) = (0, 0);
+            loop {
+                while poll(&q) {
+                    taken += 1;
+                }
+                if taken == before + pushes {
+                    break;
+                }
+                seen = q.ready.signal().sleep_until_edge_after(seen);
+            }
+            pusher.join().unwrap();
+            assert!(q.is_empty());
+            assert!(!q.ready.signal().is_readable(), "unreadable once drained");
+        });
+    }
+
+    /// Pops that take the count to 0 crossing pushes that take it to 1 (and pushes counted
+    /// but not yet queued when the consumer looks): every completion is taken, no edge lost.
+    #[test]
+    fn loom_cq_edge_triggered_waiter_never_misses_an_edge() {
+        edge_triggered_consumer_takes_all(0, 2);
+    }
+
+    /// The same with one completion queued before the waiter starts, so pushes also come
+    /// while the count is above zero (no 0 -> 1 transition to make the edge).
+    #[test]
+    fn loom_cq_edge_triggered_waiter_sees_pushes_above_zero() {
+        edge_triggered_consumer_takes_all(1, 2);
     }
 }

@@ -397,12 +397,16 @@ pub unsafe extern "C" fn rbr_cq_poll_wait(
     })
 }
 
-/// Writes into `*fd` a descriptor for epoll/poll/select that is readable exactly while
-/// completions (including connection events) are queued: level-triggered, no lost wake-up.
-/// The pattern: poll until RBR_EMPTY, then sleep on the descriptor. (With RBR_PROGRESS_CALLER,
-/// asking for the descriptor makes the devices announce every completion from then on, and the
-/// library's threads queue them as they come: the queue then works as with
-/// RBR_PROGRESS_THREAD. A program that only polls should not ask for it.)
+/// Writes into `*fd` a descriptor for epoll/poll/select that wakes a sleeper when completions
+/// (including connection events) are queued, with no lost wake-up. Level-triggered, it is
+/// readable exactly while completions are queued; edge-triggered (EPOLLET), a new edge comes
+/// with the first completion queued after a poll that found the queue empty (RBR_EMPTY, or a
+/// call that returned fewer records than asked for). The pattern for both: poll until
+/// RBR_EMPTY (or a short batch), then sleep on the descriptor; it may wake with nothing to take
+/// when another thread took it. (With RBR_PROGRESS_CALLER, asking for the descriptor makes the
+/// devices announce every completion from then on, and the library's threads queue them as they
+/// come: the queue then works as with RBR_PROGRESS_THREAD. A program that only polls should not
+/// ask for it.)
 /// The queue owns it: do not read, write or close it. Valid until the queue is destroyed.
 ///
 /// # Safety

@@ -72,8 +72,10 @@ pub unsafe extern "C" fn rbr_listener_destroy(l: *mut rbr_listener) {
 }
 
 /// Writes into `*fd` a descriptor for epoll/poll/select that is readable while a call to
-/// `rbr_listener_get_request` with timeout 0 may make progress (level-triggered). The pattern:
-/// when it is readable, call `rbr_listener_get_request(l, 0, &req)` until RBR_EMPTY. A readable
+/// `rbr_listener_get_request` with timeout 0 may make progress (level-triggered); registered
+/// edge-triggered (EPOLLET), whatever arrives after a call that returned RBR_EMPTY makes a new
+/// edge. The pattern for both: when it is readable, call `rbr_listener_get_request(l, 0, &req)`
+/// until RBR_EMPTY, then sleep on it again. A readable
 /// descriptor may still give RBR_EMPTY (a handshake that has only partly arrived, or a client
 /// that was turned away); a client that connects and says nothing never makes it readable and
 /// is dropped after 2 s. Owned by the listener: do not read or close it. Valid until the

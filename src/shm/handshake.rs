@@ -354,6 +354,9 @@ fn recv_msg(sock: RawFd, timeout: Option<Duration>) -> Result<Option<(Vec<u8>, V
 /// Most accepted sockets whose hello has not arrived yet; beyond that, further connections wait
 /// in the kernel's backlog until some of these are answered or time out.
 const PENDING_MAX: usize = 1024;
+
+/// Ready descriptors of the listener's set that one look takes.
+const STEP_BATCH: usize = 64;
 /// The epoll tag of the listening socket itself (pending sockets are tagged with their fd).
 const LISTEN_TAG: u64 = u64::MAX;
 /// The epoll tag of the timer that fires when the oldest pending hello is overdue.
@@ -490,8 +493,25 @@ impl Listener {
 
     /// One round without waiting: accepts what the backlog holds, reads the hellos that have
     /// arrived, drops clients whose hello is overdue. Returns the first complete request.
+    /// Without one, it has looked at everything that was ready: an edge-triggered waiter on
+    /// the listener's descriptor that calls until nothing comes may then sleep, since
+    /// whatever happens next makes a new edge.
     fn step(&self, pending: &mut Vec<Pending>) -> Result<Option<Request>> {
-        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        // Enough batches to see every descriptor of the set (the listening socket, the timer
+        // and every pending client) once ready ones rotate to the back.
+        for _ in 0..(PENDING_MAX + 2).div_ceil(STEP_BATCH) + 1 {
+            let (found, full) = self.step_batch(pending)?;
+            if found.is_some() || !full {
+                return Ok(found);
+            }
+        }
+        Ok(None)
+    }
+
+    /// A round of [`step`](Self::step) over at most [`STEP_BATCH`] ready descriptors; also
+    /// says whether the batch was full (more may be ready).
+    fn step_batch(&self, pending: &mut Vec<Pending>) -> Result<(Option<Request>, bool)> {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; STEP_BATCH];
         // SAFETY: `events` is a live local array of the length passed; timeout 0 never blocks.
         let n = unsafe {
             libc::epoll_wait(
@@ -551,9 +571,10 @@ impl Listener {
         while let Some(i) = pending.iter().position(|p| now >= p.since + HELLO_TIMEOUT) {
             drop(self.forget(pending, i));
         }
+        let full = n as usize == STEP_BATCH;
         match (found, accept_failed) {
             (None, Some(e)) => Err(e),
-            (found, _) => Ok(found),
+            (found, _) => Ok((found, full)),
         }
     }
 

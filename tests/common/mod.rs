@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use rdmabridge::{Completion, CompletionQueue, ConnOptions, Connection, Context, CqOptions};
 
+pub mod edge;
 pub mod faults;
 pub mod onesided;
 pub mod suite;

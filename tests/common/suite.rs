@@ -5,6 +5,12 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 #[allow(unused_imports)] // the suite runners name them through `suite::`
+pub use super::edge::{
+    edge_triggered_listener_takes_a_burst,
+    edge_triggered_waiter_never_sleeps_on_a_queued_completion,
+    tokio_async_fd_loop_never_sleeps_on_a_queued_completion,
+};
+#[allow(unused_imports)] // the suite runners name them through `suite::`
 pub use super::onesided::*;
 use super::*;
 use rdmabridge::{
