@@ -13,6 +13,11 @@
 #   setup:   rbr_setup (benchmarks/setup.c): connections one after another, each connected,
 #            accepted, carrying a 64 B message each way and closed; connections per second
 #            (no stock tool measures this over shared memory: ours alone)
+#   first:   rbr_first (benchmarks/first.c), both sides busy-polling and both in
+#            rbr_cq_poll_wait: the slowest of the first 200 round trips of each new connection
+#            (targets: 1 ms and 200 us), and a 64 B message sent while the peer has no receive,
+#            which it posts 50 ms later: from that post to the receive's completion (targets:
+#            10 us and 50 us) (ours alone)
 # Every server runs on cpu0 and every client on cpu1 (taskset). In each round, every measurement
 # of ours runs right next to the anchors' measurements of the same kind and size (the order
 # rotating), so drift and other load hit them alike; the ratios pair the runs of each round and
@@ -58,16 +63,16 @@ echo "shm.sh: building (cargo release, cmake Release in $build)"
 timeout 1800 cargo build --release --quiet
 timeout 300 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
 timeout 900 cmake --build "$build" -j2 --target rbr_bench rbr_rma_bench rbr_limits rbr_scaling \
-  rbr_setup >/dev/null
+  rbr_setup rbr_first >/dev/null
 bench=$build/rbr_bench rma=$build/rbr_rma_bench limits=$build/rbr_limits scaling=$build/rbr_scaling
-setup_bin=$build/rbr_setup
+setup_bin=$build/rbr_setup first_bin=$build/rbr_first
 
 # ------------------------------------------------------------------ plan
 if [ "$quick" = 1 ]; then
   lat_sizes=(2 4096) bw_sizes=(4096 65536) rate_sizes=(2) put_sizes=(65536) rma_sizes=(8 65536)
   lat_n=300 ucx_lat_warm=30 bw_bytes=$((8 << 20)) max_msgs=20000 fi_n=300
   limits_args=(-n 20000 -r 1) tmo=30
-  scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60 setup_n=50
+  scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60 setup_n=50 first_n=10
 else
   lat_sizes=(2 64 1024 4096 65536 1048576)
   bw_sizes=(64 1024 4096 16384 65536 262144 1048576)
@@ -75,7 +80,7 @@ else
   lat_n=10000 ucx_lat_warm=1000 bw_bytes=$((1 << 30)) max_msgs=1000000 fi_n=10000
   limits_args=(-n 1000000 -r 5) tmo=180
   # With progress threads a round trip takes ~0.1-5 ms at 1,024 connections: minutes.
-  scaling_args=(-N 1,16,256,1024 -n 10000 -b 11) scaling_tmo=900 setup_n=2000
+  scaling_args=(-N 1,16,256,1024 -n 10000 -b 11) scaling_tmo=900 setup_n=2000 first_n=50
 fi
 join() { local IFS=,; echo "$*"; }
 # Messages per streaming run, as rbr_bench counts them: BYTES / SIZE, at most MAX, at least 100.
@@ -244,6 +249,28 @@ run_setup() {
     -T 30 -- -n "$setup_n" -T 30
 }
 
+# run_first busy|wait: rbr_first's server on cpu0, its client on cpu1, both busy-polling or both
+# in rbr_cq_poll_wait; its lines go into raw.txt as first_MODE and late_MODE.
+run_first() {
+  local mode=$1 log=$out/logs/r$round-first-$1.log w=()
+  [ "$mode" = busy ] || w=(-W)
+  start_server "$log.server" "$first_bin" -r server -a "shm://$shm_name-first" -T 30 "${w[@]}"
+  for i in $(seq 100); do
+    grep -q '^listening' "$log.server" 2>/dev/null && break
+    kill -0 "$spid" 2>/dev/null || break
+    sleep 0.05
+  done
+  if client "$first_bin" -r client -a "shm://$shm_name-first" -n "$first_n" -T 30 "${w[@]}" \
+      >"$log" 2>&1 && end_server; then
+    awk -v r="$round" -v m="$mode" '$1 == "RESULT" { $1 = r " ours"; $2 = $2 "_" m; print }' \
+      "$log" >>"$raw"
+  else
+    kill "$spid" 2>/dev/null || true
+    end_server || true
+    fail "rbr_first ($mode) failed (see $log)"
+  fi
+}
+
 run_limits() {
   local log=$out/logs/r$round-limits.log
   if client "$limits" -c 0,1 "${limits_args[@]}" >"$log" 2>&1; then
@@ -322,6 +349,8 @@ for round in $(seq "$rounds"); do
   in_turn $round "run_scaling caller" "run_scaling thread"
   echo "shm.sh: round $round/$rounds: connection setup"
   run_setup
+  echo "shm.sh: round $round/$rounds: first round trips and a message that waits for its receive"
+  in_turn $round "run_first busy" "run_first wait"
   if vm_running; then vm=1; echo "shm.sh: round $round/$rounds: a qemu VM is running"; fi
   vm_rounds=$((vm_rounds + vm))
 done

@@ -215,6 +215,21 @@ def main():
                          fmt(med("ours", "setup", s, "first_p50_us")[0]),
                          fmt(med("ours", "setup", s, "first_p99_us")[0]),
                          fmt(med("ours", "setup", s, "cycle_p50_us")[0])))
+    for mode, how, rtt_bound, late_bound in (("busy", "both busy-polling", 1000, 10),
+                                             ("wait", "both in rbr_cq_poll_wait", 200, 50)):
+        for s in sizes("ours", "first_" + mode):
+            first = lambda k: med("ours", "first_" + mode, s, k)[0]
+            late = lambda k: med("ours", "late_" + mode, s, k)[0]
+            lines.append(
+                "first messages, %s (rbr_first, %s connections one after another, %s): the "
+                "slowest of the first 200 round trips %s us (each connection's slowest: median "
+                "%s us; over %s us: %s); a message sent with no receive posted, from the "
+                "receive's post 50 ms later to its completion p50 %s us, max %s us (target "
+                "%s us), its send's completion p50 %s us" % (
+                    human(s), "%.0f" % (first("runs") or 0), how, fmt(first("worst_us")),
+                    fmt(first("worst_p50_us")), rtt_bound, "%.0f" % (first("over_us") or 0),
+                    fmt(late("p50_us")), fmt(late("max_us")), late_bound,
+                    fmt(late("send_p50_us"))))
     missing = [(c[4], c[12]) for c in comps if c[5] is None]
     if missing:
         lines.append("no result (the tool failed every round; see logs/): " +
