@@ -485,8 +485,9 @@ typedef struct rbr_conn_options {
   /**
    * Verbs, toward plain librdmacm peers: retries of a send that found no receive posted
    * (0..=7; 7 = without limit). Default 7. Between peers using this library a send waits
-   * for the peer's receive in the library (receive credits), as over shm. When this side
-   * accepts, the device uses what the connecting peer asked for instead. Ignored by shm.
+   * for the peer's receive in the library (receive credits; over shm in the ring). When
+   * this side accepts, the device uses what the connecting peer asked for instead. Ignored
+   * by shm.
    */
   uint8_t rnr_retry_count;
   /**

@@ -112,8 +112,8 @@ pub enum Progress {
     /// writes its message into the ring itself when it can): no thread hand-off and no system
     /// call on the busy path. A library thread still handles connection events, keepalives and
     /// teardown (one per context, for all its connections), and moves work only while a caller sleeps in [`CompletionQueue::wait`] or
-    /// watches [`CompletionQueue::fd`] (and, over shm, for sends that wait for the peer's
-    /// receive or ring space, and when nobody has polled for 10 ms). The default (it measured
+    /// watches [`CompletionQueue::fd`] (and, over shm, for sends that wait for ring space,
+    /// and when nobody has polled for 10 ms). The default (it measured
     /// faster; see the README).
     Caller,
     /// A library thread moves each connection's work and every completion into the queue

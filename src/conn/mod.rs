@@ -61,8 +61,8 @@ pub struct ConnOptions {
     pub retry_count: u8,
     /// Verbs, toward plain librdmacm peers: how often a send that found no receive posted is
     /// retried by the device (0..=7; 7 = without limit). Default 7. Between two peers using
-    /// this library a send waits for the peer's receive in the library (receive credits), as
-    /// over shm, and never meets a missing receive. When this side accepts, the device takes
+    /// this library a send waits for the peer's receive in the library (receive credits; over
+    /// shm a message waits in the ring) and never meets a missing receive. When this side accepts, the device takes
     /// the value the connecting peer asked for instead (see the README). Ignored by shm.
     pub rnr_retry_count: u8,
     /// Verbs: how long the device waits for an acknowledgement before resending, as the

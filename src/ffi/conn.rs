@@ -75,8 +75,9 @@ pub struct rbr_conn_options {
     pub retry_count: u8,
     /// Verbs, toward plain librdmacm peers: retries of a send that found no receive posted
     /// (0..=7; 7 = without limit). Default 7. Between peers using this library a send waits
-    /// for the peer's receive in the library (receive credits), as over shm. When this side
-    /// accepts, the device uses what the connecting peer asked for instead. Ignored by shm.
+    /// for the peer's receive in the library (receive credits; over shm in the ring). When
+    /// this side accepts, the device uses what the connecting peer asked for instead. Ignored
+    /// by shm.
     pub rnr_retry_count: u8,
     /// Verbs: ACK timeout exponent t, waiting 4.096 us * 2^t before a resend (0..=31).
     /// Default 16 (about 0.27 s). Ignored by shm.

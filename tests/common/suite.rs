@@ -237,7 +237,8 @@ pub fn peer_killed_mid_stream_is_reported_at_once(net: &Net) {
     drop(l);
 }
 
-/// A receiver that posts receives slowly never loses a message: credits hold the sender back.
+/// A receiver that posts receives slowly never loses a message: the sender is held back
+/// (verbs: receive credits; shm: messages wait in the ring for their receives).
 pub fn slow_receiver_holds_sender_back_and_loses_nothing(net: &Net) {
     let ctx = Context::new().unwrap();
     let opts = ConnOptions {
