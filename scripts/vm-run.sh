@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs one command inside a qemu VM with soft-RoCE (see shared/SOFTROCE.md) and exits with that
+# Runs one command inside a qemu VM with soft-RoCE (see docs/testing.md) and exits with that
 # command's exit code. The guest loads rdma_rxe, makes dummy interface rt0 = 198.18.0.1/24 with
 # rxe0 on it, waits for rxe0 ACTIVE, exports RBR_TEST_ADDR=198.18.0.1, RBR_TEST_NETDEV=rt0 and
 # RBR_VM=1, cds to the

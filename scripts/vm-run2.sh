@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a server command and a client command in two soft-RoCE VMs joined by a qemu socket netdev
-# over a free 127.0.0.1 port (see shared/SOFTROCE.md). VM 1 (server, started first, 198.18.2.1/24)
+# over a free 127.0.0.1 port (see docs/testing.md). VM 1 (server, started first, 198.18.2.1/24)
 # listens on the port; VM 2 (client, 198.18.2.2/24) is started once it does. Each guest puts rxe0
 # on its one NIC, exports RBR_LOCAL_ADDR, RBR_PEER_ADDR (and RBR_TEST_ADDR=RBR_LOCAL_ADDR,
 # RBR_VM=1), cds to the invoking directory and runs its command (argv, no shell: use bash -c).

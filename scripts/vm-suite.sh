@@ -8,7 +8,7 @@
 #      client talking to rdma_server, and rbr_rping_peer in either role of rping against the
 #      stock rping (one-sided reads and writes of each other's buffers, every ping verified)
 #      and the library accepting the stock ucmatose client, which asks for no RNR retries: a send
-#      that finds no receive fails at once (README, Verbs specifics)
+#      that finds no receive fails at once (docs/transports.md, "Verbs")
 #   4. a non-root client under `ulimit -l 64`: its first post of a 1 MiB region fails, naming
 #      RLIMIT_MEMLOCK, its value and the size
 #   5. the verbs benchmark at tiny counts (benchmarks/verbs-progress-guest.sh --quick)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs every test that needs real RDMA, on soft-RoCE inside qemu VMs (see shared/SOFTROCE.md):
+# Runs every test that needs real RDMA, on soft-RoCE inside qemu VMs (docs/testing.md says how):
 # two-host tests (two VMs joined over a host loopback port: a transfer, then a host killed and a
 # link cut mid-transfer, which the other host - and, for the link, the host that lost it - must
 # notice in bounded time), then the verbs suite, the C
