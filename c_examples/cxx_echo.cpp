@@ -2,7 +2,8 @@
  * cxx_echo: the C++ wrapper (rdmabridge.hpp) as a program uses it. One process, two roles:
  * a server thread accepts one connection and echoes every message back; the main thread
  * connects, sends COUNT messages of SIZE bytes, and checks every echo byte for byte.
- * Errors are exceptions here; cxx_wrapper_test.cpp also shows the std::error_code form.
+ * Errors are exceptions here; tests/c/cxx_wrapper_test.cpp also shows the std::error_code
+ * form.
  *
  * Usage: rbr_cxx_echo [ADDRESS [COUNT [SIZE]]]   (default shm://rbr-cxx-echo 1000 256)
  */

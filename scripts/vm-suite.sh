@@ -2,7 +2,7 @@
 # Runs inside the soft-RoCE VM (scripts/vm-test.sh boots it): every verbs test, in one boot.
 #   1. the Rust suite over verbs (tests/verbs.rs, run with --ignored), in both progress modes
 #      (with the fault tests of tests/common/faults.rs: a server process killed and restarted)
-#   2. the C bad-input matrix over verbs (c_examples/bad_matrix.c), and the C examples talking to each other over verbs, every message verified (and the
+#   2. the C bad-input matrix over verbs (tests/c/bad_matrix.c), and the C examples talking to each other over verbs, every message verified (and the
 #      one-sided example: RDMA writes signaled by writes with immediate)
 #   3. the C examples against the stock librdmacm peers: our server serving rdma_client, our
 #      client talking to rdma_server, and rbr_rping_peer in either role of rping against the
@@ -70,7 +70,7 @@ stock_server() { # stock rdma_server, our client; RBR_LOG names the server's add
 }
 
 epoll_burst() { # the epoll server (one thread, two descriptors) and a burst of verbs clients
-  RUN_PAIR_TIMEOUT=300 c_examples/run_pair.sh "$build/rbr_epoll_server" "$build/rbr_burst_client" \
+  RUN_PAIR_TIMEOUT=300 tests/c/run_pair.sh "$build/rbr_epoll_server" "$build/rbr_burst_client" \
     -a "rdma://$ip:7476" -s 4096 -- -n 20 -m 100 -t 240 -- -c 20 -t 270
 }
 
@@ -114,13 +114,13 @@ step "C bad-input matrix over verbs" timeout 300 "$build/rbr_bad_matrix" -a "rdm
 for size in 1 4096 1048576; do
   n=2000; [ "$size" -ge 1048576 ] && n=200
   step "C examples over verbs, $n x $size B" \
-    c_examples/run_pair.sh "$build/rbr_server" "$build/rbr_client" -a "rdma://$ip:$((7480 + ${#size}))" -n "$n" -s "$size" -v
+    tests/c/run_pair.sh "$build/rbr_server" "$build/rbr_client" -a "rdma://$ip:$((7480 + ${#size}))" -n "$n" -s "$size" -v
 done
 step "C examples over verbs, progress threads, 2000 x 4096 B" \
-  c_examples/run_pair.sh "$build/rbr_server" "$build/rbr_client" -a "rdma://$ip:7490" -n 2000 -s 4096 -v -p thread
+  tests/c/run_pair.sh "$build/rbr_server" "$build/rbr_client" -a "rdma://$ip:7490" -n 2000 -s 4096 -v -p thread
 step "C epoll server, 20 clients x 100 x 4096 B at once over verbs" epoll_burst
 step "C one-sided example over verbs: 100 rounds of 8 RDMA writes of 4096 B, each signaled by a write with immediate" \
-  c_examples/run_pair.sh "$build/rbr_rdma_write" "$build/rbr_rdma_write" -a "rdma://$ip:7495" \
+  tests/c/run_pair.sh "$build/rbr_rdma_write" "$build/rbr_rdma_write" -a "rdma://$ip:7495" \
   -n 100 -z 4096 -- -c -- -s
 step "C server with the stock rdma_client" stock_client
 step "C client with the stock rdma_server" stock_server

@@ -455,7 +455,7 @@ fn verbs_address_without_device_is_a_clear_status() {
 
 /// Hostile lengths and sizes: every length is checked before a byte is read, the status is
 /// RBR_ERR_INVALID (never a panic), nothing is created or answered, and out-parameters stay
-/// untouched. (Run under ASan, `c_examples/bad_input.c` checks that no byte past the caller's
+/// untouched. (Run under ASan, `tests/c/bad_input.c` checks that no byte past the caller's
 /// buffer is read.)
 #[test]
 fn hostile_lengths_and_sizes_are_invalid_and_change_nothing() {
@@ -649,7 +649,7 @@ fn every_export_runs_inside_the_panic_boundary() {
 
 /// The functions `null_arguments_return_rbr_err_null_and_write_nothing` does not reach, each
 /// with NULL in every pointer it requires, in turn (the others valid): RBR_ERR_NULL, and no
-/// out-parameter written. (c_examples/bad_matrix.c walks the same matrix, and more, from C.)
+/// out-parameter written. (tests/c/bad_matrix.c walks the same matrix, and more, from C.)
 #[test]
 fn every_other_export_refuses_null_and_writes_nothing() {
     use rdmabridge::ffi::rdma::*;

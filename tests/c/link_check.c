@@ -2,7 +2,7 @@
  * link_check: the smallest program that uses the library - it creates and
  * destroys a context and a completion queue and prints the library's
  * version.  ctest builds it with the exact link lines the README gives
- * (c_examples/readme_link.sh) and runs the results from the build output.
+ * (tests/c/readme_link.sh) and runs the results from the build output.
  */
 #include <stdio.h>
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# readme_link.sh: builds c_examples/link_check.c with the link lines the README gives, from the
+# readme_link.sh: builds tests/c/link_check.c with the link lines the README gives, from the
 # repository root, and runs each program straight from the build output. Fails if any does not
 # build or run.
 # usage: readme_link.sh REPO_ROOT OUT_DIR
@@ -7,7 +7,7 @@ set -euo pipefail
 root=$(realpath "$1") out=$(realpath -m "$2")
 mkdir -p "$out"
 cd "$root"
-src=c_examples/link_check.c
+src=tests/c/link_check.c
 
 echo "== shared, run with LD_LIBRARY_PATH"
 cc "$src" -I include -L target/release -lrdmabridge -o "$out/link_shared"

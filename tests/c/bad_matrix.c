@@ -10,7 +10,7 @@
  * bad calls were aimed at still carries a message both ways and no stray
  * completion was queued ("changes nothing").
  *
- * scripts/matrix-covers-header.sh (a ctest test) fails when a function the
+ * tests/c/matrix_covers_header.sh (a ctest test) fails when a function the
  * header declares is not called here, so a new export cannot be left out.
  *
  * Over verbs (-a rdma://IP:PORT, in the soft-RoCE VM: scripts/vm-suite.sh) it
