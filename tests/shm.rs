@@ -19,41 +19,7 @@ macro_rules! suite_over_shm {
     )*};
 }
 
-suite_over_shm!(
-    processes_exchange_verified_messages_at_all_sizes,
-    connect_to_name_nobody_listens_on_is_refused_at_once,
-    connect_to_silent_listener_times_out_within_its_timeout,
-    second_listener_on_same_name_is_addr_in_use,
-    reject_carries_private_data_both_ways,
-    accept_private_data_reaches_the_client,
-    oversized_private_data_is_invalid_and_nothing_is_sent,
-    peer_killed_mid_stream_is_reported_at_once,
-    slow_receiver_holds_sender_back_and_loses_nothing,
-    receive_too_small_fails_both_sides_with_length_errors,
-    bad_posts_return_clear_errors_and_post_nothing,
-    disconnect_flushes_and_reports_on_both_sides,
-    delivered_unsignaled_send_reports_nothing_at_close,
-    completion_fd_is_readable_exactly_while_completions_are_queued,
-    edge_triggered_waiter_never_sleeps_on_a_queued_completion,
-    tokio_async_fd_loop_never_sleeps_on_a_queued_completion,
-    edge_triggered_listener_takes_a_burst,
-    slot_is_free_once_its_completion_is_seen,
-    idle_connection_stays_up_and_reports_nothing,
-    sleepers_wake_for_late_completions_in_both_progress_modes,
-    threads_polling_one_queue_take_each_completion_once,
-    threads_posting_on_one_connection_deliver_each_message_once,
-    destroying_a_connection_wakes_threads_waiting_on_its_queue,
-    c_destroying_a_connection_wakes_a_thread_in_rbr_cq_wait,
-    orderly_close_with_receives_posted_is_always_success,
-    event_loop_accepts_a_burst_without_losing_a_peer,
-    late_receive_send_waits_and_completes,
-    unsignaled_sends_never_fill_the_send_queue,
-    one_sided_operations_move_verified_data_at_all_sizes,
-    fetch_and_add_from_two_connections_sums_exactly,
-    compare_and_swap_makes_a_working_lock,
-    bad_remote_accesses_fail_with_remote_access_and_touch_nothing,
-    raw_remote_built_as_the_guide_says_reaches_the_region,
-);
+common::for_each_suite_test!(suite_over_shm);
 
 /// A peer running as another user is turned away (peer credentials), and the listener keeps
 /// serving. Needs root to run the peer as `nobody`; the project's test command runs as root.
