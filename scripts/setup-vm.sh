@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what scripts/vm-run.sh and scripts/vm-run2.sh need (soft-RoCE inside a qemu VM booted
+# Installs what scripts/vm-run.sh and scripts/vm-run-two.sh need (soft-RoCE inside a qemu VM booted
 # with virtme-ng; see docs/testing.md) on Debian 12, as root. Idempotent: apt runs only when a
 # package is missing, pip only when `vng` is not on PATH.
 # Usage: scripts/setup-vm.sh

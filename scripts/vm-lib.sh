@@ -1,4 +1,4 @@
-# Shared helpers for scripts/vm-run.sh and scripts/vm-run2.sh (sourced, not run). A VM is
+# Shared helpers for scripts/vm-run.sh and scripts/vm-run-two.sh (sourced, not run). A VM is
 # virtme-ng booting Debian's kernel under qemu without KVM, with the host's root file system
 # read-only, /tmp a throwaway overlay and one results dir (--rwdir) that persists on the host.
 # Each VM runs inside `timeout` (its own process group: timeout, vng and the qemu it forks), so

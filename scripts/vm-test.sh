@@ -4,7 +4,7 @@
 # link cut mid-transfer, which the other host - and, for the link, the host that lost it - must
 # notice in bounded time), then the verbs suite, the C
 # examples over verbs and against the stock librdmacm peers (one VM), whose summary line
-# ("vm-suite: N passed, N failed") closes the output.
+# ("vm-guest-suite: N passed, N failed") closes the output.
 # Needs: scripts/setup-vm.sh (packages), a release build, and the C examples built in BUILD_DIR.
 # Usage: scripts/vm-test.sh [BUILD_DIR]   (default: build)
 set -euo pipefail
@@ -21,21 +21,21 @@ scale_bin=$(cargo test --release --test scale --no-run --message-format=json 2>/
 [ -x "$scale_bin" ] || { echo "vm-test: could not build the scale test binary" >&2; exit 1; }
 [ -x "$build/rbr_server" ] || { echo "vm-test: no C examples in $build (cmake --build first)" >&2; exit 1; }
 echo "== two VMs: a verified transfer between two hosts over soft-RoCE"
-scripts/vm-run2.sh --timeout 900 -- \
+scripts/vm-run-two.sh --timeout 900 -- \
   target/release/rbr-echo server rdma://198.18.2.1:7471 2000 65536 ::: \
   target/release/rbr-echo client rdma://198.18.2.1:7471 2000 65536
 # A lost host or link must surface at the survivor as an error within the documented bound
 # (about 3 s with the default options; checked against 30 s, since the VMs run under emulation,
 # maybe on a loaded machine; a survivor that never noticed would hang until its time limit).
 echo "== two VMs: the client VM is killed outright mid-transfer; the server must notice"
-scripts/vm-run2.sh --timeout 600 --kill-client-after 12 -- \
-  scripts/vm-expect-loss.sh 30000 -- target/release/rbr-echo server rdma://198.18.2.1:7471 1000000 65536 ::: \
+scripts/vm-run-two.sh --timeout 600 --kill-client-after 12 -- \
+  scripts/vm-guest-expect-loss.sh 30000 -- target/release/rbr-echo server rdma://198.18.2.1:7471 1000000 65536 ::: \
   target/release/rbr-echo client rdma://198.18.2.1:7471 1000000 65536
 echo "== two VMs: the client VM's link goes down mid-transfer; both sides must notice"
-scripts/vm-run2.sh --timeout 600 -- \
-  scripts/vm-expect-loss.sh 30000 -- target/release/rbr-echo server rdma://198.18.2.1:7471 1000000 65536 ::: \
+scripts/vm-run-two.sh --timeout 600 -- \
+  scripts/vm-guest-expect-loss.sh 30000 -- target/release/rbr-echo server rdma://198.18.2.1:7471 1000000 65536 ::: \
   bash -c 'nic=$(ls /sys/class/net | grep -vx lo | head -n1)
     (sleep 12; ip link set "$nic" down; echo "link $nic down") &
-    scripts/vm-expect-loss.sh 30000 -- timeout 120 target/release/rbr-echo client rdma://198.18.2.1:7471 1000000 65536'
+    scripts/vm-guest-expect-loss.sh 30000 -- timeout 120 target/release/rbr-echo client rdma://198.18.2.1:7471 1000000 65536'
 echo "== one VM: verbs suite, C examples, stock peers"
-scripts/vm-run.sh --timeout 1800 -- scripts/vm-suite.sh "$bin" "$build" "$scale_bin"
+scripts/vm-run.sh --timeout 1800 -- scripts/vm-guest-suite.sh "$bin" "$build" "$scale_bin"

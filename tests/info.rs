@@ -1,5 +1,5 @@
 //! rdmabridge-info on this machine: it names the transports, routes each address form as the
-//! library would, and explains what is missing. (In the soft-RoCE VM, scripts/vm-suite.sh
+//! library would, and explains what is missing. (In the soft-RoCE VM, scripts/vm-guest-suite.sh
 //! checks it again: the device, its port and GIDs, the device an rdma:// address takes, and
 //! the memory-lock limit named as the cause of a failed registration.)
 

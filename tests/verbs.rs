@@ -85,7 +85,7 @@ impl Drop for LinkDown {
 /// within the documented bound (about 1 s + the retry bound of 1.9 s with the defaults; checked
 /// against 20 s since the VM runs under emulation, on a machine that may be loaded; without the
 /// port event nothing would ever end these idle connections). Run on its own
-/// (scripts/vm-suite.sh): it takes the VM's test interface down for a while.
+/// (scripts/vm-guest-suite.sh): it takes the VM's test interface down for a while.
 #[test]
 #[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
 fn local_link_down_fails_idle_connections_within_bound() {

@@ -13,7 +13,7 @@
  * tests/c/matrix_covers_header.sh (a ctest test) fails when a function the
  * header declares is not called here, so a new export cannot be left out.
  *
- * Over verbs (-a rdma://IP:PORT, in the soft-RoCE VM: scripts/vm-suite.sh) it
+ * Over verbs (-a rdma://IP:PORT, in the soft-RoCE VM: scripts/vm-guest-suite.sh) it
  * also listens on PORT+1 and finds nobody on PORT+2.
  *
  * usage: bad_matrix [-a ADDR] [-v]     (default shm://rbr-bad-matrix-PID)

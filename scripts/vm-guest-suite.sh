@@ -17,9 +17,9 @@
 #      every record flushed and the disconnect last (tests/scale.rs), in both progress modes;
 #      and the empty-poll cost with 1 and with 1,024 idle connections (benchmarks/scaling.c)
 #      300 connections at the default depths on one queue: more than one device CQ holds
-#   7. rdmabridge-info's view of the VM (scripts/vm-info-check.sh)
+#   7. rdmabridge-info's view of the VM (scripts/vm-guest-info-check.sh)
 #   8. the local link taken down under idle connections
-# Usage (in the guest): scripts/vm-suite.sh VERBS_TEST_BINARY C_BUILD_DIR SCALE_TEST_BINARY
+# Usage (in the guest): scripts/vm-guest-suite.sh VERBS_TEST_BINARY C_BUILD_DIR SCALE_TEST_BINARY
 # Prints one line per step and a closing "N passed, N failed"; exits non-zero if any failed.
 set -u
 verbs_bin=$1 build=$2 scale_bin=$3
@@ -125,7 +125,7 @@ step "C one-sided example over verbs: 100 rounds of 8 RDMA writes of 4096 B, eac
 step "C server with the stock rdma_client" stock_client
 step "C client with the stock rdma_server" stock_server
 step "C rping peer with the stock rping, both roles, verified pings" \
-  scripts/vm-rping-check.sh "$build"
+  scripts/vm-guest-rping-check.sh "$build"
 step "library server with the stock ucmatose client (no RNR retries)" "$verbs_bin" --ignored \
   --exact plain_client_without_rnr_retries_fails_a_send_that_finds_no_receive --nocapture
 step "non-root C client over RLIMIT_MEMLOCK: the error names the limit" memlock_limit
@@ -138,11 +138,11 @@ step "1,024 verbs connections: driver threads only, one device CQ, every record"
 step "300 verbs connections at the default depths on one queue: more than one device CQ holds" \
   "$scale_bin" --ignored --exact verbs_queue_takes_more_connections_than_one_device_cq_holds
 step "rdmabridge-info: the device, its port and GIDs, the device for an address, memlock named" \
-  scripts/vm-info-check.sh target/release/rdmabridge-info "$ip"
+  scripts/vm-guest-info-check.sh target/release/rdmabridge-info "$ip"
 step "empty poll with 1 and 1,024 idle verbs connections (figures printed)" \
   timeout 900 "$build/rbr_scaling" -a "rdma://$ip:7495" -N 1,1024 -n 200 -b 5 -T 120
 # Last, since it takes the interface down for a while.
 step "local link down under idle connections" "$verbs_bin" --ignored --exact \
   local_link_down_fails_idle_connections_within_bound --nocapture
-echo "vm-suite: $passed passed, $failed failed"
+echo "vm-guest-suite: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -8,11 +8,11 @@
 # Prints both outputs; exits 0 only if both commands exit 0 (else the server's non-zero code,
 # then the client's; 124 timeout, 125 VM failed to boot).
 #
-# Usage: scripts/vm-run2.sh [--timeout SECS] [--kill-client-after SECS] -- SERVER_COMMAND... ::: CLIENT_COMMAND...
+# Usage: scripts/vm-run-two.sh [--timeout SECS] [--kill-client-after SECS] -- SERVER_COMMAND... ::: CLIENT_COMMAND...
 #   --timeout SECS  limit for each VM (default 1200). 1G memory each; both share the 2 cores.
 #   --kill-client-after SECS  kill VM 2 outright (its qemu) SECS after its command started: a
 #                   host failure; the exit code is then the server's alone.
-# Example: scripts/vm-run2.sh -- rping -s -a 198.18.2.1 -C 3 ::: bash -c 'until rping -c -a 198.18.2.1 -C 3; do sleep 2; done'
+# Example: scripts/vm-run-two.sh -- rping -s -a 198.18.2.1 -C 3 ::: bash -c 'until rping -c -a 198.18.2.1 -C 3; do sleep 2; done'
 set -euo pipefail
 source "$(dirname "$0")/vm-lib.sh"
 
@@ -52,7 +52,7 @@ EOS
 }
 net="-netdev socket,id=n1,%s=127.0.0.1:$port -device virtio-net-pci,netdev=n1,mac=52:54:00:00:00:0%s"
 
-echo "vm-run2: VM 1 (server) listening on 127.0.0.1:$port" >&2
+echo "vm-run-two: VM 1 (server) listening on 127.0.0.1:$port" >&2
 vm_start "$d1" 1G "$timeout" "$(printf -- "$net" listen 1)" "$(setup 198.18.2.1 198.18.2.2)" -- "${server[@]}"
 pids+=("$VM_PID")
 for _ in $(seq 600); do listening "$port" || ! kill -0 "${pids[0]}" 2>/dev/null && break; sleep 0.1; done
@@ -60,14 +60,14 @@ if listening "$port"; then
   vm_start "$d2" 1G "$timeout" "$(printf -- "$net" connect 2)" "$(setup 198.18.2.2 198.18.2.1)" -- "${client[@]}"
   pids+=("$VM_PID")
 else
-  echo "vm-run2: VM 1 never listened on 127.0.0.1:$port" >&2; vm_kill "${pids[0]}"
+  echo "vm-run-two: VM 1 never listened on 127.0.0.1:$port" >&2; vm_kill "${pids[0]}"
 fi
 
 rc1=0 rc2=0
 if [ -n "$kill_after" ] && [ ${#pids[@]} -gt 1 ]; then
   for _ in $(seq "$((timeout * 10))"); do [ -e "$d2/t_cmd" ] || ! kill -0 "${pids[1]}" 2>/dev/null && break; sleep 0.1; done
   sleep "$kill_after"
-  echo "vm-run2: killing VM 2 (client) outright at $(date +%T.%N)" >&2
+  echo "vm-run-two: killing VM 2 (client) outright at $(date +%T.%N)" >&2
   kill -KILL -- "-${pids[1]}" 2>/dev/null || true
   wait "${pids[1]}" 2>/dev/null || true
   pids=("${pids[0]}")

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Runs inside the soft-RoCE VM (scripts/vm-suite.sh calls it; alone: scripts/vm-run.sh --
-# scripts/vm-rping-check.sh BUILD_DIR): the C example rbr_rping_peer against rdma-core's stock
-# rping (rdmacm-utils), in both roles, over RBR_TEST_ADDR, at two ping sizes.
+# Runs inside the soft-RoCE VM (scripts/vm-guest-suite.sh calls it; alone: scripts/vm-run.sh
+# -- scripts/vm-guest-rping-check.sh BUILD_DIR): the C example rbr_rping_peer against
+# rdma-core's stock rping (rdmacm-utils), in both roles, over RBR_TEST_ADDR, at two ping sizes.
 #   our server, stock `rping -c -V -C 10 -S SIZE`: rping validates every echo (-V), prints each
 #     (-v), and must print all 10; our server checks every ping it RDMA-reads
 #   stock `rping -s -V`, our client: our client checks every echo against its ping and rping's
 #     pattern; the stock server must print all 10 pings it read
 # Each side must exit 0. Prints what both printed; exits non-zero on any failure.
-# Usage: scripts/vm-rping-check.sh BUILD_DIR
+# Usage: scripts/vm-guest-rping-check.sh BUILD_DIR
 set -u
 build=${1:?usage: $0 BUILD_DIR}
 ip=${RBR_TEST_ADDR:?RBR_TEST_ADDR is unset: run me inside the VM (scripts/vm-run.sh)}
 peer=$build/rbr_rping_peer
-[ -x "$peer" ] || { echo "vm-rping-check: no $peer (cmake --build first)" >&2; exit 1; }
-command -v rping >/dev/null || { echo "vm-rping-check: no rping (rdmacm-utils)" >&2; exit 1; }
+[ -x "$peer" ] || { echo "vm-guest-rping-check: no $peer (cmake --build first)" >&2; exit 1; }
+command -v rping >/dev/null || { echo "vm-guest-rping-check: no rping (rdmacm-utils)" >&2; exit 1; }
 count=10
 failed=0
 
@@ -57,5 +57,5 @@ for size in 64 16384; do
   our_client "$size" $((port + 1)) || failed=$((failed + 1))
   port=$((port + 2))
 done
-echo "vm-rping-check: $failed failed"
+echo "vm-guest-rping-check: $failed failed"
 [ "$failed" -eq 0 ]

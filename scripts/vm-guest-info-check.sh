@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Runs inside the soft-RoCE VM (a step of scripts/vm-suite.sh): rdmabridge-info names the
+# Runs inside the soft-RoCE VM (a step of scripts/vm-guest-suite.sh): rdmabridge-info names the
 # device, its active port and its GIDs; says which device an rdma:// address of the VM and a
 # plain address of it take, and why; registers 1 MiB; and, for a non-root user under
 # `ulimit -l 64`, names the memory-lock limit as the cause of the failed registration.
-# Usage: scripts/vm-info-check.sh RDMABRIDGE_INFO_BINARY VM_ADDRESS
+# Usage: scripts/vm-guest-info-check.sh RDMABRIDGE_INFO_BINARY VM_ADDRESS
 set -u
 bin=$(realpath "$1") ip=$2
 failed=0
