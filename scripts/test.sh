@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every test: formatting, lints, header freshness, the Rust test suites, and the C examples
-# (built with -Werror, ASan and UBSan) under ctest. Installs what it needs first.
+# Every test: formatting, lints, header freshness, the Rust test suites, and the C examples and
+# test programs (built with -Werror, ASan and UBSan) under ctest. Installs what it needs first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -29,7 +29,7 @@ RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/loom" cargo
 echo "== cargo package: the crate as published builds (only what Cargo.toml's include lists)"
 # --allow-dirty: like every step here, this checks the tree as it stands, edits included.
 cargo package --allow-dirty --quiet
-echo "== C examples (Debug: ASan + UBSan) under ctest"
+echo "== C examples and tests/c (Debug: ASan + UBSan) under ctest"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Debug >/dev/null
 cmake --build build -j2
 ctest --test-dir build --output-on-failure
