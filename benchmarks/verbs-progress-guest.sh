@@ -14,6 +14,11 @@
 #               each connected, accepted, carrying a 64 B message each way and closed; server
 #               and client in two processes, as cmtime's); connections per second of the
 #               client's whole run, for both
+#   first:      rbr_first (benchmarks/first.c), both sides busy-polling and both in
+#               rbr_cq_poll_wait: per connection the slowest of the first 200 round trips from
+#               the connect (median over connections, against the busy run's steady round trip),
+#               and a message sent while the peer sleeps 50 ms before posting its receive, timed
+#               from that post to the receive's completion (against ib_send_lat's one-way 2 B)
 # rdmabridge runs as rbr-caller (progress on the caller's thread, the default), rbr-thread
 # (progress threads) and rbr-caller-busy (caller progress, rbr_cq_wait never sleeping), all
 # three the C example (rbr_client/rbr_server: streaming there is echoed, so both directions
@@ -34,12 +39,12 @@ port=18000 results=/tmp/bench-results
 : >"$results"
 
 # Sizes and counts. Streaming moves about 64 MiB per run (at least 64 messages).
-lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100
+lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100 first_n=10
 lat_n() { [ "$1" -ge 4096 ] && echo 300 || echo 1000; } # ib_send_lat hangs on rxe at 4 KiB x 1000
 bw_n() { local n=$((64 * 1048576 / $1)); [ "$n" -ge 64 ] && echo "$n" || echo 64; }
 variants=${RBR_BENCH_VARIANTS:-"caller/- thread/- caller/1000000"}
 if [ "$quick" = --quick ]; then
-  rounds=1 bw_sizes=65536 conns=10
+  rounds=1 bw_sizes=65536 conns=10 first_n=2
   lat_n() { echo 100; }
   bw_n() { echo 50; }
   variants=${RBR_BENCH_VARIANTS:-"caller/-"}
@@ -147,6 +152,26 @@ rbr_conn_rate() { # N
   local t1; t1=$(now_ns)
   wait "$s" || { echo "rbr_setup server failed:" >&2; cat /tmp/setup-server.log >&2; return 1; }
   awk -v n="$n" -v ns=$((t1 - t0)) 'BEGIN { printf "%.1f\n", n / (ns / 1e9) }'
+}
+
+# rbr_first busy|wait: a server and a client, both busy-polling or both in rbr_cq_poll_wait, over
+# first_n connections; prints the client's two RESULT lines (first, late).
+first_run() { # busy|wait
+  local w=() i
+  [ "$1" = wait ] && w=(-W)
+  next_port
+  : >/tmp/first-server.log
+  timeout 300 "$build/rbr_first" -r server -a "rdma://$ip:$port" -T 60 "${w[@]}" >/tmp/first-server.log 2>&1 &
+  local s=$!
+  for i in $(seq 600); do grep -q '^listening' /tmp/first-server.log && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
+  if ! timeout 600 "$build/rbr_first" -r client -a "rdma://$ip:$port" -n "$first_n" -T 60 "${w[@]}" \
+    >/tmp/first-client.log 2>&1; then
+    echo "rbr_first ($1) failed:" >&2; cat /tmp/first-client.log /tmp/first-server.log >&2
+    kill "$s" 2>/dev/null; wait "$s" 2>/dev/null
+    return 1
+  fi
+  wait "$s" || { echo "rbr_first server ($1) failed:" >&2; cat /tmp/first-server.log >&2; return 1; }
+  grep '^RESULT ' /tmp/first-client.log
 }
 
 # A server and a client of PROGRAM (rbr_bench or rbr_rma_bench) on a fresh port: TEST at SIZE,
@@ -283,6 +308,20 @@ for round in $(seq "$rounds"); do
   done
   if v=$(cmtime_rate "$conns"); then record conn cmtime cps "$v"; fi
   if v=$(rbr_conn_rate "$conns"); then record conn rbr-setup cps "$v"; fi
+  # The late message against this round's one-way ib_send_lat at the smallest size; the first
+  # round trips against the busy run's steady round trip.
+  sl=$(awk -v m="lat${lat_sizes%% *}" '$2 == m && $3 == "ib_send_lat" && $4 == "p50" { v = $5 } END { print v }' "$results")
+  [ -n "$sl" ] && record late64 ib_send_lat p50 "$sl"
+  for mode in busy wait; do
+    if out=$(first_run $mode); then
+      f=$(echo "$out" | grep '^RESULT first') l=$(echo "$out" | grep '^RESULT late')
+      if [ $mode = busy ]; then
+        record first64 rbr-steady p50 "$(echo "$f" | sed -n 's/.* rtt_p50_us=\([0-9.]*\).*/\1/p')"
+      fi
+      record first64 "rbr-first-$mode" p50 "$(echo "$f" | sed -n 's/.* worst_p50_us=\([0-9.]*\).*/\1/p')"
+      record late64 "rbr-first-$mode" p50 "$(echo "$l" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
+    fi
+  done
 done
 
 # The table: per measure, the stock tool first, then ours; medians over the rounds, the spread
@@ -308,8 +347,10 @@ awk '
     if (m ~ /^ruser/) return "read " substr(m, 6) " B: outside write()"
     if (m ~ /^[wr]lat/) { s = substr(m, 5) + 0; return (m ~ /^w/ ? "write" : "read") " latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^[wr]bw/) { s = substr(m, 4) + 0; return (m ~ /^w/ ? "write" : "read") " bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
+    if (m ~ /^late/) return "message waiting for its receive, " substr(m, 5) " B: post to completion"
     if (m ~ /^lat/) { s = substr(m, 4) + 0; return "latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^bw/) { s = substr(m, 3) + 0; return "bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
+    if (m ~ /^first/) return "slowest of the first round trips, " substr(m, 6) " B"
     return "connection setup"
   }
   function ratio(a, b) { return (b > 0 && a != "") ? sprintf("%.2fx", a / b) : "-" }
@@ -327,8 +368,8 @@ awk '
     printf "| --- | --- | --- | --- | --- | --- | --- |\n"
     for (i = 1; i <= nm; i++) {
       m = order[i]; split(substr(tools[m], 2), ts, " ")
-      field = m ~ /^([wr]?lat|rkern|ruser)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
-      unit = m ~ /^([wr]?lat|rkern|ruser)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : " conn/s")
+      field = m ~ /^([wr]?lat|rkern|ruser|late|first)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
+      unit = m ~ /^([wr]?lat|rkern|ruser|late|first)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : " conn/s")
       ref = ts[1]; r50 = med(m SUBSEP ref SUBSEP field); r99 = med(m SUBSEP ref SUBSEP "p99")
       for (j = 1; (j in ts); j++) {
         t = ts[j]; k = m SUBSEP t SUBSEP field
@@ -347,7 +388,8 @@ fi
 # Every tool must have produced every round's figure.
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
-# size, 2 x 2 bandwidth figures per size; the read's split: 2 figures of each tool)
-want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 2 + nl * 8 + nb * 4 + 4)))
+# size, 2 x 2 bandwidth figures per size; the read's split: 2 figures of each tool; rbr_first:
+# 3 figures of the late message and 3 of the first round trips)
+want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 2 + nl * 8 + nb * 4 + 4 + 6)))
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }
