@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Shared-memory benchmark, side by side: rdmabridge's shm transport (benchmarks/rbr_bench.c)
-# against the stock tools of BENCH-ANCHORS.md, in the same run, with the machine's limits.
+# against the stock tools (UCX's ucx_perftest, libfabric's fi_pingpong), in the same run, with
+# the machine's limits.
 #   ours:    rbr_bench lat (p50, p99, mean one-way), bw (MB/s), rate (messages/s)
 #   ucx:     UCX_TLS=posix,self ucx_perftest tag_lat, tag_bw (bandwidth and message rate),
 #            ucp_put_bw (one-sided puts, at the large sizes)

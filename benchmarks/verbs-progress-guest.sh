@@ -56,7 +56,7 @@ client_env=()
 now_ns() { date +%s%N; }
 
 # perftest: server and client of TOOL with ARGS; prints the client's result line. About 1 run in
-# 18 fails to connect on rxe (BENCH-ANCHORS.md), so up to 3 tries with a fresh server each.
+# 18 fails to connect on rxe here, so up to 3 tries with a fresh server each.
 perftest() { # TOOL ARGS...
   local tool=$1; shift
   local try

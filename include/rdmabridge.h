@@ -154,7 +154,7 @@
  * connection) + (retry_count + 1) x 4.096 us x 2^ack_timeout: about 3 s with the default
  * options. The host whose own link (RDMA port) goes down fails its connections within
  * (retry_count + 1) x 4.096 us x 2^ack_timeout of the port's going down, keepalive or not.
- * (The times measured are in the README, "Verbs specifics".)
+ * (The times measured are in docs/transports.md, "Verbs".)
  */
 #define RBR_OP_DISCONNECTED 16
 
@@ -224,7 +224,7 @@
  * Progress (the default): the thread that calls `rbr_cq_poll` or `rbr_cq_wait` takes verbs
  * completions straight from the device, with no thread hand-off and no system call while it
  * polls. It is the default because it measured faster than RBR_PROGRESS_THREAD in latency
- * and streaming, side by side with perftest (the figures are in the README, "Progress").
+ * and streaming, side by side with perftest (the figures are in docs/performance.md).
  * Connection events, keepalives and teardown still run on a library thread, one per context
  * for all its connections. Over shm a post writes its message
  * straight into the shared ring when the peer has a receive posted and the ring has room, and

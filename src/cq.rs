@@ -113,8 +113,8 @@ pub enum Progress {
     /// call on the busy path. A library thread still handles connection events, keepalives and
     /// teardown (one per context, for all its connections), and moves work only while a caller sleeps in [`CompletionQueue::wait`] or
     /// watches [`CompletionQueue::fd`] (and, over shm, for sends that wait for ring space,
-    /// and when nobody has polled for 10 ms). The default (it measured
-    /// faster; see the README).
+    /// and when nobody has polled for 10 ms). The default (it measured faster; see
+    /// docs/performance.md).
     Caller,
     /// A library thread moves each connection's work and every completion into the queue
     /// (the context's one thread for all its connections: verbs on the device's completion

@@ -138,7 +138,7 @@ fn local_link_down_fails_idle_connections_within_bound() {
 }
 
 /// Toward a plain librdmacm client the library's accepting side takes its RNR retry count from
-/// the client's connect request (README, Verbs specifics): the stock `ucmatose` asks for none,
+/// the client's connect request (docs/transports.md, "Verbs"): the stock `ucmatose` asks for none,
 /// so a send of ours that finds no receive posted fails at once with TRANSPORT, and the
 /// connection with it. A `ucmatose -C 1` client posts one receive before it connects, waits for
 /// one message, replies with one and waits for the server's disconnect; we send two.

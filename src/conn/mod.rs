@@ -62,8 +62,9 @@ pub struct ConnOptions {
     /// Verbs, toward plain librdmacm peers: how often a send that found no receive posted is
     /// retried by the device (0..=7; 7 = without limit). Default 7. Between two peers using
     /// this library a send waits for the peer's receive in the library (receive credits; over
-    /// shm a message waits in the ring) and never meets a missing receive. When this side accepts, the device takes
-    /// the value the connecting peer asked for instead (see the README). Ignored by shm.
+    /// shm a message waits in the ring) and never meets a missing receive. When this side
+    /// accepts, the device takes the value the connecting peer asked for instead (see
+    /// docs/transports.md, "Verbs"). Ignored by shm.
     pub rnr_retry_count: u8,
     /// Verbs: how long the device waits for an acknowledgement before resending, as the
     /// exponent `t` of 4.096 µs × 2^t (0..=31). Default 16 (about 0.27 s). With `retry_count`
