@@ -170,7 +170,7 @@ impl Engine {
     /// sleeping on the queue): no doorbell from the peer is needed while they do. When they
     /// stop (no poll for [`IDLE`]) the connection's turns assist them: they ask the peer for
     /// doorbells and move what it announces - messages into the posted receives, sends that
-    /// waited for a credit or ring space - so that nothing waits for this side to poll again.
+    /// waited for ring space - so that nothing waits for this side to poll again.
     /// The same for sends that wait, at once.
     fn assist(&mut self) -> std::result::Result<Next, End> {
         self.idle_since = None;

@@ -1,11 +1,10 @@
 //! A completion queue's notice board: one shared page on which shm peers mark which of the
-//! queue's connections has news (a message in its ring, a freed slot, a new receive credit), so
-//! that a poll looks at those connections only and an empty poll costs the same with one
-//! connection or thousands.
+//! queue's connections has news (a message in its ring), so that a poll looks at those
+//! connections only and an empty poll costs the same with one connection or thousands.
 //!
 //! Layout: a summary word at offset 0 (bit `g` set: word `g` may have bits set), then
 //! [`WORDS`] words from offset [`WORDS_AT`], one bit per connection slot. A peer that writes
-//! after its ring and credit words sets the connection's bit, and the group's summary bit when
+//! after its ring's words sets the connection's bit, and the group's summary bit when
 //! the word was empty; a poller clears the summary, then each marked word, then looks at those
 //! connections. A SeqCst fence on both sides between the data and the mark makes sure that
 //! either the poller sees the data or the writer sees the cleared bit and sets it again.
@@ -122,7 +121,7 @@ impl Board {
             let g = groups.trailing_zeros();
             groups &= groups - 1;
             let mut bits = self.group(g as usize).swap(0, Ordering::SeqCst);
-            // The clear above comes before reading any ring or credit word of these slots
+            // The clear above comes before reading any ring word of these slots
             // (Dekker with `mark`).
             fence(Ordering::SeqCst);
             while bits != 0 {
