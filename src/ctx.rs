@@ -30,11 +30,7 @@ impl Context {
     /// A context with the given options.
     pub fn with_options(opts: ContextOptions) -> Result<Self> {
         Ok(Context {
-            inner: Arc::new(ContextInner {
-                opts,
-                verbs: Default::default(),
-                driver: Default::default(),
-            }),
+            inner: Arc::new(ContextInner::new(opts)),
         })
     }
 

@@ -4,7 +4,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
@@ -59,9 +59,9 @@ pub struct MemoryRegion {
     access: Access,
     id: u64,
     owned: Option<Owned>,
-    /// Registrations with verbs protection domains, made on first use by a connection.
-    /// Declared before `_ctx` and released before the memory (see `Drop`).
-    regs: crate::verbs::Registrations,
+    /// Registrations with the domains devices reach memory through (verbs: protection
+    /// domains), made on first use by a connection. Released before the memory (see `Drop`).
+    regs: Registrations,
     /// The connections that let their peer reach this region (see [`Exposure`]); each
     /// withdraws it when the region is dropped, before its memory goes.
     exposures: Mutex<Vec<Weak<dyn Exposure>>>,
@@ -69,6 +69,57 @@ pub struct MemoryRegion {
     /// never exposed costs no lock).
     exposed: AtomicBool,
     _ctx: Arc<ContextInner>,
+}
+
+/// A domain through which a device reaches memory (verbs: a protection domain), which a
+/// region is registered with on its first use there.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only verbs registers memory
+pub(crate) trait Registrar: Send + Sync + 'static {
+    /// Registers `addr..addr + len` with `access` in `domain`.
+    ///
+    /// # Safety
+    /// The memory stays valid for `len` bytes until the registration is dropped.
+    unsafe fn register(
+        domain: &Arc<Self>,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<Box<dyn Registration>>;
+}
+
+/// A region's registration in one domain; dropping it deregisters. It keeps its domain alive,
+/// so the domain's address names no other while the registration lives.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only verbs registers memory
+pub(crate) trait Registration: Send + Sync {
+    fn keys(&self) -> Keys;
+}
+
+/// The keys of a registration: the local one work requests carry, the remote one a peer's
+/// one-sided operations carry.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only verbs registers memory
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Keys {
+    pub(crate) lkey: u32,
+    pub(crate) rkey: u32,
+}
+
+/// A region's registrations, one per domain it was used in.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only verbs registers memory
+#[derive(Default)]
+struct Registrations {
+    /// (the domain's address, the registration).
+    regs: Mutex<Vec<(usize, Box<dyn Registration>)>>,
+    /// The first registration's domain and keys, read without the lock on every post. The
+    /// address cannot name another domain while the region lives, since the registration in
+    /// `regs` keeps that domain alive.
+    first: OnceLock<(usize, Keys)>,
+}
+
+impl std::fmt::Debug for Registrations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.regs.lock().map_or(0, |r| r.len());
+        write!(f, "Registrations({n})")
+    }
 }
 
 /// A connection's table of the regions its peer may reach with one-sided operations.
@@ -230,17 +281,54 @@ impl MemoryRegion {
         }
     }
 
-    /// The local key of this region in `pd`, registering it there on first use.
-    #[cfg(feature = "verbs")]
-    pub(crate) fn verbs_lkey(&self, pd: &Arc<crate::verbs::Pd>) -> Result<u32> {
-        self.regs.lkey(pd, self.ptr.as_ptr(), self.len, self.access)
+    /// The local key of this region in `domain`, registering it there on first use.
+    #[inline]
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn lkey_in<R: Registrar>(&self, domain: &Arc<R>) -> Result<u32> {
+        self.keys_in(domain).map(|k| k.lkey)
     }
 
-    /// The remote key of this region in `pd` (what the peer's one-sided operations carry),
+    /// The remote key of this region in `domain` (what the peer's one-sided operations carry),
     /// registering it there on first use.
-    #[cfg(feature = "verbs")]
-    pub(crate) fn verbs_rkey(&self, pd: &Arc<crate::verbs::Pd>) -> Result<u32> {
-        self.regs.rkey(pd, self.ptr.as_ptr(), self.len, self.access)
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn rkey_in<R: Registrar>(&self, domain: &Arc<R>) -> Result<u32> {
+        self.keys_in(domain).map(|k| k.rkey)
+    }
+
+    /// The keys of this region in `domain`, registering it there on first use (with the access
+    /// flags the region was made with: what its remote key allows is what a peer may do).
+    #[inline]
+    fn keys_in<R: Registrar>(&self, domain: &Arc<R>) -> Result<Keys> {
+        // The first registration's keys, without the lock: most regions are only ever used
+        // in one domain.
+        if let Some(&(at, keys)) = self.regs.first.get()
+            && at == Arc::as_ptr(domain) as *const () as usize
+        {
+            return Ok(keys);
+        }
+        self.keys_registering(domain)
+    }
+
+    /// [`keys_in`](Self::keys_in) for a region used in another domain than its first, or not
+    /// yet.
+    #[cold]
+    #[inline(never)]
+    fn keys_registering<R: Registrar>(&self, domain: &Arc<R>) -> Result<Keys> {
+        let at = Arc::as_ptr(domain) as *const () as usize;
+        let mut regs = self.regs.regs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, r)) = regs.iter().find(|(d, _)| *d == at) {
+            return Ok(r.keys());
+        }
+        // SAFETY: the region's memory is valid for `len` bytes while it lives (its own
+        // contract), and its registrations are dropped before the memory is released (`Drop`).
+        let r = unsafe { R::register(domain, self.ptr.as_ptr(), self.len, self.access)? };
+        let keys = r.keys();
+        regs.push((at, r));
+        if regs.len() == 1 {
+            // Only the first registration ever sets it (under the lock), so it never changes.
+            let _ = self.regs.first.set((at, keys));
+        }
+        Ok(keys)
     }
 
     /// The shared-memory file holding the region, for a region the library allocated.
@@ -273,9 +361,7 @@ impl Drop for MemoryRegion {
                 t.revoke(self.id);
             }
         }
-        // Deregister from every device before the memory can go away. (Without the verbs
-        // feature there is nothing to deregister.)
-        #[cfg_attr(not(feature = "verbs"), allow(clippy::drop_non_drop))]
+        // Deregister from every domain before the memory can go away.
         drop(std::mem::take(&mut self.regs));
         if self.owned.is_some() {
             // SAFETY: ptr/len are exactly what mmap returned in `alloc`; the last Arc is gone,

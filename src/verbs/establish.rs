@@ -26,6 +26,7 @@ use crate::error::{Error, Result};
 use crate::verbs::cm::{CmEvent, CmId, EventChannel, sockaddr};
 use crate::verbs::credit::{CreditMr, FLAG_CREDITS, HELLO_LEN, INTERNAL_SLOTS, Remote};
 use crate::verbs::devcq::{Attachment, attach};
+use crate::verbs::domain::Domain;
 use crate::verbs::post::{HELLO_BIT, RECV_BIT, post_error};
 use crate::verbs::preamble::{parse_credit_ext, parse_preamble, with_preamble};
 use crate::verbs::res::{DeviceEvents, Pd, device_events};
@@ -179,7 +180,8 @@ impl Resources {
         if device.is_null() {
             return Err(Error::NoDevice);
         }
-        let pd = ctx.verbs.pd(device)?;
+        let domain = ctx.transports.get::<Domain>();
+        let pd = domain.pd(device)?;
         let dev = device_events(device)?;
         let (limits, max_send_sge) = Limits::of(device)?;
         // SAFETY: live id, bound to a device port by now.
@@ -190,8 +192,8 @@ impl Resources {
         // receive.
         let need = opts.send_queue_depth + opts.recv_queue_depth + INTERNAL_SLOTS + 1;
         let driver = ctx.driver.get().map_err(Error::Thread)?;
-        ctx.verbs.watch_ports(device, &driver)?;
-        let mut att = attach(&ctx.verbs.devcqs, &driver, cq, device, need)?;
+        domain.watch_ports(device, &driver)?;
+        let mut att = attach(&domain.devcqs, &driver, cq, device, need)?;
         // SAFETY: ibv_qp_init_attr is plain data; zero is a valid start.
         let mut attr: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         attr.send_cq = att.devcq.raw;

@@ -25,15 +25,13 @@ mod res;
 #[cfg(feature = "verbs")]
 pub(crate) use cm::sockaddr;
 #[cfg(feature = "verbs")]
-pub(crate) use domain::Domain;
-#[cfg(feature = "verbs")]
 pub(crate) use establish::{Listener, Request};
 #[cfg(feature = "verbs")]
 pub(crate) use post::Conn;
 #[cfg(feature = "verbs")]
 pub(crate) use progress::connect;
 #[cfg(feature = "verbs")]
-pub(crate) use res::{Pd, Registrations, registration_error};
+pub(crate) use res::registration_error;
 
 /// Whether this machine has at least one RDMA device.
 #[cfg(feature = "verbs")]
@@ -56,19 +54,6 @@ pub(crate) fn device_present() -> bool {
 pub(crate) fn device_present() -> bool {
     false
 }
-
-/// Stand-ins without the `verbs` feature, so the rest of the crate needs no `cfg`.
-#[cfg(not(feature = "verbs"))]
-mod absent {
-    /// No protection domains without verbs.
-    #[derive(Debug, Default)]
-    pub(crate) struct Domain;
-    /// No registrations without verbs.
-    #[derive(Debug, Default)]
-    pub(crate) struct Registrations;
-}
-#[cfg(not(feature = "verbs"))]
-pub(crate) use absent::{Domain, Registrations};
 
 #[cfg(feature = "verbs")]
 crate::conn::transport_seam!(Listener, Request, Conn);

@@ -484,7 +484,7 @@ impl Conn {
                 self.send_inline(ptr, len, wr.wr_id, signaled)
             }
             Payload::Region { mr, .. } => {
-                let lkey = mr.verbs_lkey(&self.sh.pd)?;
+                let lkey = mr.lkey_in(&self.sh.pd)?;
                 self.post_send_raw(ptr, len, lkey, wr.wr_id, signaled, false, Some(mr.clone()))
             }
             Payload::Inline(_) => self.send_inline(ptr, len, wr.wr_id, signaled),
@@ -636,7 +636,7 @@ impl Conn {
             ptr,
             ..
         } = wr;
-        let lkey = mr.verbs_lkey(&self.sh.pd)?;
+        let lkey = mr.lkey_in(&self.sh.pd)?;
         let mut st = self.sh.lock();
         if st.closed {
             return Err(Error::Disconnected);
@@ -679,7 +679,7 @@ impl Conn {
     /// Lets the peer reach `mr` with one-sided operations: registers it in the connection's
     /// protection domain (once; with the region's access bits) and returns its remote key.
     pub(crate) fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
-        mr.verbs_rkey(&self.sh.pd).map(u64::from)
+        mr.rkey_in(&self.sh.pd).map(u64::from)
     }
 
     /// Declines: every write goes to the device ([`Conn::rdma_now`] or [`Conn::rdma`]), whose
@@ -705,7 +705,7 @@ impl Conn {
             Ok(k) if one.len > 0 => k,
             _ => return self.rdma(&one.request()),
         };
-        let lkey = one.mr.verbs_lkey(&self.sh.pd)?;
+        let lkey = one.mr.lkey_in(&self.sh.pd)?;
         let mut sges = [sys::ibv_sge {
             addr: one.ptr as u64,
             length: one.len as u32,
@@ -792,7 +792,7 @@ impl Conn {
             sges[nsge] = sys::ibv_sge {
                 addr: seg.ptr as u64,
                 length: seg.len as u32,
-                lkey: seg.mr.verbs_lkey(&self.sh.pd)?,
+                lkey: seg.mr.lkey_in(&self.sh.pd)?,
             };
             mrs[nsge] = Some(seg.mr.clone());
             nsge += 1;

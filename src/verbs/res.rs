@@ -1,16 +1,16 @@
 //! Verbs resources, each owning its raw pointer and holding an `Arc` of its parent so drop
-//! order cannot be wrong: protection domains (one per device per context), memory-region
-//! registrations, and the device's port events (read by one driver turn per context and
+//! order cannot be wrong: protection domains (one per device per context) and the
+//! memory-region registrations made in them, and the device's port events (read by one driver turn per context and
 //! device, see `domain.rs`).
 
 use std::io;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use rdma_sys as sys;
 
 use crate::error::{Error, Result};
-use crate::mr::Access;
+use crate::mr::{Access, Keys, Registrar, Registration};
 
 /// A protection domain on one device.
 pub(crate) struct Pd {
@@ -31,81 +31,44 @@ impl Drop for Pd {
     }
 }
 
-/// A memory region's registrations, one per protection domain it was used with.
-#[derive(Default)]
-pub(crate) struct Registrations {
-    regs: Mutex<Vec<(Arc<Pd>, *mut sys::ibv_mr)>>,
-    /// The first registration's protection domain (by address), local and remote keys, read
-    /// without the lock on every post: most regions are only ever used on one device. The
-    /// address cannot name another domain while the region lives, since `regs` keeps that
-    /// domain alive.
-    first: OnceLock<(usize, u32, u32)>,
+/// A memory region's registration in a protection domain.
+struct Mr {
+    raw: *mut sys::ibv_mr,
+    _pd: Arc<Pd>,
 }
 
-// SAFETY: the raw MR pointers are only read (lkey/rkey) and deregistered under the lock.
-unsafe impl Send for Registrations {}
+// SAFETY: the raw MR is only read (keys) and deregistered once, on drop.
+unsafe impl Send for Mr {}
 // SAFETY: as above.
-unsafe impl Sync for Registrations {}
+unsafe impl Sync for Mr {}
 
-impl std::fmt::Debug for Registrations {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("verbs::Registrations")
+impl Registration for Mr {
+    fn keys(&self) -> Keys {
+        // SAFETY: live registration.
+        unsafe {
+            Keys {
+                lkey: (*self.raw).lkey,
+                rkey: (*self.raw).rkey,
+            }
+        }
     }
 }
 
-impl Registrations {
-    /// The local key of `addr..addr+len` in `pd`, registering it on first use.
-    pub(crate) fn lkey(
-        &self,
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: registered in `register`, deregistered once; no posted work uses it any more
+        // (work requests hold the region alive until they complete).
+        unsafe { sys::ibv_dereg_mr(self.raw) };
+    }
+}
+
+impl Registrar for Pd {
+    unsafe fn register(
         pd: &Arc<Pd>,
         addr: *mut u8,
         len: usize,
         access: Access,
-    ) -> Result<u32> {
-        self.keys(pd, addr, len, access).map(|(lkey, _)| lkey)
-    }
-
-    /// The remote key of `addr..addr+len` in `pd` (what a peer's one-sided operations carry),
-    /// registering it on first use.
-    pub(crate) fn rkey(
-        &self,
-        pd: &Arc<Pd>,
-        addr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<u32> {
-        self.keys(pd, addr, len, access).map(|(_, rkey)| rkey)
-    }
-
-    /// The local and remote keys of `addr..addr+len` in `pd`, registering it on first use
-    /// (with the access flags the region was made with: what its remote key allows is what a
-    /// peer may do).
-    #[inline]
-    fn keys(&self, pd: &Arc<Pd>, addr: *mut u8, len: usize, access: Access) -> Result<(u32, u32)> {
-        // The first registration's keys, without the lock.
-        if let Some(&(at, lkey, rkey)) = self.first.get()
-            && at == Arc::as_ptr(pd) as usize
-        {
-            return Ok((lkey, rkey));
-        }
-        self.keys_locked(pd, addr, len, access)
-    }
-
-    /// [`keys`](Self::keys) for a region used in another domain than its first, or not yet.
-    #[cold]
-    #[inline(never)]
-    fn keys_locked(
-        &self,
-        pd: &Arc<Pd>,
-        addr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<(u32, u32)> {
-        let mut regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((_, mr)) = regs.iter().find(|(p, _)| Arc::ptr_eq(p, pd)) {
-            // SAFETY: registrations stay live until `self` is dropped.
-            return Ok(unsafe { ((**mr).lkey, (**mr).rkey) });
-        }
+    ) -> Result<Box<dyn Registration>> {
         let mut flags = 0;
         if access.contains(Access::LOCAL_WRITE) {
             flags |= sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
@@ -119,20 +82,16 @@ impl Registrations {
         if access.contains(Access::REMOTE_ATOMIC) {
             flags |= sys::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
         }
-        // SAFETY: the region's memory is valid for `len` bytes while it lives (its own
-        // contract), and the registration is dropped before the memory is released.
-        let mr = unsafe { sys::ibv_reg_mr(pd.raw, addr.cast(), len, flags as i32) };
-        if mr.is_null() {
+        // SAFETY: the memory is valid for `len` bytes until the registration is dropped (the
+        // caller's contract).
+        let raw = unsafe { sys::ibv_reg_mr(pd.raw, addr.cast(), len, flags as i32) };
+        if raw.is_null() {
             return Err(registration_error(io::Error::last_os_error(), len));
         }
-        regs.push((pd.clone(), mr));
-        // SAFETY: just registered.
-        let keys = unsafe { ((*mr).lkey, (*mr).rkey) };
-        if regs.len() == 1 {
-            // Only the first registration ever sets it (under the lock), so it never changes.
-            let _ = self.first.set((Arc::as_ptr(pd) as usize, keys.0, keys.1));
-        }
-        Ok(keys)
+        Ok(Box::new(Mr {
+            raw,
+            _pd: pd.clone(),
+        }))
     }
 }
 
@@ -163,17 +122,6 @@ pub(crate) fn registration_error(e: io::Error, len: usize) -> Error {
         len,
         limit,
         source: e,
-    }
-}
-
-impl Drop for Registrations {
-    fn drop(&mut self) {
-        let regs = self.regs.get_mut().unwrap_or_else(|p| p.into_inner());
-        for (_pd, mr) in regs.drain(..) {
-            // SAFETY: registered above, deregistered once; no posted work uses it any more
-            // (work requests hold the region alive until they complete).
-            unsafe { sys::ibv_dereg_mr(mr) };
-        }
     }
 }
 
