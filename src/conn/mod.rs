@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 mod remote;
-mod wr;
+pub(crate) mod wr;
 
 pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
 #[cfg(feature = "fuzzing")]
@@ -422,10 +422,10 @@ impl Connection {
     ) -> Result<()> {
         let op = RdmaOp::Write { imm: None };
         if let [one] = local {
-            if flags == SendFlags(0) && self.write_at_once(one, remote, remote_offset) {
+            if flags == SendFlags(0) && self.write_direct(one, remote, remote_offset) {
                 return Ok(());
             }
-            if let Some(r) = self.rdma_now(op, one, remote, remote_offset, wr_id, flags) {
+            if let Some(r) = self.rdma_single(op, one, remote, remote_offset, wr_id, flags) {
                 return r;
             }
         }
@@ -473,7 +473,9 @@ impl Connection {
         flags: SendFlags,
     ) -> Result<()> {
         if let [one] = local {
-            if let Some(r) = self.rdma_now(RdmaOp::Read, one, remote, remote_offset, wr_id, flags) {
+            if let Some(r) =
+                self.rdma_single(RdmaOp::Read, one, remote, remote_offset, wr_id, flags)
+            {
                 return r;
             }
         }
@@ -541,54 +543,24 @@ impl Connection {
         self.imp.rdma(&wr)
     }
 
-    /// The unsignaled write (no immediate) of the one local segment `local` that a transport
-    /// finishes at once on the caller's thread ([`ConnSeam::write_now`]: shm, into a region
-    /// published on the connection): true when it did, false having done nothing (a failed
-    /// check included: the caller then posts it another way, which reports). Nothing on its
-    /// way can panic - checks that return, loads, a claim and a copy - so the C surface runs
-    /// it ahead of its catch of panics.
+    /// The unsignaled write (no immediate) of the one local segment `local` that the transport
+    /// finishes at once on the caller's thread ([`ConnSeam::write_direct`]): true when it did,
+    /// false having done nothing (a failed check included: the caller then posts it another
+    /// way, which reports). Nothing on its way can panic, so the C surface runs it ahead of its
+    /// catch of panics.
     #[inline(always)]
-    #[deny(
-        clippy::panic,
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::indexing_slicing
-    )]
-    pub(crate) fn write_at_once(
-        &self,
-        local: &Sge<'_>,
-        remote: &RemoteRegion,
-        offset: u64,
-    ) -> bool {
-        // Only shm finishes a write at once: verbs posts every write to the device.
-        if self.info.transport != Transport::Shm {
-            return false;
-        }
-        let op = RdmaOp::Write { imm: None };
-        match wr::checked_one(
-            &self.ctx,
-            self.info.id,
-            op,
-            local,
-            remote,
-            offset,
-            SendFlags(0),
-        ) {
-            // SAFETY: `checked_one` found `ptr..ptr + len` inside `local.mr`, which the caller
-            // holds through the call.
-            Some((ptr, len, addr)) => unsafe { self.imp.write_now(ptr, len, remote.key, addr) },
-            None => false,
-        }
+    pub(crate) fn write_direct(&self, local: &Sge<'_>, remote: &RemoteRegion, offset: u64) -> bool {
+        self.imp.write_direct(local, remote, offset)
     }
 
     /// Posts the write (without immediate) or read `op` of the one local segment `local` the
-    /// short way ([`ConnSeam::rdma_now`]: the common small operation, with no request for four
-    /// segments built and walked; the callers of an unsignaled write try
-    /// [`write_at_once`](Self::write_at_once) first): `Some` with the outcome. `None` having
+    /// short way ([`ConnSeam::rdma_single`]: the common small operation, with no request for
+    /// four segments built and walked; the callers of an unsignaled write try
+    /// [`write_direct`](Self::write_direct) first): `Some` with the outcome. `None` having
     /// done nothing when a check fails or `op` is another operation: the caller then posts it
     /// through [`Connection::transfer`], which reports the error.
     #[inline(always)]
-    pub(crate) fn rdma_now(
+    pub(crate) fn rdma_single(
         &self,
         op: RdmaOp,
         local: &Sge<'_>,
@@ -598,7 +570,7 @@ impl Connection {
         flags: SendFlags,
     ) -> Option<Result<()>> {
         let (ptr, len, addr) =
-            wr::checked_one(&self.ctx, self.info.id, op, local, remote, offset, flags)?;
+            wr::check_single(&self.ctx, self.info.id, op, local, remote, offset, flags)?;
         let one = OneOp {
             op,
             mr: local.mr,
@@ -609,9 +581,9 @@ impl Connection {
             wr_id,
             signaled: flags.signaled(),
         };
-        // SAFETY: `checked_one` found `ptr..ptr + len` inside `local.mr`, which the caller
+        // SAFETY: `check_single` found `ptr..ptr + len` inside `local.mr`, which the caller
         // holds through the call.
-        Some(unsafe { self.imp.rdma_now(&one) })
+        Some(unsafe { self.imp.rdma_single(&one) })
     }
 
     /// Posts an atomic.
@@ -692,127 +664,25 @@ pub(crate) mod seam {
         fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64>;
         /// Posts a one-sided operation that passed the core's checks ([`wr`]).
         fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()>;
-        /// Posts the checked write or read `one` ([`wr::checked_one`]) as
+        /// Posts the checked write or read `one` ([`wr::check_single`]) as
         /// [`rdma`](Self::rdma) posts [`one.request()`](OneOp::request) (and reporting what it
         /// would), the short way where the transport has one.
         ///
         /// # Safety
         /// `one.ptr` is valid for `one.len` bytes inside `one.mr` through the call.
-        unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Result<()>;
-        /// An unsignaled write of `len` bytes at `src` to the peer's address `remote_addr` of
-        /// the region with `key` (a checked [`OneOp`]), done at once on the caller's thread
-        /// with nothing to report: true then; false having done nothing otherwise (the caller
-        /// then posts it through [`rdma_now`](Self::rdma_now)). The common small write, its
-        /// arguments in registers.
-        ///
-        /// # Safety
-        /// `src` is readable for `len` bytes through the call.
-        unsafe fn write_now(&self, src: *mut u8, len: usize, key: u64, remote_addr: u64) -> bool;
+        unsafe fn rdma_single(&self, one: &OneOp<'_>) -> Result<()>;
+        /// The unsignaled write (no immediate) of the one local segment `local` to
+        /// `remote_offset` of `remote`, finished at once on the caller's thread with nothing to
+        /// report (shm: a copy into a region published on the connection): true when it was;
+        /// false having done nothing, a failed check included (the caller then posts it through
+        /// [`rdma_single`](Self::rdma_single) or [`rdma`](Self::rdma), which report). Nothing
+        /// on its way may panic: the C surface calls it ahead of its catch of panics. A
+        /// transport that posts every write to a device declines.
+        #[inline(always)]
+        fn write_direct(&self, local: &Sge<'_>, remote: &RemoteRegion, remote_offset: u64) -> bool {
+            let _ = (local, remote, remote_offset);
+            false
+        }
         fn disconnect(&self);
     }
 }
-
-/// Puts a transport behind the seam: its listener, request and connection types, whose
-/// inherent methods have the seam's names and meanings, become the seam's implementations.
-macro_rules! transport_seam {
-    ($listener:ty, $request:ty, $conn:ty) => {
-        const _: () = {
-            use std::os::fd::RawFd;
-            use std::sync::Arc;
-            use std::time::Instant;
-
-            use crate::conn::seam::{ConnSeam, ListenerSeam, RequestSeam};
-            use crate::conn::{
-                ConnInfo, ConnOptions, ConnRequest, Connection, OneOp, RdmaRequest, RecvRequest,
-                SendRequest,
-            };
-            use crate::cq::CompletionQueue;
-            use crate::domain::ContextInner;
-            use crate::error::Result;
-            use crate::mr::MemoryRegion;
-
-            impl ListenerSeam for $listener {
-                fn take(&self, deadline: Option<Instant>) -> Result<Option<ConnRequest>> {
-                    Ok(self.get_request(deadline)?.map(ConnRequest::new))
-                }
-
-                fn fd(&self) -> RawFd {
-                    <$listener>::fd(self)
-                }
-            }
-
-            impl RequestSeam for $request {
-                fn private_data(&self) -> &[u8] {
-                    <$request>::private_data(self)
-                }
-
-                fn peer(&self) -> String {
-                    <$request>::peer(self)
-                }
-
-                fn accept(
-                    self: Box<Self>,
-                    cq: Arc<CompletionQueue>,
-                    opts: &ConnOptions,
-                ) -> Result<Connection> {
-                    Ok(Connection::new(<$request>::accept(*self, cq, opts)?))
-                }
-
-                fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()> {
-                    <$request>::reject(*self, private_data)
-                }
-            }
-
-            impl ConnSeam for $conn {
-                fn info(&self) -> ConnInfo {
-                    <$conn>::info(self)
-                }
-
-                fn private_data(&self) -> &[u8] {
-                    <$conn>::private_data(self)
-                }
-
-                fn context(&self) -> &Arc<ContextInner> {
-                    <$conn>::context(self)
-                }
-
-                fn send(&self, wr: SendRequest<'_>) -> Result<()> {
-                    <$conn>::send(self, wr)
-                }
-
-                fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
-                    <$conn>::recv(self, wr)
-                }
-
-                fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
-                    <$conn>::expose(self, mr)
-                }
-
-                fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
-                    <$conn>::rdma(self, wr)
-                }
-
-                unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Result<()> {
-                    // SAFETY: the caller's contract is the method's.
-                    unsafe { <$conn>::rdma_now(self, one) }
-                }
-
-                unsafe fn write_now(
-                    &self,
-                    src: *mut u8,
-                    len: usize,
-                    key: u64,
-                    remote_addr: u64,
-                ) -> bool {
-                    // SAFETY: the caller's contract is the method's.
-                    unsafe { <$conn>::write_now(self, src, len, key, remote_addr) }
-                }
-
-                fn disconnect(&self) {
-                    <$conn>::disconnect(self)
-                }
-            }
-        };
-    };
-}
-pub(crate) use transport_seam;

@@ -332,8 +332,8 @@ impl<'a> RdmaRequest<'a> {
 }
 
 /// A write (without immediate) or read of one local segment that passed every check
-/// [`RdmaRequest::transfer`] makes ([`checked_one`]): for a transport's
-/// [`rdma_now`](crate::conn::seam::ConnSeam::rdma_now), which takes the common small
+/// [`RdmaRequest::transfer`] makes ([`check_single`]): for a transport's
+/// [`rdma_single`](crate::conn::seam::ConnSeam::rdma_single), which takes the common small
 /// operation without a request built.
 #[derive(Debug)]
 pub(crate) struct OneOp<'a> {
@@ -380,7 +380,7 @@ impl<'a> OneOp<'a> {
 /// target address when every check passes (the parts of a [`OneOp`]); `None` when one fails
 /// or `op` is another operation (the general path then reports, or posts it).
 #[inline(always)]
-pub(crate) fn checked_one(
+pub(crate) fn check_single(
     ctx: &Arc<ContextInner>,
     conn_id: u64,
     op: RdmaOp,
@@ -524,7 +524,7 @@ mod tests {
 
     #[test]
     fn the_short_path_accepts_exactly_what_the_general_path_accepts() {
-        // `checked_one` lets a transport post a write or read at once; whatever it accepts,
+        // `check_single` lets a transport post a write or read at once; whatever it accepts,
         // the general path must accept too, with the same source, length, target and
         // signaling, and whatever the general path refuses it must decline (the general path
         // then reports it).
@@ -557,7 +557,7 @@ mod tests {
                                         offset,
                                         len,
                                     };
-                                    let short = checked_one(
+                                    let short = check_single(
                                         &ctx.inner, conn, op, &local, remote, roff, flag,
                                     );
                                     let general = RdmaRequest::transfer(
@@ -625,7 +625,7 @@ mod tests {
                 swap: 1,
             },
         ] {
-            let one = checked_one(&ctx.inner, conn, op, &local, &remotes[0], 0, SendFlags(0));
+            let one = check_single(&ctx.inner, conn, op, &local, &remotes[0], 0, SendFlags(0));
             assert!(one.is_none(), "{op:?}");
         }
     }

@@ -263,7 +263,7 @@ unsafe fn one_segment<'a>(
 }
 
 /// The body of the three transfer calls. A write (without immediate) or read of one segment,
-/// every pointer set, goes the short way first ([`Connection::rdma_now`](crate::Connection));
+/// every pointer set, goes the short way first ([`Connection::rdma_single`](crate::Connection));
 /// anything that declines, a failed check included, goes the general way, which makes the
 /// checks again and reports.
 ///
@@ -285,7 +285,7 @@ unsafe fn post_transfer(
     if let Some((c, one, r)) = unsafe { one_segment(conn, sgl, nsge, remote) }
         && let Some(res) = c
             .inner
-            .rdma_now(op, &one, &r, remote_offset, wr_id, SendFlags(flags))
+            .rdma_single(op, &one, &r, remote_offset, wr_id, SendFlags(flags))
     {
         return status(res);
     }
@@ -358,11 +358,11 @@ pub unsafe extern "C" fn rbr_conn_post_write(
     flags: u32,
 ) -> rbr_status {
     // The unsignaled write a transport finishes at once, ahead of the catch of panics (none
-    // can happen on its way: see `one_segment` and `Connection::write_at_once`).
+    // can happen on its way: see `one_segment` and `Connection::write_direct`).
     if flags == 0
         // SAFETY: the caller's contract is post_transfer's.
         && let Some((c, one, r)) = unsafe { one_segment(conn, sgl, nsge, remote) }
-        && c.inner.write_at_once(&one, &r, remote_offset)
+        && c.inner.write_direct(&one, &r, remote_offset)
     {
         return RBR_OK;
     }

@@ -11,9 +11,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering,
 
 use parking_lot::{Mutex, MutexGuard};
 
+use crate::conn::seam::ConnSeam;
 use crate::conn::{
-    ConnInfo, ConnOptions, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest,
-    Transport, next_conn_id,
+    ConnInfo, ConnOptions, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, RemoteRegion,
+    SendFlags, SendRequest, Sge, Transport, next_conn_id, wr,
 };
 use crate::cq::{CompletionQueue, Progress, Reporter, Sink, SlotReservation, Source, WcStatus};
 use crate::domain::ContextInner;
@@ -391,105 +392,6 @@ impl Conn {
         })
     }
 
-    pub(crate) fn info(&self) -> ConnInfo {
-        self.sh.info
-    }
-
-    pub(crate) fn private_data(&self) -> &[u8] {
-        &self.private_data
-    }
-
-    pub(crate) fn context(&self) -> &Arc<ContextInner> {
-        &self.sh.ctx
-    }
-
-    /// Posts a checked send.
-    pub(crate) fn send(&self, wr: SendRequest<'_>) -> Result<()> {
-        let keep = || match wr.payload {
-            Payload::Region { mr, offset, .. } => SendSrc::Region {
-                mr: mr.clone(),
-                offset,
-            },
-            Payload::Inline(data) => SendSrc::Inline(data.into()),
-        };
-        let region = match wr.payload {
-            Payload::Region { mr, .. } => Some(mr),
-            Payload::Inline(_) => None,
-        };
-        let mut flow = self.sh.lock();
-        let gate = flow.published();
-        // Sends in flight or waiting (the gate counts them), or the connection is down (and
-        // the post is refused below).
-        let was_busy = gate != 0;
-        // SAFETY: a checked request's bytes are readable for its length during the call: a
-        // range inside a region the caller holds, or the caller's slice.
-        unsafe {
-            flow.post_send(
-                gate,
-                wr.ptr(),
-                wr.len(),
-                wr.wr_id,
-                wr.signaled,
-                region,
-                keep,
-            )
-        }?;
-        drop(flow);
-        if !was_busy {
-            self.sh.watch_sends();
-        }
-        self.sh.posted();
-        Ok(())
-    }
-
-    /// Posts a checked receive.
-    pub(crate) fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
-        let wr = RecvWr {
-            wr_id: wr.wr_id,
-            mr: wr.mr.clone(),
-            offset: wr.offset,
-            len: wr.len,
-        };
-        let mut flow = self.sh.lock();
-        flow.post_recv(wr, &self.sh.report)?;
-        // Taking a message that waited for this receive may have ended the connection, or read
-        // packets of the background work's from the socket: it looks at them now.
-        let wake = flow.failed.is_some() || flow.take_inbox_news();
-        drop(flow);
-        if wake {
-            self.sh.wake.wake();
-        }
-        Ok(())
-    }
-
-    /// Lets the peer reach `mr` with one-sided operations; returns its key (see
-    /// `onesided.rs`: the offer is in the peer's socket when this returns).
-    pub(crate) fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
-        // Caller memory needs the peer to reach this process; it says whether it can as its
-        // side starts, which may be just after ours (asked before taking the lock).
-        let reaches = mr.memfd().is_none() && self.sh.exports.peer_reaches_us();
-        // The flow's lock keeps the socket open while the offer goes out.
-        let flow = self.sh.lock();
-        flow.check_open()?;
-        self.sh.exports.expose(flow.sock(), mr, reaches)
-    }
-
-    /// Posts a checked one-sided operation. It runs now, on this thread, with no system call
-    /// when the peer's region is mapped here. An unsignaled write, read or atomic (the common
-    /// case of a stream of small writes) takes the lock-free path when it can; everything
-    /// else, and whatever that path declines, runs under the flow's lock - so that it cannot
-    /// complete after the connection's disconnect record - and a write with immediate data then
-    /// queues its record like a send.
-    pub(crate) fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
-        if !wr.signaled
-            && !matches!(wr.op, RdmaOp::Write { imm: Some(_) })
-            && self.unlocked_rdma(wr)
-        {
-            return Ok(());
-        }
-        self.locked_rdma(wr)
-    }
-
     /// The lock-free path of an unsignaled one-sided operation without immediate data: when the
     /// connection is up, its send queue has room (as `gate` says: what the flow's lock last
     /// left behind) and the peer's region is the cached one, runs the access holding only the
@@ -529,39 +431,6 @@ impl Conn {
             imp.publish(&self.sh.shortcut);
         }
         onesided::run(imp, wr, &self.sh.seg, 1 - self.sh.side, self.sh.peer_pid)
-    }
-
-    /// Over shared memory the short way is [`write_now`](Self::write_now)'s: the rest of the
-    /// checked one-segment operations go through [`Conn::rdma`], not checked again.
-    ///
-    /// # Safety
-    /// None needed; the signature is the seam's.
-    pub(crate) unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Result<()> {
-        self.rdma(&one.request())
-    }
-
-    /// The lock-free path of the common small write, which the core hands over unbuilt: one
-    /// local segment, unsignaled, no immediate. Done here with no lock when the connection is
-    /// up and its send queue has room (as for `unlocked_rdma`) and the peer's region is the one
-    /// published on the connection's shortcut (`shortcut.rs`).
-    ///
-    /// # Safety
-    /// `src` is readable for `len` bytes through the call.
-    #[inline]
-    pub(crate) unsafe fn write_now(
-        &self,
-        src: *mut u8,
-        len: usize,
-        key: u64,
-        remote_addr: u64,
-    ) -> bool {
-        // SAFETY: the caller's contract.
-        self.sendable()
-            && unsafe {
-                self.sh
-                    .shortcut
-                    .write(key, src.cast_const(), len, remote_addr)
-            }
     }
 
     /// Whether the connection is up and its send queue has room, as the flow's lock last left
@@ -637,8 +506,152 @@ impl Conn {
         }
         Ok(())
     }
+}
 
-    pub(crate) fn disconnect(&self) {
+impl ConnSeam for Conn {
+    fn info(&self) -> ConnInfo {
+        self.sh.info
+    }
+
+    fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    fn context(&self) -> &Arc<ContextInner> {
+        &self.sh.ctx
+    }
+
+    /// Posts a checked send.
+    fn send(&self, wr: SendRequest<'_>) -> Result<()> {
+        let keep = || match wr.payload {
+            Payload::Region { mr, offset, .. } => SendSrc::Region {
+                mr: mr.clone(),
+                offset,
+            },
+            Payload::Inline(data) => SendSrc::Inline(data.into()),
+        };
+        let region = match wr.payload {
+            Payload::Region { mr, .. } => Some(mr),
+            Payload::Inline(_) => None,
+        };
+        let mut flow = self.sh.lock();
+        let gate = flow.published();
+        // Sends in flight or waiting (the gate counts them), or the connection is down (and
+        // the post is refused below).
+        let was_busy = gate != 0;
+        // SAFETY: a checked request's bytes are readable for its length during the call: a
+        // range inside a region the caller holds, or the caller's slice.
+        unsafe {
+            flow.post_send(
+                gate,
+                wr.ptr(),
+                wr.len(),
+                wr.wr_id,
+                wr.signaled,
+                region,
+                keep,
+            )
+        }?;
+        drop(flow);
+        if !was_busy {
+            self.sh.watch_sends();
+        }
+        self.sh.posted();
+        Ok(())
+    }
+
+    /// Posts a checked receive.
+    fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
+        let wr = RecvWr {
+            wr_id: wr.wr_id,
+            mr: wr.mr.clone(),
+            offset: wr.offset,
+            len: wr.len,
+        };
+        let mut flow = self.sh.lock();
+        flow.post_recv(wr, &self.sh.report)?;
+        // Taking a message that waited for this receive may have ended the connection, or read
+        // packets of the background work's from the socket: it looks at them now.
+        let wake = flow.failed.is_some() || flow.take_inbox_news();
+        drop(flow);
+        if wake {
+            self.sh.wake.wake();
+        }
+        Ok(())
+    }
+
+    /// Lets the peer reach `mr` with one-sided operations; returns its key (see
+    /// `onesided.rs`: the offer is in the peer's socket when this returns).
+    fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
+        // Caller memory needs the peer to reach this process; it says whether it can as its
+        // side starts, which may be just after ours (asked before taking the lock).
+        let reaches = mr.memfd().is_none() && self.sh.exports.peer_reaches_us();
+        // The flow's lock keeps the socket open while the offer goes out.
+        let flow = self.sh.lock();
+        flow.check_open()?;
+        self.sh.exports.expose(flow.sock(), mr, reaches)
+    }
+
+    /// Posts a checked one-sided operation. It runs now, on this thread, with no system call
+    /// when the peer's region is mapped here. An unsignaled write, read or atomic (the common
+    /// case of a stream of small writes) takes the lock-free path when it can; everything
+    /// else, and whatever that path declines, runs under the flow's lock - so that it cannot
+    /// complete after the connection's disconnect record - and a write with immediate data then
+    /// queues its record like a send.
+    fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
+        if !wr.signaled
+            && !matches!(wr.op, RdmaOp::Write { imm: Some(_) })
+            && self.unlocked_rdma(wr)
+        {
+            return Ok(());
+        }
+        self.locked_rdma(wr)
+    }
+
+    /// Over shared memory the short way is [`write_direct`](Self::write_direct)'s: the rest of the
+    /// checked one-segment operations go through [`Conn::rdma`], not checked again.
+    ///
+    /// # Safety
+    /// None needed; the signature is the seam's.
+    unsafe fn rdma_single(&self, one: &OneOp<'_>) -> Result<()> {
+        self.rdma(&one.request())
+    }
+
+    /// The lock-free path of the common small write: one local segment, unsignaled, no
+    /// immediate. Done here with no lock when the connection is up and its send queue has room
+    /// (as for `unlocked_rdma`) and the peer's region is the one published on the connection's
+    /// shortcut (`shortcut.rs`).
+    #[inline(always)]
+    #[deny(
+        clippy::panic,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing
+    )]
+    fn write_direct(&self, local: &Sge<'_>, remote: &RemoteRegion, remote_offset: u64) -> bool {
+        let op = RdmaOp::Write { imm: None };
+        let Some((src, len, addr)) = wr::check_single(
+            &self.sh.ctx,
+            self.sh.info.id,
+            op,
+            local,
+            remote,
+            remote_offset,
+            SendFlags(0),
+        ) else {
+            return false;
+        };
+        // SAFETY: `check_single` found `src..src + len` inside `local.mr`, which the caller
+        // holds through the call.
+        self.sendable()
+            && unsafe {
+                self.sh
+                    .shortcut
+                    .write(remote.key, src.cast_const(), len, addr)
+            }
+    }
+
+    fn disconnect(&self) {
         self.sh.wake.stop();
     }
 }

@@ -17,7 +17,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::conn::{ConnOptions, PRIVATE_DATA_MAX};
+use crate::conn::seam::{ListenerSeam, RequestSeam};
+use crate::conn::{ConnOptions, ConnRequest, Connection, PRIVATE_DATA_MAX};
 use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
@@ -460,10 +461,6 @@ impl Listener {
         })
     }
 
-    pub(crate) fn fd(&self) -> RawFd {
-        self.epoll.as_raw_fd()
-    }
-
     /// Takes the next complete request, waiting until `deadline` (`None` = forever, a past
     /// deadline = do not wait). `Ok(None)` when none is complete by then.
     pub(crate) fn get_request(&self, deadline: Option<Instant>) -> Result<Option<Request>> {
@@ -699,6 +696,16 @@ impl Listener {
     }
 }
 
+impl ListenerSeam for Listener {
+    fn fd(&self) -> RawFd {
+        self.epoll.as_raw_fd()
+    }
+
+    fn take(&self, deadline: Option<Instant>) -> Result<Option<ConnRequest>> {
+        Ok(self.get_request(deadline)?.map(ConnRequest::new))
+    }
+}
+
 /// A client's pending request.
 #[derive(Debug)]
 pub(crate) struct Request {
@@ -712,16 +719,11 @@ pub(crate) struct Request {
 }
 
 impl Request {
-    pub(crate) fn private_data(&self) -> &[u8] {
-        &self.private_data
-    }
-
-    /// The requesting process, for messages.
-    pub(crate) fn peer(&self) -> String {
-        super::conn::process_name(self.peer.0)
-    }
-
-    pub(crate) fn accept(mut self, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Conn> {
+    pub(crate) fn into_conn(
+        mut self,
+        cq: Arc<CompletionQueue>,
+        opts: &ConnOptions,
+    ) -> Result<Conn> {
         let sock = self
             .sock
             .take()
@@ -759,8 +761,19 @@ impl Request {
         };
         Conn::start(self.ctx.clone(), cq, opts, link, data)
     }
+}
 
-    pub(crate) fn reject(mut self, private_data: &[u8]) -> Result<()> {
+impl RequestSeam for Request {
+    fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    /// The requesting process, for messages.
+    fn peer(&self) -> String {
+        super::conn::process_name(self.peer.0)
+    }
+
+    fn reject(mut self: Box<Self>, private_data: &[u8]) -> Result<()> {
         let sock = self
             .sock
             .take()
@@ -771,6 +784,10 @@ impl Request {
             &[],
         )
         .map_err(Error::Accept)
+    }
+
+    fn accept(self: Box<Self>, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
+        Ok(Connection::new((*self).into_conn(cq, opts)?))
     }
 }
 

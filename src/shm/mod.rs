@@ -25,7 +25,4 @@ mod ring;
 mod segment;
 mod shortcut;
 
-pub(crate) use conn::Conn;
-pub(crate) use handshake::{Listener, Request, connect};
-
-crate::conn::transport_seam!(Listener, Request, Conn);
+pub(crate) use handshake::{Listener, connect};

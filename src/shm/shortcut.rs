@@ -144,7 +144,7 @@ impl Shortcut {
     /// Copies `len` bytes at `src` to the peer's address `addr` of the region with `key` when
     /// that region is the published one, holds the range, and was not withdrawn: true then;
     /// false, having touched nothing, otherwise (the locked path then does the write). It runs
-    /// ahead of the C surface's catch of panics (`Connection::write_at_once`): nothing here
+    /// ahead of the C surface's catch of panics (`Connection::write_direct`): nothing here
     /// may panic.
     ///
     /// # Safety

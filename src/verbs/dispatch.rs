@@ -104,7 +104,7 @@ pub(super) struct PollState {
     pub(super) retired: bool,
 }
 
-/// Delivers `wc` to its connection, or parks it (see [`DevCq::drain`]). Returns how many
+/// Delivers `wc` to its connection, or parks it (see [`DevCq::drain`](crate::verbs::devcq::DevCq::drain)). Returns how many
 /// records it emitted.
 #[inline(always)]
 pub(super) fn deliver(ps: &mut PollState, wc: Wc, blocking: bool, out: &mut Sink<'_>) -> usize {

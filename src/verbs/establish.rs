@@ -19,7 +19,8 @@ use std::time::Instant;
 use rdma_sys as sys;
 use sys::rdma_cm_event_type::*;
 
-use crate::conn::ConnOptions;
+use crate::conn::seam::{ListenerSeam, RequestSeam};
+use crate::conn::{ConnOptions, ConnRequest, Connection};
 use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
@@ -376,10 +377,6 @@ impl Listener {
         Ok(Listener { id, ch, ctx })
     }
 
-    pub(crate) fn fd(&self) -> i32 {
-        self.ch.fd()
-    }
-
     /// Takes the next connection request, waiting until `deadline` (`None` = forever, a past
     /// deadline = do not wait); `Ok(None)` when none came by then. A CONNECT_REQUEST event is
     /// complete when it arrives, so nothing is ever half-taken.
@@ -413,6 +410,16 @@ impl Listener {
     }
 }
 
+impl ListenerSeam for Listener {
+    fn fd(&self) -> i32 {
+        self.ch.fd()
+    }
+
+    fn take(&self, deadline: Option<Instant>) -> Result<Option<ConnRequest>> {
+        Ok(self.get_request(deadline)?.map(ConnRequest::new))
+    }
+}
+
 /// A pending connection request.
 pub(crate) struct Request {
     id: Option<CmId>,
@@ -437,15 +444,6 @@ impl std::fmt::Debug for Request {
 }
 
 impl Request {
-    /// The requester's address, for messages.
-    pub(crate) fn peer(&self) -> String {
-        self.id.as_ref().map_or_else(String::new, peer_name)
-    }
-
-    pub(crate) fn private_data(&self) -> &[u8] {
-        &self.private_data
-    }
-
     /// Accepts the request: the queue pair is made and established (the connection is started
     /// by `progress.rs`).
     pub(super) fn establish(
@@ -504,8 +502,19 @@ impl Request {
             credits,
         })
     }
+}
 
-    pub(crate) fn reject(mut self, private_data: &[u8]) -> Result<()> {
+impl RequestSeam for Request {
+    /// The requester's address, for messages.
+    fn peer(&self) -> String {
+        self.id.as_ref().map_or_else(String::new, peer_name)
+    }
+
+    fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    fn reject(mut self: Box<Self>, private_data: &[u8]) -> Result<()> {
         let id = self.id.take().expect("unanswered");
         let data = if self.library_peer {
             with_preamble(private_data, 0, &[])
@@ -517,6 +526,10 @@ impl Request {
             return Err(Error::Accept(io::Error::last_os_error()));
         }
         Ok(())
+    }
+
+    fn accept(self: Box<Self>, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
+        Ok(Connection::new((*self).into_conn(cq, opts)?))
     }
 }
 

@@ -25,9 +25,7 @@ mod res;
 #[cfg(feature = "verbs")]
 pub(crate) use cm::sockaddr;
 #[cfg(feature = "verbs")]
-pub(crate) use establish::{Listener, Request};
-#[cfg(feature = "verbs")]
-pub(crate) use post::Conn;
+pub(crate) use establish::Listener;
 #[cfg(feature = "verbs")]
 pub(crate) use progress::connect;
 #[cfg(feature = "verbs")]
@@ -54,6 +52,3 @@ pub(crate) fn device_present() -> bool {
 pub(crate) fn device_present() -> bool {
     false
 }
-
-#[cfg(feature = "verbs")]
-crate::conn::transport_seam!(Listener, Request, Conn);

@@ -16,6 +16,7 @@ use std::time::Duration;
 use parking_lot::{Mutex, MutexGuard};
 use rdma_sys as sys;
 
+use crate::conn::seam::ConnSeam;
 use crate::conn::{
     ConnInfo, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SGE_MAX, SendRequest,
 };
@@ -459,38 +460,6 @@ impl std::fmt::Debug for Conn {
 }
 
 impl Conn {
-    pub(crate) fn info(&self) -> ConnInfo {
-        self.sh.info
-    }
-
-    pub(crate) fn private_data(&self) -> &[u8] {
-        &self.private_data
-    }
-
-    pub(crate) fn context(&self) -> &Arc<ContextInner> {
-        &self.sh.ctx
-    }
-
-    /// Posts a checked send.
-    pub(crate) fn send(&self, wr: SendRequest<'_>) -> Result<()> {
-        let len = wr.len();
-        let signaled = wr.signaled;
-        let ptr = wr.ptr().cast_mut();
-        match wr.payload {
-            // Small enough to travel inside the work request: copied now, so the device reads
-            // no memory for it (nor needs its key) and the region need not be held until it
-            // completes.
-            Payload::Region { .. } if len > 0 && len <= self.sh.info.max_inline as usize => {
-                self.send_inline(ptr, len, wr.wr_id, signaled)
-            }
-            Payload::Region { mr, .. } => {
-                let lkey = mr.lkey_in(&self.sh.pd)?;
-                self.post_send_raw(ptr, len, lkey, wr.wr_id, signaled, false, Some(mr.clone()))
-            }
-            Payload::Inline(_) => self.send_inline(ptr, len, wr.wr_id, signaled),
-        }
-    }
-
     /// Whether the caller's send-queue work may go to the device now: `Err` when the
     /// connection is down or its send queue is full; `Ok(false)` when it needs a receive at
     /// the peer (`credit`) that the peer has not posted yet, or others wait for one before it.
@@ -627,8 +596,75 @@ impl Conn {
         Ok(())
     }
 
+    /// Posts the one-sided operation `op` (one that waits for no credit) on `sges` to the
+    /// device at once: the work request built here, posted and noted in the ledger under the
+    /// connection's lock. `mrs` hold the local regions until it completes.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn post_now(
+        &self,
+        op: RdmaOp,
+        sges: &mut [sys::ibv_sge],
+        remote_addr: u64,
+        rkey: u32,
+        wr_id: u64,
+        signaled: bool,
+        mrs: Regions,
+    ) -> Result<()> {
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+        let mut dev: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        dev.send_flags = rdma_wr(&mut dev, op, sges, remote_addr, rkey, &self.sh.info);
+        let mut st = self.sh.lock();
+        self.may_post(&st, false)?;
+        // SAFETY: `dev` and `sges` are live locals; the local memory stays valid until the
+        // work completes (held by `mrs`) or, inline, is copied during the call.
+        let posted = unsafe {
+            self.sh
+                .post_wr(&mut st, &mut dev, wr_id, op.opcode(), signaled, mrs)
+        };
+        if let Err((r, _)) = posted {
+            return Err(post_error(r, "send"));
+        }
+        Self::count_posted(&mut st, false);
+        Ok(())
+    }
+}
+
+impl ConnSeam for Conn {
+    fn info(&self) -> ConnInfo {
+        self.sh.info
+    }
+
+    fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    fn context(&self) -> &Arc<ContextInner> {
+        &self.sh.ctx
+    }
+
+    /// Posts a checked send.
+    fn send(&self, wr: SendRequest<'_>) -> Result<()> {
+        let len = wr.len();
+        let signaled = wr.signaled;
+        let ptr = wr.ptr().cast_mut();
+        match wr.payload {
+            // Small enough to travel inside the work request: copied now, so the device reads
+            // no memory for it (nor needs its key) and the region need not be held until it
+            // completes.
+            Payload::Region { .. } if len > 0 && len <= self.sh.info.max_inline as usize => {
+                self.send_inline(ptr, len, wr.wr_id, signaled)
+            }
+            Payload::Region { mr, .. } => {
+                let lkey = mr.lkey_in(&self.sh.pd)?;
+                self.post_send_raw(ptr, len, lkey, wr.wr_id, signaled, false, Some(mr.clone()))
+            }
+            Payload::Inline(_) => self.send_inline(ptr, len, wr.wr_id, signaled),
+        }
+    }
+
     /// Posts a checked receive.
-    pub(crate) fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
+    fn recv(&self, wr: RecvRequest<'_>) -> Result<()> {
         let RecvRequest {
             wr_id,
             mr,
@@ -678,17 +714,8 @@ impl Conn {
 
     /// Lets the peer reach `mr` with one-sided operations: registers it in the connection's
     /// protection domain (once; with the region's access bits) and returns its remote key.
-    pub(crate) fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
+    fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
         mr.rkey_in(&self.sh.pd).map(u64::from)
-    }
-
-    /// Declines: every write goes to the device ([`Conn::rdma_now`] or [`Conn::rdma`]), whose
-    /// completion (even an unsignaled one's failure) is the device's to report.
-    ///
-    /// # Safety
-    /// None needed; the signature is the seam's.
-    pub(crate) unsafe fn write_now(&self, _: *mut u8, _: usize, _: u64, _: u64) -> bool {
-        false
     }
 
     /// Posts the checked write or read `one` of one local segment straight to the device, as
@@ -700,7 +727,7 @@ impl Conn {
     /// `one.ptr` is valid for `one.len` bytes inside `one.mr` (the ledger keeps the region
     /// until the work completes).
     #[inline]
-    pub(crate) unsafe fn rdma_now(&self, one: &OneOp<'_>) -> Result<()> {
+    unsafe fn rdma_single(&self, one: &OneOp<'_>) -> Result<()> {
         let rkey = match u32::try_from(one.key) {
             Ok(k) if one.len > 0 => k,
             _ => return self.rdma(&one.request()),
@@ -724,43 +751,10 @@ impl Conn {
         )
     }
 
-    /// Posts the one-sided operation `op` (one that waits for no credit) on `sges` to the
-    /// device at once: the work request built here, posted and noted in the ledger under the
-    /// connection's lock. `mrs` hold the local regions until it completes.
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    fn post_now(
-        &self,
-        op: RdmaOp,
-        sges: &mut [sys::ibv_sge],
-        remote_addr: u64,
-        rkey: u32,
-        wr_id: u64,
-        signaled: bool,
-        mrs: Regions,
-    ) -> Result<()> {
-        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
-        let mut dev: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-        dev.send_flags = rdma_wr(&mut dev, op, sges, remote_addr, rkey, &self.sh.info);
-        let mut st = self.sh.lock();
-        self.may_post(&st, false)?;
-        // SAFETY: `dev` and `sges` are live locals; the local memory stays valid until the
-        // work completes (held by `mrs`) or, inline, is copied during the call.
-        let posted = unsafe {
-            self.sh
-                .post_wr(&mut st, &mut dev, wr_id, op.opcode(), signaled, mrs)
-        };
-        if let Err((r, _)) = posted {
-            return Err(post_error(r, "send"));
-        }
-        Self::count_posted(&mut st, false);
-        Ok(())
-    }
-
     /// Posts a checked one-sided operation. A write with immediate takes one of the peer's
     /// receives, so toward a library peer it waits for a credit like a send, in order with
     /// the sends; the others go to the device at once.
-    pub(crate) fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
+    fn rdma(&self, wr: &RdmaRequest<'_>) -> Result<()> {
         let rkey = u32::try_from(wr.key).map_err(|_| {
             Error::invalid(format!(
                 "key {:#x} is not a verbs remote key (they are 32 bits)",
@@ -827,7 +821,7 @@ impl Conn {
         )
     }
 
-    pub(crate) fn disconnect(&self) {
+    fn disconnect(&self) {
         self.sh.reg.stop();
     }
 }

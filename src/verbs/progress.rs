@@ -421,7 +421,7 @@ pub(crate) fn connect(
 
 impl Request {
     /// Accepts the request.
-    pub(crate) fn accept(self, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Conn> {
+    pub(crate) fn into_conn(self, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Conn> {
         Conn::start(self.establish(cq, opts)?, opts)
     }
 }
