@@ -2,15 +2,15 @@
 
 use std::sync::Arc;
 
-use crate::addr::{self, Endpoint};
+use crate::addr;
 use crate::conn::{ConnOptions, Connection, Listener};
 use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 pub use crate::domain::ContextOptions;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::log::log;
 use crate::mr::{Access, MemoryRegion};
-use crate::shm;
+use crate::transports;
 
 /// The parent of listeners, connections and memory regions.
 ///
@@ -36,12 +36,8 @@ impl Context {
 
     /// Listens for connections on `addr` (see the crate docs for address forms).
     pub fn listen(&self, addr: &str, backlog: u32) -> Result<Listener> {
-        let r = match addr::resolve(addr)? {
-            Endpoint::Shm { name } => {
-                shm::Listener::bind(self.inner.clone(), &name, backlog).map(Listener::new)
-            }
-            Endpoint::Verbs { host, port } => verbs_listen(self, &host, port, backlog),
-        };
+        let r =
+            addr::resolve(addr).and_then(|ep| transports::listen(self.inner.clone(), ep, backlog));
         match &r {
             Ok(_) => log!(Info, "listening on {addr}"),
             Err(e) => log!(Warn, "listening on {addr} failed: {e}"),
@@ -57,12 +53,8 @@ impl Context {
         opts: &ConnOptions,
     ) -> Result<Connection> {
         opts.validate()?;
-        let r = match addr::resolve(addr)? {
-            Endpoint::Shm { name } => {
-                shm::connect(self.inner.clone(), &name, cq.clone(), opts).map(Connection::new)
-            }
-            Endpoint::Verbs { host, port } => verbs_connect(self, &host, port, cq, opts),
-        };
+        let r = addr::resolve(addr)
+            .and_then(|ep| transports::connect(self.inner.clone(), ep, cq.clone(), opts));
         match &r {
             Ok(c) => log!(
                 Info,
@@ -95,53 +87,4 @@ impl Context {
         // SAFETY: the caller upholds the contract stated above, which is the callee's.
         unsafe { MemoryRegion::register(self.inner.clone(), addr, len, access) }
     }
-}
-
-#[cfg(feature = "verbs")]
-fn verbs_listen(ctx: &Context, host: &str, port: u16, backlog: u32) -> Result<Listener> {
-    if !crate::verbs::device_present() {
-        return Err(Error::NoDevice);
-    }
-    Ok(Listener::new(crate::verbs::Listener::bind(
-        ctx.inner.clone(),
-        host,
-        port,
-        backlog,
-    )?))
-}
-
-#[cfg(feature = "verbs")]
-fn verbs_connect(
-    ctx: &Context,
-    host: &str,
-    port: u16,
-    cq: &Arc<CompletionQueue>,
-    opts: &ConnOptions,
-) -> Result<Connection> {
-    if !crate::verbs::device_present() {
-        return Err(Error::NoDevice);
-    }
-    Ok(Connection::new(crate::verbs::connect(
-        ctx.inner.clone(),
-        host,
-        port,
-        cq.clone(),
-        opts,
-    )?))
-}
-
-#[cfg(not(feature = "verbs"))]
-fn verbs_listen(_: &Context, _: &str, _: u16, _: u32) -> Result<Listener> {
-    Err(Error::Unsupported("built without the verbs feature".into()))
-}
-
-#[cfg(not(feature = "verbs"))]
-fn verbs_connect(
-    _: &Context,
-    _: &str,
-    _: u16,
-    _: &Arc<CompletionQueue>,
-    _: &ConnOptions,
-) -> Result<Connection> {
-    Err(Error::Unsupported("built without the verbs feature".into()))
 }

@@ -74,6 +74,7 @@ mod panic;
 mod shm;
 mod sync;
 mod sys;
+mod transports;
 mod verbs;
 
 /// Entry points of the fuzz targets in `fuzz/` (feature `fuzzing`, never on by default): each
