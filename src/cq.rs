@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
-use crate::ffi::cq::rbr_completion;
 use crate::shm::notice::{Board, SLOTS};
 use crate::sync::{SpinGuard, SpinLock, SpinningWait, YIELD_EVERY, pinned_to_one_cpu};
 use crate::sys::{self, EventFd};
@@ -353,9 +352,13 @@ impl CompletionQueue {
         self.poll_sink(Sink::new(slots, self))
     }
 
-    /// [`poll_slots`](Self::poll_slots) into a C caller's records.
-    pub(crate) fn poll_c(&self, slots: &mut [MaybeUninit<rbr_completion>]) -> usize {
-        self.poll_sink(Sink::new_c(slots, self))
+    /// [`poll_slots`](Self::poll_slots) into records of the caller's own form (the C
+    /// surface's), each converted as it is written.
+    pub(crate) fn poll_records<R: From<Completion>>(
+        &self,
+        mut records: &mut [MaybeUninit<R>],
+    ) -> usize {
+        self.poll_sink(Sink::converting(&mut records, self))
     }
 
     /// Takes completions, oldest first, into `out`'s slots, and no more. Returns how many.
@@ -662,17 +665,19 @@ impl CompletionQueue {
         self.poll_wait_into(slots, timeout, Self::poll_slots)
     }
 
-    /// [`poll_wait_slots`](Self::poll_wait_slots) into a C caller's records.
-    pub(crate) fn poll_wait_c(
+    /// [`poll_wait_slots`](Self::poll_wait_slots) into records of the caller's own form (the
+    /// C surface's), each converted as it is written.
+    pub(crate) fn poll_wait_records<R: From<Completion>>(
         &self,
-        slots: &mut [MaybeUninit<rbr_completion>],
+        records: &mut [MaybeUninit<R>],
         timeout: Option<Duration>,
     ) -> Result<usize> {
-        self.poll_wait_into(slots, timeout, Self::poll_c)
+        self.poll_wait_into(records, timeout, Self::poll_records)
     }
 
-    /// Polls with `poll` ([`poll_slots`](Self::poll_slots) or [`poll_c`](Self::poll_c)) into
-    /// `slots`, waiting as [`poll_wait_with`](Self::poll_wait_with) does for the first.
+    /// Polls with `poll` ([`poll_slots`](Self::poll_slots) or
+    /// [`poll_records`](Self::poll_records)) into `slots`, waiting as
+    /// [`poll_wait_with`](Self::poll_wait_with) does for the first.
     fn poll_wait_into<T>(
         &self,
         slots: &mut [MaybeUninit<T>],

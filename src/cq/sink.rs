@@ -1,19 +1,43 @@
 //! Where a poll puts the completions it takes: straight into the caller's records while they
-//! last (Rust records, or the C surface's, converted as they are written), into the queue after
-//! that. The transports write each completion once, where it is going, with no call through a
-//! closure per completion.
+//! last (the queue's own records, or records of the caller's own form, converted as they are
+//! written), into the queue after that. The transports write each completion once, where it is
+//! going, with no call through a closure per completion.
 
 use std::mem::MaybeUninit;
 
 use super::{Completion, CompletionQueue};
-use crate::ffi::cq::rbr_completion;
 
 /// The caller's records a poll fills.
 enum Slots<'a> {
-    Rust(&'a mut [MaybeUninit<Completion>]),
-    /// A C caller's: each record is converted as it is written, so a poll through the C
-    /// surface needs no records of its own in between.
-    C(&'a mut [MaybeUninit<rbr_completion>]),
+    Own(&'a mut [MaybeUninit<Completion>]),
+    /// Records of the caller's own form (the C surface's): each is converted as it is written,
+    /// so a poll into them needs no records of the queue's in between.
+    Converted(&'a mut dyn Records),
+}
+
+/// A caller's array of records of its own form, which a poll fills by converting each
+/// completion as it writes it.
+pub(crate) trait Records {
+    /// How many records the array has.
+    fn len(&self) -> usize;
+    /// Writes `c`, converted, into record `i`.
+    ///
+    /// # Safety
+    /// `i < len()`.
+    unsafe fn write(&mut self, i: usize, c: Completion);
+}
+
+impl<R: From<Completion>> Records for &mut [MaybeUninit<R>] {
+    #[inline]
+    fn len(&self) -> usize {
+        <[_]>::len(self)
+    }
+
+    #[inline]
+    unsafe fn write(&mut self, i: usize, c: Completion) {
+        // SAFETY: `i < len()` (the caller's contract).
+        unsafe { self.get_unchecked_mut(i) }.write(c.into());
+    }
 }
 
 /// The records a poll fills (perhaps none: everything then goes into the queue) and the
@@ -36,15 +60,12 @@ impl<'a> Sink<'a> {
         slots: &'a mut [MaybeUninit<Completion>],
         queue: &'a CompletionQueue,
     ) -> Self {
-        Sink::of(slots.len(), Slots::Rust(slots), queue)
+        Sink::of(slots.len(), Slots::Own(slots), queue)
     }
 
-    /// Fills a C caller's `slots` first (converting each record), then `queue`.
-    pub(crate) fn new_c(
-        slots: &'a mut [MaybeUninit<rbr_completion>],
-        queue: &'a CompletionQueue,
-    ) -> Self {
-        Sink::of(slots.len(), Slots::C(slots), queue)
+    /// Fills the caller's `records` first (converting each completion), then `queue`.
+    pub(crate) fn converting(records: &'a mut dyn Records, queue: &'a CompletionQueue) -> Self {
+        Sink::of(records.len(), Slots::Converted(records), queue)
     }
 
     fn of(len: usize, slots: Slots<'a>, queue: &'a CompletionQueue) -> Self {
@@ -67,15 +88,13 @@ impl<'a> Sink<'a> {
     pub(crate) fn put(&mut self, c: Completion) {
         let i = self.filled;
         if i < self.len {
-            // SAFETY: `i < len`, the length of the slice `slots` holds.
+            // SAFETY: `i < len`, the number of records `slots` holds.
             unsafe {
                 match &mut self.slots {
-                    Slots::Rust(s) => {
+                    Slots::Own(s) => {
                         s.get_unchecked_mut(i).write(c);
                     }
-                    Slots::C(s) => {
-                        s.get_unchecked_mut(i).write(c.into());
-                    }
+                    Slots::Converted(r) => r.write(i, c),
                 }
             }
             self.filled = i + 1;

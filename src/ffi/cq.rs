@@ -308,7 +308,7 @@ pub unsafe extern "C" fn rbr_cq_poll(
         }
         // SAFETY: `out` is writable for `max` records (caller contract).
         let slots = unsafe { caller_records(out, max) };
-        let got = cq.inner.poll_c(slots);
+        let got = cq.inner.poll_records(slots);
         // SAFETY: `n` is non-NULL and writable (caller contract).
         unsafe { n.write(got) };
         if got == 0 { RBR_EMPTY } else { RBR_OK }
@@ -385,7 +385,7 @@ pub unsafe extern "C" fn rbr_cq_poll_wait(
         };
         // SAFETY: as in `rbr_cq_poll`.
         let slots = unsafe { caller_records(out, max) };
-        match cq.inner.poll_wait_c(slots, timeout) {
+        match cq.inner.poll_wait_records(slots, timeout) {
             Ok(0) => fail(Error::Timeout("waiting for a completion")),
             Ok(got) => {
                 // SAFETY: `n` is non-NULL and writable (caller contract).
