@@ -11,12 +11,13 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::SegQueue;
 
 use crate::error::{Error, Result};
-use crate::shm::notice::{Board, SLOTS};
 use crate::sync::{SpinGuard, SpinLock, SpinningWait, YIELD_EVERY, pinned_to_one_cpu};
 use crate::sys::{self, EventFd};
 
+pub(crate) mod notice;
 mod ready;
 mod sink;
+use notice::{Board, SLOTS};
 use ready::Readiness;
 pub(crate) use sink::Sink;
 

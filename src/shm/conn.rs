@@ -16,6 +16,7 @@ use crate::conn::{
     ConnInfo, ConnOptions, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, RemoteRegion,
     SendFlags, SendRequest, Sge, Transport, next_conn_id, wr,
 };
+use crate::cq::notice::Board;
 use crate::cq::{CompletionQueue, Progress, Reporter, Sink, SlotReservation, Source, WcStatus};
 use crate::domain::ContextInner;
 use crate::driver::Registration;
@@ -24,7 +25,6 @@ use crate::mr::MemoryRegion;
 use crate::shm::bell;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, Reach, RecvWr, SendSrc};
-use crate::shm::notice::Board;
 use crate::shm::onesided::{self, Exports, Import, ImportCache, Inbox};
 use crate::shm::segment::Segment;
 use crate::shm::shortcut::Shortcut;

@@ -21,11 +21,11 @@ use std::sync::atomic::Ordering;
 
 use parking_lot::Mutex;
 
+use crate::cq::notice::Board;
 use crate::cq::{Completion, Opcode, Reporter, Sink, WcStatus};
 use crate::error::{Error, Result};
 use crate::fifo::Fifo;
 use crate::mr::MemoryRegion;
-use crate::shm::notice::Board;
 use crate::shm::onesided::{self, Exports, Inbox};
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{

@@ -8,7 +8,7 @@
 //! private-data length `u16`, private data. The hello carries the client's queue depths and the
 //! slot of the connection on its completion queue's notice board (with the board's descriptor),
 //! the accept the ring size and the server's slot (with the segment's descriptor, then the
-//! board's): each side marks the other's slot when it has news for it (see `notice.rs`).
+//! board's): each side marks the other's slot when it has news for it (see `cq/notice.rs`).
 //! Every message also names a word of the sender's memory and its value, so that the other
 //! side can find out whether it may copy large messages straight from there (`direct.rs`).
 
@@ -20,11 +20,11 @@ use std::time::{Duration, Instant};
 use crate::conn::seam::{ListenerSeam, RequestSeam};
 use crate::conn::{ConnOptions, ConnRequest, Connection, PRIVATE_DATA_MAX};
 use crate::cq::CompletionQueue;
+use crate::cq::notice::{Board, NO_SLOT, SLOTS};
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
 use crate::shm::conn::{Conn, Link};
 use crate::shm::direct;
-use crate::shm::notice::{Board, NO_SLOT, SLOTS};
 use crate::shm::segment::{DEFAULT_RING_CAP, Segment};
 use crate::sys::{self, cvt};
 

@@ -4,7 +4,7 @@
 //! hands over a sealed memfd with two lock-free byte rings, one per direction. Posting writes
 //! into the rings on the caller's thread, and polling the completion queue takes from them
 //! (`flow.rs`). Each completion queue has a notice board on which peers mark the connections
-//! with news (`notice.rs`), so a poll looks at those only. One-sided operations reach the
+//! with news (`cq/notice.rs`), so a poll looks at those only. One-sided operations reach the
 //! peer's regions - mapped here, or through the kernel - on the poster's thread
 //! (`onesided.rs`). The context's progress driver
 //! watches for the peer leaving and moves data only while nobody else does (`engine.rs`), for
@@ -19,7 +19,6 @@ mod flow;
 #[cfg(feature = "fuzzing")]
 pub(crate) mod fuzz;
 mod handshake;
-pub(crate) mod notice;
 mod onesided;
 mod ring;
 mod segment;

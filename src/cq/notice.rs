@@ -1,6 +1,7 @@
-//! A completion queue's notice board: one shared page on which shm peers mark which of the
-//! queue's connections has news (a message in its ring), so that a poll looks at those
-//! connections only and an empty poll costs the same with one connection or thousands.
+//! A completion queue's notice board: one shared page on which peers in other processes (the
+//! shared-memory transport's) mark which of the queue's connections has news (a message in its
+//! ring), so that a poll looks at those connections only and an empty poll costs the same with
+//! one connection or thousands.
 //!
 //! Layout: a summary word at offset 0 (bit `g` set: word `g` may have bits set), then
 //! [`WORDS`] words from offset [`WORDS_AT`], one bit per connection slot. A peer that writes
