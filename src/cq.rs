@@ -91,8 +91,8 @@ pub struct Completion {
     pub imm: Option<u32>,
 }
 
-/// How many completions a poll that hands them over one by one (through a closure, or as C
-/// records) takes at a time, into slots on the stack.
+/// How many completions a poll that hands them over one by one (through a closure, or into a
+/// `Vec`) takes at a time, into slots on the stack.
 pub(crate) const BATCH: usize = 32;
 
 /// Hands the completions in `got` (all initialized) to `take`, in order.
@@ -1061,9 +1061,9 @@ mod tests {
         assert_eq!((n, got.as_slice()), (1, &[0, 1, 2][..]));
     }
 
-    /// The polls that hand completions over in batches (a closure's, a `Vec`'s, the C
-    /// surface's) take them all, in order, across batch boundaries, and never more than asked;
-    /// a `max` of `usize::MAX` takes what there is.
+    /// The polls that hand completions over in batches (a closure's, a `Vec`'s) take them all,
+    /// in order, across batch boundaries, and never more than asked; a `max` of `usize::MAX`
+    /// takes what there is.
     #[test]
     fn polls_in_batches_take_everything_in_order_and_no_more_than_asked() {
         let (cq, r) = queue_and_reporter();
