@@ -1,0 +1,72 @@
+//! The records a completion queue hands out: what finished ([`Opcode`]), how it ended
+//! ([`WcStatus`]), and the [`Completion`] that carries both.
+
+/// What a completion reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Opcode {
+    /// A posted send finished (or failed).
+    Send,
+    /// A posted receive was filled (or failed).
+    Recv,
+    /// A one-sided write (with or without immediate) finished (or failed).
+    Write,
+    /// A one-sided read finished: the bytes are in the local segments.
+    Read,
+    /// A fetch-and-add finished: the word as it was is in the local segment.
+    FetchAdd,
+    /// A compare-and-swap finished: the word as it was is in the local segment.
+    CmpSwap,
+    /// A posted receive was consumed by the peer's write with immediate: `imm` carries the
+    /// value, `byte_len` the bytes written, which are in place.
+    RecvWriteImm,
+    /// Connection event: the connection is down and every work request it had has completed.
+    /// It is the last record a connection ever produces.
+    Disconnected,
+}
+
+/// How a work request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WcStatus {
+    /// It succeeded.
+    Success,
+    /// The connection went down before it ran.
+    Flushed,
+    /// The incoming message was larger than the posted receive buffer.
+    LocalLength,
+    /// The peer could not take the message (for a send: its receive buffer was too small).
+    RemoteError,
+    /// The peer vanished or the link failed (for a disconnect event: it was not a clean close).
+    Transport,
+    /// The local memory region does not allow the access.
+    LocalProtection,
+    /// The remote memory region does not allow the access.
+    RemoteAccess,
+    /// Any other failure.
+    General,
+    /// For a disconnect event: the peer made a one-sided access this side had not allowed (a
+    /// key it was never given, a range past a region, a right the region does not grant), and
+    /// the connection failed for it. Over verbs: the device failed the queue pair for a request
+    /// of the peer's, as it does for such an access.
+    PeerAccess,
+}
+
+/// One finished work request or connection event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// The caller's work-request id, echoed (0 for connection events).
+    pub wr_id: u64,
+    /// The connection it belongs to ([`crate::Connection::id`]).
+    pub conn_id: u64,
+    /// The connection's user context ([`crate::ConnOptions::context`]).
+    pub context: usize,
+    /// What finished.
+    pub opcode: Opcode,
+    /// How it ended.
+    pub status: WcStatus,
+    /// Bytes received (receives only).
+    pub byte_len: u32,
+    /// Immediate data, when the message carried some.
+    pub imm: Option<u32>,
+}
