@@ -10,17 +10,19 @@ use super::notice::{Board, SLOTS};
 use super::{CompletionQueue, Progress, Sink};
 use crate::sync::SpinGuard;
 
-/// Completions a connection keeps in the device until a caller takes them
-/// ([`Progress::Caller`]). Implemented by the verbs connection.
+/// Completions a transport keeps where they finished (a device CQ, a connection's rings) until
+/// a caller's poll takes them ([`Progress::Caller`]). Implemented by a verbs device CQ and an
+/// shm connection.
 pub(crate) trait Source: Send + Sync {
-    /// The connection's id, which the queue removes it by.
+    /// The source's key (a connection or device CQ id), which the queue removes it by.
     fn key(&self) -> u64;
-    /// Takes finished work from the device (about as many records as `out` has room for), in
-    /// order. Hands records to `out`'s slots when it has some and nothing is queued yet (so
-    /// no record overtakes an older one of the same connection), else queues them.
+    /// Takes finished work (about as many records as `out` has room for), in order. Hands
+    /// records to `out`'s slots when it has some and nothing is queued yet (so no record
+    /// overtakes an older one of the same connection), else queues them.
     fn poll(&self, out: &mut Sink<'_>);
-    /// Asks the device for an event on the next completion, which the library's thread
-    /// then moves into the queue.
+    /// Somebody is about to sleep on the queue or watch its descriptor: have the next
+    /// completion moved into the queue without a poll (verbs: ask the device for an event,
+    /// which the library's thread handles; shm: wake the connection's background work).
     fn arm(&self);
     /// After a poll of a connection with a notice-board slot that is polled every time:
     /// whether it has been idle long enough to leave that list, in which case it has asked its
