@@ -42,7 +42,7 @@ pub(crate) struct Shared {
     /// [`Flow::gate`] as of the last release of the flow's lock: what the lock-free one-sided
     /// path reads instead of taking that lock (see [`Conn::rdma`]).
     gate: AtomicUsize,
-    /// The peer's region the last one-sided operation reached (see `onesided.rs`). Taken
+    /// The peer's region the last one-sided operation reached (see `onesided/`). Taken
     /// after the flow's lock when both are held, and alone by the lock-free one-sided path;
     /// never by pollers. A spin lock: it is held for an access or a look-up, never across a
     /// sleep (the locked path may take the offer inbox's lock, held as briefly).
@@ -463,7 +463,7 @@ impl Conn {
     }
 
     /// Lets the peer reach `mr` with one-sided operations; returns its key (see
-    /// `onesided.rs`: the offer is in the peer's socket when this returns).
+    /// `onesided/`: the offer is in the peer's socket when this returns).
     pub(crate) fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
         // Caller memory needs the peer to reach this process; it says whether it can as its
         // side starts, which may be just after ours (asked before taking the lock).

@@ -208,7 +208,7 @@ impl Engine {
     }
 
     /// Reads the socket's packets (doorbells, goodbye, offers of regions: see
-    /// `onesided.rs`); an end of file means the peer is gone.
+    /// `onesided/`); an end of file means the peer is gone.
     fn drain_socket(&mut self) -> std::result::Result<(), End> {
         let mut inbox = self.sh.lock_inbox();
         inbox.drain(self.sock.as_raw_fd());

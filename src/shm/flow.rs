@@ -42,7 +42,7 @@ pub(crate) const WAKE: u8 = 1;
 pub(crate) const BYE: u8 = 2;
 
 /// What a flow needs for large messages in one copy through the mapping of a region the
-/// library allocated (see `onesided.rs`): the connection's exports, to expose the region a
+/// library allocated (see `onesided/`): the connection's exports, to expose the region a
 /// send comes from, and its inbox, to find the region the peer exposed.
 pub(crate) struct Reach {
     pub(crate) exports: Arc<Exports>,

@@ -6,7 +6,7 @@
 //! (`flow.rs`). Each completion queue has a notice board on which peers mark the connections
 //! with news (`notice.rs`), so a poll looks at those only. One-sided operations reach the
 //! peer's regions - mapped here, or through the kernel - on the poster's thread
-//! (`onesided.rs`). The context's progress driver
+//! (`onesided/`). The context's progress driver
 //! watches for the peer leaving and moves data only while nobody else does (`engine.rs`), for
 //! all its connections on one thread.
 
