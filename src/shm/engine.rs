@@ -16,7 +16,8 @@ use crate::cq::{Opcode, Sink};
 use crate::driver::{Handler, Next, Ready};
 use crate::shm::bell;
 use crate::shm::conn::{FlowGuard, Shared};
-use crate::shm::flow::{BYE, End, send_packet};
+use crate::shm::flow::End;
+use crate::shm::wire::{BYE, send_packet};
 
 /// While the driver moves a connection's data: how long it keeps looking at it after the last
 /// movement before the connection sleeps.
@@ -207,8 +208,8 @@ impl Engine {
         })
     }
 
-    /// Reads the socket's packets (doorbells, goodbye, offers of regions: see
-    /// `onesided/`); an end of file means the peer is gone.
+    /// Reads the socket's packets (doorbells, goodbye, offers of regions: see `wire.rs`); an
+    /// end of file means the peer is gone.
     fn drain_socket(&mut self) -> std::result::Result<(), End> {
         let mut inbox = self.sh.lock_inbox();
         inbox.drain(self.sock.as_raw_fd());

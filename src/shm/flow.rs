@@ -31,15 +31,11 @@ use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{
     FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES, Segment,
 };
+use crate::shm::wire::{WAKE, send_packet};
 use crate::shm::{bell, direct};
 
 /// [`Flow::gate`] of a connection that is down: above every send queue's depth.
 pub(crate) const GATE_DOWN: usize = usize::MAX;
-
-/// Doorbell packet: "look at the rings".
-pub(crate) const WAKE: u8 = 1;
-/// Goodbye packet: an orderly close follows.
-pub(crate) const BYE: u8 = 2;
 
 /// What a flow needs for large messages in one copy through the mapping of a region the
 /// library allocated (see `onesided/`): the connection's exports, to expose the region a
@@ -1210,17 +1206,3 @@ impl Flow {
 /// The flags that tell a record holding a whole message of its own (both ends, neither
 /// direct nor a write with immediate data).
 const WHOLE_MASK: u32 = ring::FIRST | ring::LAST | ring::DIRECT | ring::WRITE_IMM;
-
-/// Sends one packet on the handshake socket without waiting.
-pub(crate) fn send_packet(sock: RawFd, b: u8) {
-    // SAFETY: sends one byte from a live local; MSG_NOSIGNAL turns a closed peer into EPIPE,
-    // which is ignored here because the hang-up is noticed by the connection's driver.
-    unsafe {
-        libc::send(
-            sock,
-            (&raw const b).cast(),
-            1,
-            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-        )
-    };
-}

@@ -9,10 +9,11 @@ use std::sync::{Arc, OnceLock};
 
 use crate::conn::{RdmaOp, RdmaRequest, Sge, Transport, pack_remote, unpack_remote};
 use crate::mr::{Access, MemoryRegion};
-use crate::shm::onesided::{Inbox, OFFER, REVOKED, Refused, run};
+use crate::shm::onesided::{Inbox, Refused, run};
 use crate::shm::ring::{self, Consumer, Producer};
 use crate::shm::segment::Segment;
 use crate::shm::shortcut::Shortcut;
+use crate::shm::wire::{OFFER, OFFER_LEN, REVOKED};
 use crate::{Context, SendFlags};
 
 /// Reads the fuzzer's bytes in order; zeros once they run out.
@@ -295,14 +296,14 @@ pub fn onesided(data: &[u8]) {
     let st = onesided_state();
     let mut input = Input(data);
     let mut inbox = Inbox::default();
-    let mut offers: Vec<[u8; 40]> = Vec::new();
+    let mut offers: Vec<[u8; OFFER_LEN]> = Vec::new();
     let conn_id = 1;
     while !input.done() {
         match input.u8() % 4 {
             0 => {
                 // An offer packet, as the peer composes it, with the memfd or without.
-                let mut pkt = [0u8; 40];
-                let b = input.bytes(40);
+                let mut pkt = [0u8; OFFER_LEN];
+                let b = input.bytes(OFFER_LEN);
                 pkt[..b.len()].copy_from_slice(b);
                 pkt[0] = OFFER;
                 let with_fd = pkt[1] & 1 != 0;
@@ -340,7 +341,7 @@ pub fn onesided(data: &[u8]) {
 }
 
 /// The slots of the offers with `key` that an import could have come from.
-fn offer_slots(offers: &[[u8; 40]], key: u64) -> Vec<usize> {
+fn offer_slots(offers: &[[u8; OFFER_LEN]], key: u64) -> Vec<usize> {
     offers
         .iter()
         .filter(|o| o[8..16] == key.to_le_bytes())
@@ -349,7 +350,13 @@ fn offer_slots(offers: &[[u8; 40]], key: u64) -> Vec<usize> {
         .collect()
 }
 
-fn request(st: &OneSided, input: &mut Input<'_>, inbox: &Inbox, offers: &[[u8; 40]], conn_id: u64) {
+fn request(
+    st: &OneSided,
+    input: &mut Input<'_>,
+    inbox: &Inbox,
+    offers: &[[u8; OFFER_LEN]],
+    conn_id: u64,
+) {
     let mut desc = [0u8; 32];
     let b = input.bytes(32);
     desc[..b.len()].copy_from_slice(b);

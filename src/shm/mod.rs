@@ -24,6 +24,7 @@ mod onesided;
 mod ring;
 mod segment;
 mod shortcut;
+mod wire;
 
 pub(crate) use conn::Conn;
 pub(crate) use handshake::{Listener, Request, connect};

@@ -263,10 +263,11 @@ mod tests {
     use std::os::fd::{FromRawFd, OwnedFd};
     use std::time::Instant;
 
+    use super::super::REMOTE_BITS;
     use super::super::export::close_entry;
-    use super::super::{KIND_MAPPED, OFFER, REMOTE_BITS};
     use super::*;
     use crate::mr::MemoryRegion;
+    use crate::shm::wire::{Offer, OfferKind};
 
     /// `busy` is a claim: an access waits for another of this side's to lower it, and a
     /// claim that is not had in time gives up without lowering what it never raised.
@@ -357,16 +358,17 @@ mod tests {
         let (seg, _fd) = Segment::create(64 * 1024).unwrap();
         let key = 0x5eedu64;
         let (slot, addr, len) = (3u32, 0x7f12_3450_0004u64, 4096u64);
-        let mut pkt = vec![OFFER, 0, 0, 0];
-        pkt.extend(slot.to_le_bytes());
-        pkt.extend(key.to_le_bytes());
-        pkt.extend(addr.to_le_bytes());
-        pkt.extend(len.to_le_bytes());
-        pkt.extend(REMOTE_BITS.to_le_bytes());
-        pkt.extend(KIND_MAPPED.to_le_bytes());
+        let offer = Offer {
+            slot,
+            key,
+            addr,
+            len,
+            access: REMOTE_BITS,
+            kind: OfferKind::Mapped,
+        };
         // SAFETY: dup of the region's live memfd; the copy is ours.
         let fd = unsafe { OwnedFd::from_raw_fd(libc::dup(target.memfd().unwrap())) };
-        let imp = Import::from_offer(&pkt, Some(fd)).expect("a well-formed offer");
+        let imp = Import::from_offer(&offer, Some(fd)).expect("a well-formed offer");
         seg.export(0, slot as usize)
             .unwrap()
             .live

@@ -7,13 +7,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::{
-    KIND_MAPPED, KIND_PROCESS, OFFER, OFFER_LEN, REMOTE_BITS, REVOKE_WAIT, REVOKED, REVOKED_LEN,
-};
+use super::{REMOTE_BITS, REVOKE_WAIT};
 use crate::error::{Error, Result};
 use crate::log::log;
 use crate::mr::{Access, Exposure, MemoryRegion};
 use crate::shm::segment::{EXPORT_SLOTS, Export, READS_PEER_YES, Segment};
+use crate::shm::wire::{Offer, OfferKind, Revoked, send_unwaited};
 
 /// At most this many of a connection's export slots in use when a region is exposed only so
 /// that the peer may copy large messages out of it (see [`Exports::expose_for_send`]): the
@@ -166,19 +165,19 @@ impl Exports {
         let entry = self.seg.export(self.side, slot).expect("slot in range");
         // SeqCst: live before the offer leaves, so that the peer finds it live once it has it.
         entry.live.store(key, Ordering::SeqCst);
-        let mut pkt = [0u8; OFFER_LEN];
-        pkt[0] = OFFER;
-        pkt[4..8].copy_from_slice(&(slot as u32).to_le_bytes());
-        pkt[8..16].copy_from_slice(&key.to_le_bytes());
-        pkt[16..24].copy_from_slice(&(mr.as_ptr() as u64).to_le_bytes());
-        pkt[24..32].copy_from_slice(&(mr.len() as u64).to_le_bytes());
-        pkt[32..36].copy_from_slice(&access.to_le_bytes());
-        let kind = if memfd.is_some() {
-            KIND_MAPPED
-        } else {
-            KIND_PROCESS
-        };
-        pkt[36..40].copy_from_slice(&kind.to_le_bytes());
+        let pkt = Offer {
+            slot: slot as u32,
+            key,
+            addr: mr.as_ptr() as u64,
+            len: mr.len() as u64,
+            access,
+            kind: if memfd.is_some() {
+                OfferKind::Mapped
+            } else {
+                OfferKind::Process
+            },
+        }
+        .encode();
         let sent = match memfd {
             Some(fd) => {
                 let writable = access & (Access::REMOTE_WRITE.0 | Access::REMOTE_ATOMIC.0) != 0;
@@ -263,22 +262,10 @@ impl Exposure for Exports {
             self.withdraw(slot);
             st.used[slot] = false;
             if let Some(sock) = st.sock {
-                let mut pkt = [0u8; REVOKED_LEN];
-                pkt[0] = REVOKED;
-                pkt[4..8].copy_from_slice(&(slot as u32).to_le_bytes());
-                pkt[8..16].copy_from_slice(&key.to_le_bytes());
-                // SAFETY: sends a live local buffer of its length on the connection's socket,
-                // open while `sock` is set (the state's lock orders this before the close).
-                // Not waiting: a full socket only delays the peer's unmapping to its next
-                // access or the connection's end; MSG_NOSIGNAL turns a gone peer into EPIPE.
-                unsafe {
-                    libc::send(
-                        sock,
-                        pkt.as_ptr().cast(),
-                        pkt.len(),
-                        libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-                    )
-                };
+                let slot = slot as u32;
+                // The socket is open while `sock` is set (the state's lock orders this before
+                // the close).
+                send_unwaited(sock, &Revoked { slot, key }.encode());
             }
         }
     }

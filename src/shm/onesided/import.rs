@@ -8,11 +8,11 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use super::{KIND_MAPPED, KIND_PROCESS, OFFER, OFFER_LEN, REMOTE_BITS, REVOKED, REVOKED_LEN};
+use super::REMOTE_BITS;
 use crate::mr::Access;
-use crate::shm::flow::{BYE, WAKE};
 use crate::shm::segment::EXPORT_SLOTS;
 use crate::shm::shortcut::{Published, Shortcut};
+use crate::shm::wire::{Offer, OfferKind, Packet, Revoked};
 use crate::sys::cvt;
 
 /// Where an imported region is.
@@ -58,16 +58,18 @@ impl Drop for Import {
 }
 
 impl Import {
-    /// Parses an offer packet (and its descriptor); `None` when it is not a valid one (its
-    /// key then stays unknown, and accesses with it fail).
-    pub(super) fn from_offer(pkt: &[u8], fd: Option<OwnedFd>) -> Option<Import> {
-        if pkt.len() != OFFER_LEN {
-            return None;
-        }
-        let u32_at = |i: usize| u32::from_le_bytes(pkt[i..i + 4].try_into().expect("4 bytes"));
-        let u64_at = |i: usize| u64::from_le_bytes(pkt[i..i + 8].try_into().expect("8 bytes"));
-        let (slot, key, addr, len) = (u32_at(4) as usize, u64_at(8), u64_at(16), u64_at(24));
-        let (access, kind) = (u32_at(32), u32_at(36));
+    /// Checks an offer (and its descriptor); `None` when it is not a valid one (its key then
+    /// stays unknown, and accesses with it fail).
+    pub(super) fn from_offer(offer: &Offer, fd: Option<OwnedFd>) -> Option<Import> {
+        let Offer {
+            slot,
+            key,
+            addr,
+            len,
+            access,
+            kind,
+        } = *offer;
+        let slot = slot as usize;
         if slot >= EXPORT_SLOTS
             || key == 0
             || len == 0
@@ -77,13 +79,13 @@ impl Import {
             return None;
         }
         let target = match (kind, fd) {
-            (KIND_PROCESS, None) => {
+            (OfferKind::Process, None) => {
                 if access & Access::REMOTE_ATOMIC.0 != 0 {
                     return None;
                 }
                 Target::Process
             }
-            (KIND_MAPPED, Some(fd)) => {
+            (OfferKind::Mapped, Some(fd)) => {
                 let writable = access & (Access::REMOTE_WRITE.0 | Access::REMOTE_ATOMIC.0) != 0;
                 Self::map(&fd, len, writable)?
             }
@@ -286,14 +288,16 @@ impl Inbox {
                 0 => self.eof = true,
                 n if n > 0 => {
                     let pkt = &buf[..n as usize];
-                    match pkt[0] {
-                        WAKE => news = true,
-                        BYE => {
+                    match Packet::decode(pkt) {
+                        Packet::Wake => news = true,
+                        Packet::Bye => {
                             news = true;
                             self.said_bye = true;
                         }
-                        OFFER if fds.len() <= 1 && mh.msg_flags & libc::MSG_TRUNC == 0 => {
-                            if let Some(imp) = Import::from_offer(pkt, fds.pop()) {
+                        Packet::Offer(offer)
+                            if fds.len() <= 1 && mh.msg_flags & libc::MSG_TRUNC == 0 =>
+                        {
+                            if let Some(imp) = Import::from_offer(&offer, fds.pop()) {
                                 // A slot offered again carries a new region: the old one is gone.
                                 let had = self.imports.len();
                                 self.imports.retain(|_, i| i.slot != imp.slot);
@@ -303,17 +307,14 @@ impl Inbox {
                                 self.imports.insert(imp.key, Arc::new(imp));
                             }
                         }
-                        REVOKED if pkt.len() == REVOKED_LEN => {
-                            let slot = u32::from_le_bytes(pkt[4..8].try_into().expect("4"));
-                            let key = u64::from_le_bytes(pkt[8..16].try_into().expect("8"));
+                        Packet::Revoked(Revoked { slot, key })
                             if self
                                 .imports
                                 .get(&key)
-                                .is_some_and(|i| i.slot == slot as usize)
-                            {
-                                self.imports.remove(&key);
-                                self.note_forgotten();
-                            }
+                                .is_some_and(|i| i.slot == slot as usize) =>
+                        {
+                            self.imports.remove(&key);
+                            self.note_forgotten();
                         }
                         // Anything else is not ours to understand; its descriptors close.
                         _ => {}

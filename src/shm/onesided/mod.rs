@@ -6,11 +6,12 @@
 //! counter; 32 bits as a verbs rkey, so that a program carries keys of either transport the
 //! same way), unique among the connection's live keys and unlike the slot's previous one, and a
 //! slot in this side's export table in the shared segment (`segment.rs`,
-//! [`Export`](crate::shm::segment::Export)), stores the key in the slot's `live` word, and sends the peer an offer on the
-//! connection's socket before returning: slot, key, address, length and remote access bits,
-//! plus, for a region the library allocated, its memfd (SCM_RIGHTS; a read-only descriptor when
-//! the offer grants no write or atomic access). The packet is in the peer's socket before the
-//! descriptor the program sends can arrive there.
+//! [`Export`](crate::shm::segment::Export)), stores the key in the slot's `live` word, and
+//! sends the peer an offer on the connection's socket before returning (`wire.rs`): slot,
+//! key, address, length and remote access bits, plus, for a region the library allocated, its
+//! memfd (SCM_RIGHTS; a read-only descriptor when the offer grants no write or atomic access).
+//! The packet is in the peer's socket before the descriptor the program sends can arrive
+//! there.
 //!
 //! **Imports.** The peer reads offers from the socket - its connection's background work does,
 //! and so does a post that names a key it does not know yet (one reader at a time) - maps a
@@ -28,8 +29,9 @@
 //! (`shortcut.rs`).
 //!
 //! **Revocation** is synchronous: when a region is dropped, each connection it was exposed on
-//! clears the slot's `live` word and then waits until `busy` is 0 (see [`Export`](crate::shm::segment::Export) for why the
-//! two cannot miss each other), before the region's memory goes. The wait is bounded: it ends
+//! clears the slot's `live` word and then waits until `busy` is 0 (see
+//! [`Export`](crate::shm::segment::Export) for why the two cannot miss each other), before the
+//! region's memory goes. The wait is bounded: it ends
 //! at once when the peer's process has exited, and after [`REVOKE_WAIT`] in any case (a peer
 //! that holds `busy` up that long is not following the protocol). A connection that ends
 //! withdraws all its regions the same way. After a withdrawal the owner also sends the peer a
@@ -48,19 +50,6 @@ pub(crate) use access::{copy, copy_mapped, run};
 pub(crate) use export::Exports;
 pub(crate) use import::{Import, ImportCache, Inbox, offset_in};
 
-/// Offer packet: a region the sender lets its peer reach.
-pub(crate) const OFFER: u8 = 3;
-/// Withdrawal notice: the region in a slot is gone, and the peer may unmap it. Only a hint
-/// for the peer's housekeeping (what stops accesses is the export table, see
-/// [`Export`](crate::shm::segment::Export)).
-pub(crate) const REVOKED: u8 = 4;
-/// Bytes of a withdrawal notice: type, 3 zero bytes, slot (u32), key (u64).
-const REVOKED_LEN: usize = 16;
-/// Bytes of an offer packet.
-const OFFER_LEN: usize = 40;
-/// Offer kinds: caller memory (reached through the kernel), or a memfd that comes along.
-const KIND_PROCESS: u32 = 0;
-const KIND_MAPPED: u32 = 1;
 /// Longest a revocation waits for the peer's accesses in progress.
 pub(crate) const REVOKE_WAIT: Duration = Duration::from_secs(10);
 
