@@ -24,6 +24,7 @@ mod onesided;
 mod ring;
 mod segment;
 mod shortcut;
+mod socket;
 mod wire;
 
 pub(crate) use conn::Conn;

@@ -1,9 +1,19 @@
-//! What travels on a connection's socket, byte for byte: every packet's tag, its layout, and
-//! its encoding and decoding.
+//! What travels on a connection's socket, byte for byte: every message and packet, its tag,
+//! its layout, and its encoding and decoding. All numbers are little-endian.
 //!
-//! Once the connection is up its socket (a Unix seqpacket socket: one packet per send, never
-//! merged or split) carries packets whose first byte is their tag. All numbers are
-//! little-endian; the bytes between a tag and the first field are 0.
+//! **Establishment** (`handshake/`). The client's hello is answered with an accept or a
+//! rejection. A message: magic `u32`, version `u16`, kind `u16`, three `u32` parameters, a
+//! probe word's address and value (`u64` each), private-data length `u16`, private data. The
+//! hello carries the client's queue depths and the slot of the connection on its completion
+//! queue's notice board (with the board's descriptor), the accept the ring size and the
+//! server's slot (with the segment's descriptor, then the board's): each side marks the
+//! other's slot when it has news for it (see `notice.rs`). The probe word is a word of the
+//! sender's memory and its value, so that the other side can find out whether it may copy
+//! large messages straight from there (`direct.rs`).
+//!
+//! **Packets.** Once the connection is up its socket (a Unix seqpacket socket: one packet per
+//! send, never merged or split) carries packets whose first byte is their tag; the bytes
+//! between a tag and the first field are 0.
 //!
 //! | tag         | bytes | what it says                                        | comes with     |
 //! |-------------|-------|-----------------------------------------------------|----------------|
@@ -17,6 +27,174 @@
 //! closing the descriptors that came with it: what it cannot read is not its to act on.
 
 use std::os::fd::RawFd;
+
+use crate::conn::PRIVATE_DATA_MAX;
+use crate::error::{Error, Result};
+use crate::shm::direct;
+use crate::shm::notice::{NO_SLOT, SLOTS};
+
+pub(crate) const MAGIC: u32 = 0x3152_4252; // "RBR1"
+/// Version 2: notice boards. Version 3: a direct record carries a key (a large message copied
+/// out of the mapping of the region it is in).
+pub(crate) const VERSION: u16 = 3;
+pub(crate) const HELLO: u16 = 1;
+pub(crate) const ACCEPT: u16 = 2;
+pub(crate) const REJECT: u16 = 3;
+pub(crate) const REJECT_VERSION: u16 = 4;
+pub(crate) const REJECT_PERMISSION: u16 = 5;
+pub(crate) const HEADER: usize = 38;
+pub(crate) const MSG_MAX: usize = HEADER + PRIVATE_DATA_MAX;
+
+/// Most descriptors one message carries.
+pub(crate) const FDS_MAX: usize = 2;
+
+pub(crate) struct Msg {
+    pub(crate) version: u16,
+    pub(crate) kind: u16,
+    pub(crate) a: u32,
+    /// The sender's notice-board slot ([`NO_SLOT`]: none).
+    pub(crate) slot: u32,
+    /// The sender's probe word: address and value.
+    pub(crate) probe: (u64, u64),
+    pub(crate) data: Vec<u8>,
+}
+
+pub(crate) fn encode(kind: u16, a: u32, b: u32, slot: u32, data: &[u8]) -> Vec<u8> {
+    encode_with_probe(kind, a, b, slot, direct::probe(), data)
+}
+
+/// [`encode`] with the probe word given.
+pub(crate) fn encode_with_probe(
+    kind: u16,
+    a: u32,
+    b: u32,
+    slot: u32,
+    (addr, value): (u64, u64),
+    data: &[u8],
+) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HEADER + data.len());
+    v.extend_from_slice(&MAGIC.to_le_bytes());
+    v.extend_from_slice(&VERSION.to_le_bytes());
+    v.extend_from_slice(&kind.to_le_bytes());
+    v.extend_from_slice(&a.to_le_bytes());
+    v.extend_from_slice(&b.to_le_bytes());
+    v.extend_from_slice(&slot.to_le_bytes());
+    v.extend_from_slice(&addr.to_le_bytes());
+    v.extend_from_slice(&value.to_le_bytes());
+    v.extend_from_slice(&(data.len() as u16).to_le_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+pub(crate) fn decode(buf: &[u8]) -> Result<Msg> {
+    let bad = |m: &str| Error::Protocol(format!("handshake: {m}"));
+    if buf.len() < 12 {
+        return Err(bad("message too short"));
+    }
+    let u16_at = |i: usize| u16::from_le_bytes([buf[i], buf[i + 1]]);
+    let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
+    if u32_at(0) != MAGIC {
+        return Err(bad("not an rdmabridge peer"));
+    }
+    let (version, kind, a) = (u16_at(4), u16_at(6), u32_at(8));
+    if version != VERSION {
+        // Another version lays the rest out differently: only these fields are read, so that
+        // a mismatch can be named.
+        return Ok(Msg {
+            version,
+            kind,
+            a,
+            slot: NO_SLOT,
+            probe: (0, 0),
+            data: Vec::new(),
+        });
+    }
+    if buf.len() < HEADER {
+        return Err(bad("message too short"));
+    }
+    let u64_at = |i: usize| u64::from(u32_at(i)) | u64::from(u32_at(i + 4)) << 32;
+    let len = u16_at(36) as usize;
+    if len > PRIVATE_DATA_MAX || HEADER + len != buf.len() {
+        return Err(bad("bad private data length"));
+    }
+    Ok(Msg {
+        version,
+        kind,
+        a,
+        slot: u32_at(16),
+        probe: (u64_at(20), u64_at(28)),
+        data: buf[HEADER..].to_vec(),
+    })
+}
+
+/// What the listener makes of a decoded hello that came with `nfds` descriptors.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum HelloVerdict {
+    /// Not a hello, or its notice-board slot and descriptors disagree: dropped unanswered.
+    Refuse,
+    /// A hello of another version: answered with ours, then dropped.
+    OtherVersion,
+    /// A hello to go on with: with the client's notice-board slot (its descriptor is the one
+    /// that came), or without a board.
+    Welcome { board_slot: Option<u32> },
+}
+
+pub(crate) fn judge_hello(msg: &Msg, nfds: usize) -> HelloVerdict {
+    if msg.kind != HELLO {
+        return HelloVerdict::Refuse;
+    }
+    if msg.version != VERSION {
+        return HelloVerdict::OtherVersion;
+    }
+    // The client's notice board comes with its slot, and nothing else comes with a hello.
+    match (msg.slot, nfds) {
+        (NO_SLOT, 0) => HelloVerdict::Welcome { board_slot: None },
+        (slot, 1) if slot < SLOTS => HelloVerdict::Welcome {
+            board_slot: Some(slot),
+        },
+        _ => HelloVerdict::Refuse,
+    }
+}
+
+/// Judges the listener's decoded answer to a hello, which came with `nfds` descriptors: for an
+/// accept (the segment's descriptor first, then the listener's notice board when it names a
+/// slot), the listener's slot, if any; the reason the connect fails otherwise.
+pub(crate) fn judge_reply(msg: &Msg, nfds: usize) -> Result<Option<u32>> {
+    match msg.kind {
+        ACCEPT => {}
+        REJECT => return Err(Error::Rejected(msg.data.clone())),
+        REJECT_VERSION => {
+            return Err(Error::Protocol(format!(
+                "listener speaks version {}, this library {VERSION}",
+                msg.a
+            )));
+        }
+        REJECT_PERMISSION => {
+            return Err(Error::Permission("the listener refuses this user".into()));
+        }
+        k => {
+            return Err(Error::Protocol(format!(
+                "handshake: unexpected message kind {k}"
+            )));
+        }
+    }
+    if msg.version != VERSION {
+        return Err(Error::Protocol(format!(
+            "handshake: an accept of version {}, this library {VERSION}",
+            msg.version
+        )));
+    }
+    match (msg.slot, nfds) {
+        (_, 0) => Err(Error::Protocol(
+            "handshake: accept without a segment".into(),
+        )),
+        (NO_SLOT, 1) => Ok(None),
+        (slot, 2) if slot < SLOTS => Ok(Some(slot)),
+        _ => Err(Error::Protocol(
+            "handshake: notice board and slot do not match".into(),
+        )),
+    }
+}
 
 /// Doorbell packet: "look at the rings".
 pub(crate) const WAKE: u8 = 1;
