@@ -31,7 +31,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::log::log;
-use crate::shm::onesided::{copy, offset_in};
+use crate::shm::onesided::{copy_access, offset_in};
 use crate::shm::segment::{EXPORT_SLOTS, Segment};
 
 /// Longest a retirement waits for a copy in progress (one copy of at most 4 GiB - 1, by a
@@ -191,7 +191,7 @@ impl Shortcut {
             // (its retirement waits for `busy`) and is writable for `start..start + size`,
             // which holds `addr..addr + len` (`offset_in`); `src` is readable for `len` (the
             // caller's contract).
-            unsafe { copy(src, base.add(off), len) };
+            unsafe { copy_access(src, base.add(off), len) };
         }
         // Release: the copy comes before the owner, or a retirement, seeing 0.
         busy.store(0, Ordering::Release);

@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use super::Input;
 use crate::conn::{RdmaOp, RdmaRequest, Sge, Transport, pack_remote, unpack_remote};
 use crate::mr::{Access, MemoryRegion};
-use crate::shm::onesided::{Inbox, Refused, run};
+use crate::shm::onesided::{Refused, SocketReader, run};
 use crate::shm::segment::Segment;
 use crate::shm::shortcut::Shortcut;
 use crate::shm::wire::{OFFER, OFFER_LEN, REVOKED};
@@ -110,7 +110,7 @@ fn send_packet(sock: RawFd, pkt: &[u8], fd: Option<RawFd>) {
 pub fn onesided(data: &[u8]) {
     let st = onesided_state();
     let mut input = Input(data);
-    let mut inbox = Inbox::default();
+    let mut inbox = SocketReader::default();
     let mut offers: Vec<[u8; OFFER_LEN]> = Vec::new();
     let conn_id = 1;
     while !input.done() {
@@ -168,7 +168,7 @@ fn offer_slots(offers: &[[u8; OFFER_LEN]], key: u64) -> Vec<usize> {
 fn request(
     st: &OneSided,
     input: &mut Input<'_>,
-    inbox: &Inbox,
+    inbox: &SocketReader,
     offers: &[[u8; OFFER_LEN]],
     conn_id: u64,
 ) {

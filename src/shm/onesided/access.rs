@@ -84,7 +84,7 @@ pub(crate) unsafe fn copy_mapped(
     guarded(&entry, imp.key, || {
         // SAFETY: `off..off+len` lies inside the import's length, which `Import::map` checked
         // against the file and mapped; `dst` is writable for `len` (the caller's contract).
-        unsafe { copy(base.as_ptr().add(off).cast_const(), dst, len) }
+        unsafe { copy_access(base.as_ptr().add(off).cast_const(), dst, len) }
     })
     .ok_or(Refused::Withdrawn)
 }
@@ -139,7 +139,7 @@ unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
                 // SAFETY: `s.ptr` is readable for `s.len` bytes (checked by the core, the
                 // region held by the request); the segments add up to `wr.len`.
                 unsafe {
-                    copy(s.ptr.cast_const(), pos, s.len);
+                    copy_access(s.ptr.cast_const(), pos, s.len);
                     pos = pos.add(s.len);
                 }
             }
@@ -148,7 +148,7 @@ unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
             for s in wr.segs() {
                 // SAFETY: as for writes; `s.ptr` is writable (LOCAL_WRITE, checked).
                 unsafe {
-                    copy(pos.cast_const(), s.ptr, s.len);
+                    copy_access(pos.cast_const(), s.ptr, s.len);
                     pos = pos.add(s.len);
                 }
             }
@@ -174,14 +174,15 @@ unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
     }
 }
 
-/// Copies `len` bytes: a word of 8 or 4 bytes (the size of a flag or a counter, whose
-/// latency counts) as one load and one store, anything else as a message's bytes are copied
-/// ([`crate::shm::copy::copy`]: inline up to 64 bytes, `memcpy` beyond).
+/// Copies the `len` bytes of an access into or out of a peer's region mapped here: a word of
+/// 8 or 4 bytes (the size of a flag or a counter, whose latency counts) as one load and one
+/// store, anything else as a message's bytes are copied
+/// ([`copy_message`](crate::shm::copy::copy_message): inline up to 64 bytes, `memcpy` beyond).
 ///
 /// # Safety
 /// As `std::ptr::copy_nonoverlapping`.
 #[inline(always)]
-pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+pub(crate) unsafe fn copy_access(src: *const u8, dst: *mut u8, len: usize) {
     // SAFETY: the caller's contract; unaligned accesses of exactly `len` bytes.
     unsafe {
         match len {
@@ -191,7 +192,7 @@ pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
             4 => dst
                 .cast::<u32>()
                 .write_unaligned(src.cast::<u32>().read_unaligned()),
-            _ => crate::shm::copy::copy(src, dst, len),
+            _ => crate::shm::copy::copy_message(src, dst, len),
         }
     }
 }

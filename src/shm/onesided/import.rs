@@ -194,7 +194,7 @@ pub(crate) fn offset_in(start: u64, size: u64, addr: u64, len: usize) -> Option<
 /// This side's reader of the connection's socket, and the regions of the peer it knows.
 /// Whoever reads the socket holds it (one reader at a time).
 #[derive(Default)]
-pub(crate) struct Inbox {
+pub(crate) struct SocketReader {
     /// The peer said goodbye.
     pub(crate) said_bye: bool,
     /// The socket reached its end (`broken`: with an error): the peer is gone.
@@ -208,7 +208,7 @@ pub(crate) struct Inbox {
 }
 
 /// The import a connection's last one-sided operation used, kept under its own lock (which
-/// pollers never take, see `conn::Shared::imports`) so that the next operation with the same
+/// pollers never take, see `conn::ConnState::imports`) so that the next operation with the same
 /// key skips the flow's lock, the inbox's lock, its map and a reference count. Only a cache:
 /// every access still checks the key against the peer's export table (`run`), so a stale entry
 /// cannot reach a withdrawn region; it is dropped as soon as the inbox forgets anything, so
@@ -242,7 +242,7 @@ impl ImportCache {
     }
 }
 
-impl Inbox {
+impl SocketReader {
     /// Reads every packet the socket holds: doorbells, goodbye, offers (mapped and recorded),
     /// the end. Returns whether a doorbell or goodbye was among them.
     pub(crate) fn drain(&mut self, sock: RawFd) -> bool {
@@ -346,8 +346,8 @@ impl Inbox {
         self.imports.get(&key).cloned()
     }
 
-    /// As [`Inbox::get`], reading the socket first when the key is not known yet: its offer
-    /// may still be there. The flag is [`Inbox::drain`]'s: doorbells or a goodbye were read,
+    /// As [`SocketReader::get`], reading the socket first when the key is not known yet: its offer
+    /// may still be there. The flag is [`SocketReader::drain`]'s: doorbells or a goodbye were read,
     /// which are the background work's.
     pub(crate) fn find(&mut self, key: u64, sock: RawFd) -> (Option<Arc<Import>>, bool) {
         if let Some(i) = self.get(key) {

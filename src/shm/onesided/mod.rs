@@ -46,9 +46,9 @@ use std::time::Duration;
 
 use crate::mr::Access;
 
-pub(crate) use access::{copy, copy_mapped, run};
+pub(crate) use access::{copy_access, copy_mapped, run};
 pub(crate) use export::Exports;
-pub(crate) use import::{Import, ImportCache, Inbox, offset_in};
+pub(crate) use import::{Import, ImportCache, SocketReader, offset_in};
 
 /// Longest a revocation waits for the peer's accesses in progress.
 pub(crate) const REVOKE_WAIT: Duration = Duration::from_secs(10);
