@@ -24,9 +24,8 @@ use crate::shm::bell;
 use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, RecvWr, SendSrc, SharedRegions};
 use crate::shm::notice::Board;
-use crate::shm::onesided::{self, Exports, Import, ImportCache, SocketReader};
+use crate::shm::onesided::{self, Exports, Import, ImportCache, Shortcut, SocketReader};
 use crate::shm::segment::Segment;
-use crate::shm::shortcut::Shortcut;
 use crate::sync::{SpinGuard, SpinLock};
 
 /// State shared by the users of a connection, the pollers of its completion queue, and its
@@ -47,7 +46,7 @@ pub(crate) struct ConnState {
     /// never by pollers. A spin lock: it is held for an access or a look-up, never across a
     /// sleep (the locked path may take the socket reader's lock, held as briefly).
     imports: Arc<SpinLock<ImportCache>>,
-    /// The peer's region the lock-free write reaches (see `shortcut.rs`), published by whoever
+    /// The peer's region the lock-free write reaches (see `onesided/shortcut.rs`), published by whoever
     /// holds `imports` and fills it.
     shortcut: Arc<Shortcut>,
     /// The connection's segment, this side's index in it, and the peer's process when this
@@ -523,7 +522,7 @@ impl Conn {
     /// first publishing the region for the lock-free write when `wr` is what that write does:
     /// the paths that reach a region for one publish it, so that the next goes that way. Only
     /// those: a region that was published keeps its address range reserved until the
-    /// connection goes (see `shortcut.rs`).
+    /// connection goes (see `onesided/shortcut.rs`).
     fn access(&self, imp: &Import, wr: &RdmaRequest<'_>) -> Result<(), onesided::Refused> {
         if !wr.signaled && wr.op == (RdmaOp::Write { imm: None }) {
             imp.publish(&self.sh.shortcut);
@@ -543,7 +542,7 @@ impl Conn {
     /// The lock-free path of the common small write, which the core hands over unbuilt: one
     /// local segment, unsignaled, no immediate. Done here with no lock when the connection is
     /// up and its send queue has room (as for `unlocked_rdma`) and the peer's region is the one
-    /// published on the connection's shortcut (`shortcut.rs`).
+    /// published on the connection's shortcut (`onesided/shortcut.rs`).
     ///
     /// # Safety
     /// `src` is readable for `len` bytes through the call.

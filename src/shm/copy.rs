@@ -1,5 +1,6 @@
-//! Copies of the sizes a message usually has, inline: a call to `memcpy` (through the PLT, then
-//! its own dispatch on the size) costs more than the copy of a small message itself.
+//! The data path's copies: a message's bytes, and a one-sided access's. Sizes a message
+//! usually has are copied inline: a call to `memcpy` (through the PLT, then its own dispatch on
+//! the size) costs more than the copy of a small message itself.
 
 /// Copies `len` bytes of a message from `src` to `dst`: up to 64 bytes with at most four
 /// unaligned loads and four unaligned stores (overlapping at the middle when `len` is not a
@@ -40,6 +41,29 @@ pub(crate) unsafe fn copy_message(src: *const u8, dst: *mut u8, len: usize) {
             *dst = a;
             *dst.add(len / 2) = b;
             *dst.add(len - 1) = c;
+        }
+    }
+}
+
+/// Copies the `len` bytes of an access into or out of a peer's region mapped here: a word of
+/// 8 or 4 bytes (the size of a flag or a counter, whose latency counts) as one load and one
+/// store, anything else as a message's bytes are copied ([`copy_message`]: inline up to 64
+/// bytes, `memcpy` beyond).
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`.
+#[inline(always)]
+pub(crate) unsafe fn copy_access(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: the caller's contract; unaligned accesses of exactly `len` bytes.
+    unsafe {
+        match len {
+            8 => dst
+                .cast::<u64>()
+                .write_unaligned(src.cast::<u64>().read_unaligned()),
+            4 => dst
+                .cast::<u32>()
+                .write_unaligned(src.cast::<u32>().read_unaligned()),
+            _ => copy_message(src, dst, len),
         }
     }
 }

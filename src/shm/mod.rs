@@ -23,7 +23,6 @@ pub(crate) mod notice;
 mod onesided;
 mod ring;
 mod segment;
-mod shortcut;
 mod socket;
 mod wire;
 

@@ -7,9 +7,8 @@ use std::sync::{Arc, OnceLock};
 use super::Input;
 use crate::conn::{RdmaOp, RdmaRequest, Sge, Transport, pack_remote, unpack_remote};
 use crate::mr::{Access, MemoryRegion};
-use crate::shm::onesided::{Refused, SocketReader, run};
+use crate::shm::onesided::{Refused, Shortcut, SocketReader, run};
 use crate::shm::segment::Segment;
-use crate::shm::shortcut::Shortcut;
 use crate::shm::wire::{OFFER, OFFER_LEN, REVOKED};
 use crate::{Context, SendFlags};
 

@@ -9,6 +9,7 @@ use super::import::{Import, Target};
 use super::{REVOKE_WAIT, Refused};
 use crate::conn::{LocalSeg, RdmaOp, RdmaRequest};
 use crate::mr::Access;
+use crate::shm::copy::copy_access;
 use crate::shm::segment::{Export, Segment};
 
 /// The access `op` needs at the target.
@@ -170,29 +171,6 @@ unsafe fn mapped(at: *mut u8, wr: &RdmaRequest<'_>) {
             let s: &LocalSeg<'_> = wr.segs().next().expect("an atomic has its local word");
             // SAFETY: the local word is 8 bytes, 8-aligned and writable (checked by the core).
             unsafe { s.ptr.cast::<u64>().write(old) };
-        }
-    }
-}
-
-/// Copies the `len` bytes of an access into or out of a peer's region mapped here: a word of
-/// 8 or 4 bytes (the size of a flag or a counter, whose latency counts) as one load and one
-/// store, anything else as a message's bytes are copied
-/// ([`copy_message`](crate::shm::copy::copy_message): inline up to 64 bytes, `memcpy` beyond).
-///
-/// # Safety
-/// As `std::ptr::copy_nonoverlapping`.
-#[inline(always)]
-pub(crate) unsafe fn copy_access(src: *const u8, dst: *mut u8, len: usize) {
-    // SAFETY: the caller's contract; unaligned accesses of exactly `len` bytes.
-    unsafe {
-        match len {
-            8 => dst
-                .cast::<u64>()
-                .write_unaligned(src.cast::<u64>().read_unaligned()),
-            4 => dst
-                .cast::<u32>()
-                .write_unaligned(src.cast::<u32>().read_unaligned()),
-            _ => crate::shm::copy::copy_message(src, dst, len),
         }
     }
 }

@@ -8,10 +8,10 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use super::REMOTE_BITS;
+use super::shortcut::{Published, Shortcut};
+use super::{REMOTE_BITS, offset_in};
 use crate::mr::Access;
 use crate::shm::segment::EXPORT_SLOTS;
-use crate::shm::shortcut::{Published, Shortcut};
 use crate::shm::wire::{Offer, OfferKind, Packet, Revoked};
 use crate::sys::cvt;
 
@@ -180,15 +180,6 @@ impl Import {
     pub(super) fn offset(&self, addr: u64, len: usize) -> Option<usize> {
         offset_in(self.addr, self.len, addr, len)
     }
-}
-
-/// Where `len` bytes at the peer's address `addr` start in a region of `size` bytes at the
-/// peer's address `start`, when they all lie inside it.
-#[inline(always)]
-pub(crate) fn offset_in(start: u64, size: u64, addr: u64, len: usize) -> Option<usize> {
-    let off = addr.checked_sub(start)?;
-    let end = off.checked_add(len as u64)?;
-    (end <= size).then_some(off as usize)
 }
 
 /// This side's reader of the connection's socket, and the regions of the peer it knows.

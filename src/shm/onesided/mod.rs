@@ -41,19 +41,30 @@
 mod access;
 mod export;
 mod import;
+mod shortcut;
 
 use std::time::Duration;
 
 use crate::mr::Access;
 
-pub(crate) use access::{copy_access, copy_mapped, run};
+pub(crate) use access::{copy_mapped, run};
 pub(crate) use export::Exports;
-pub(crate) use import::{Import, ImportCache, SocketReader, offset_in};
+pub(crate) use import::{Import, ImportCache, SocketReader};
+pub(crate) use shortcut::Shortcut;
 
 /// Longest a revocation waits for the peer's accesses in progress.
 pub(crate) const REVOKE_WAIT: Duration = Duration::from_secs(10);
 
 const REMOTE_BITS: u32 = Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0;
+
+/// Where `len` bytes at the peer's address `addr` start in a region of `size` bytes at the
+/// peer's address `start`, when they all lie inside it.
+#[inline(always)]
+pub(crate) fn offset_in(start: u64, size: u64, addr: u64, len: usize) -> Option<usize> {
+    let off = addr.checked_sub(start)?;
+    let end = off.checked_add(len as u64)?;
+    (end <= size).then_some(off as usize)
+}
 
 /// Why an access did not run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
