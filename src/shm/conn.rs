@@ -46,8 +46,8 @@ pub(crate) struct ConnState {
     /// never by pollers. A spin lock: it is held for an access or a look-up, never across a
     /// sleep (the locked path may take the socket reader's lock, held as briefly).
     imports: Arc<SpinLock<ImportCache>>,
-    /// The peer's region the lock-free write reaches (see `onesided/shortcut.rs`), published by whoever
-    /// holds `imports` and fills it.
+    /// The peer's region the lock-free write reaches (see `onesided/shortcut.rs`), published
+    /// by whoever holds `imports` and fills it.
     shortcut: Arc<Shortcut>,
     /// The connection's segment, this side's index in it, and the peer's process when this
     /// side may reach its memory (as the flow has them; fixed for the connection's life).

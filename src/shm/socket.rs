@@ -1,5 +1,6 @@
-//! The connection's Unix socket: creating and addressing it, the peer's credentials, and the
-//! establishment's messages with the descriptors they carry (SCM_RIGHTS).
+//! The connection's Unix socket: creating and addressing it, the peer's credentials, and
+//! packets with the descriptors they carry (SCM_RIGHTS): the establishment's messages here,
+//! and the offers of regions (`onesided/`).
 
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -59,23 +60,48 @@ pub(crate) fn my_uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
-/// Sends one message, with `fds` attached (at most [`FDS_MAX`]).
-pub(crate) fn send_msg(sock: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
-    let mut iov = libc::iovec {
-        iov_base: msg.as_ptr() as *mut _,
-        iov_len: msg.len(),
+/// A connected pair of seqpacket sockets (non-blocking), as the two ends of a connection.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn pair() -> (OwnedFd, OwnedFd) {
+    let mut sv = [0; 2];
+    // SAFETY: plain syscall into a live local array of two descriptors.
+    let r = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+            sv.as_mut_ptr(),
+        )
     };
-    let mut cbuf = [0u64; 4]; // CMSG_SPACE(FDS_MAX * sizeof(int)) rounded up, 8-aligned
+    assert_eq!(r, 0, "socketpair");
+    // SAFETY: fresh descriptors owned by nobody else.
+    unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) }
+}
+
+/// Sends `pkt` with `fds` attached (at most 4) in one `sendmsg` with `flags`: the bytes sent.
+pub(crate) fn send_with_fds(
+    sock: RawFd,
+    pkt: &[u8],
+    fds: &[RawFd],
+    flags: libc::c_int,
+) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: pkt.as_ptr().cast_mut().cast(),
+        iov_len: pkt.len(),
+    };
+    let mut cbuf = [0u64; 4]; // CMSG_SPACE of 4 descriptors, 8-aligned
     // SAFETY: msghdr is plain data; zero is a valid "no name, no control" value.
     let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
     mh.msg_iov = &mut iov;
     mh.msg_iovlen = 1;
-    assert!(fds.len() <= FDS_MAX);
     if !fds.is_empty() {
         let bytes = std::mem::size_of_val(fds) as u32;
         // SAFETY: CMSG_SPACE is a pure size computation.
         let space = unsafe { libc::CMSG_SPACE(bytes) } as usize;
-        debug_assert!(space <= std::mem::size_of_val(&cbuf));
+        assert!(
+            space <= std::mem::size_of_val(&cbuf),
+            "at most 4 descriptors"
+        );
         mh.msg_control = cbuf.as_mut_ptr().cast();
         mh.msg_controllen = space;
         // SAFETY: the control buffer is large enough for one header carrying `fds` (checked
@@ -91,12 +117,71 @@ pub(crate) fn send_msg(sock: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()>
             }
         }
     }
-    // SAFETY: `mh` points at live locals (iov, msg, cbuf) for the duration of the call.
-    let n = unsafe { libc::sendmsg(sock, &mh, libc::MSG_NOSIGNAL) };
+    // SAFETY: `mh` points at live locals (iov, pkt, cbuf) for the duration of the call.
+    let n = unsafe { libc::sendmsg(sock, &mh, flags) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
-    if n as usize != msg.len() {
+    Ok(n as usize)
+}
+
+/// A packet [`recv_with_fds`] took.
+pub(crate) struct Received {
+    /// Its length; 0 at the end of file.
+    pub(crate) len: usize,
+    /// The descriptors that came with it, owned (closed unless used).
+    pub(crate) fds: Vec<OwnedFd>,
+    /// The receive's `msg_flags` (`MSG_TRUNC`, `MSG_CTRUNC`).
+    pub(crate) flags: libc::c_int,
+}
+
+/// Receives one packet into `buf` without waiting, with room for the control messages in
+/// `cbuf` (the kernel closes descriptors beyond it, and says `MSG_CTRUNC`). Every descriptor
+/// that came is owned before anything else, so that none leaks whatever the packet is.
+pub(crate) fn recv_with_fds(sock: RawFd, buf: &mut [u8], cbuf: &mut [u64]) -> io::Result<Received> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is plain data; zero is a valid starting value.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf.as_mut_ptr().cast();
+    mh.msg_controllen = std::mem::size_of_val(cbuf);
+    // SAFETY: `mh` points at live buffers of the sizes it states.
+    let n = unsafe { libc::recvmsg(sock, &mut mh, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel wrote into `cbuf`, with the libc macros.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&mh);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                let count =
+                    ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&mh, c);
+        }
+    }
+    Ok(Received {
+        len: n as usize,
+        fds,
+        flags: mh.msg_flags,
+    })
+}
+
+/// Sends one message, with `fds` attached (at most [`FDS_MAX`]).
+pub(crate) fn send_msg(sock: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    assert!(fds.len() <= FDS_MAX);
+    let n = send_with_fds(sock, msg, fds, libc::MSG_NOSIGNAL)?;
+    if n != msg.len() {
         return Err(io::Error::new(
             io::ErrorKind::WriteZero,
             "short handshake send",
@@ -114,61 +199,27 @@ pub(crate) fn recv_msg(
         return Ok(None);
     }
     let mut buf = [0u8; MSG_MAX + 1];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
     let mut cbuf = [0u64; 8];
-    // SAFETY: msghdr is plain data; zero is a valid starting value.
-    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-    mh.msg_iov = &mut iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cbuf.as_mut_ptr().cast();
-    mh.msg_controllen = std::mem::size_of_val(&cbuf);
-    // SAFETY: `mh` points at live local buffers of the sizes it states.
-    let n = unsafe { libc::recvmsg(sock, &mut mh, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
-    if n < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() == io::ErrorKind::WouldBlock {
-            return Ok(None);
-        }
-        return Err(Error::Connect(e));
-    }
-    // Take ownership of every descriptor that arrived before judging the message, so none leaks.
-    let mut fds = Vec::new();
-    // SAFETY: walking the control messages the kernel wrote into `cbuf`, with the libc macros.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&mh);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                let count =
-                    ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
-                for i in 0..count {
-                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
-                }
-            }
-            c = libc::CMSG_NXTHDR(&mh, c);
-        }
-    }
+    let Received { len: n, fds, flags } = match recv_with_fds(sock, &mut buf, &mut cbuf) {
+        Ok(r) => r,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+        Err(e) => return Err(Error::Connect(e)),
+    };
     if n == 0 {
         return Err(Error::Connect(io::Error::from(
             io::ErrorKind::ConnectionReset,
         )));
     }
-    if mh.msg_flags & libc::MSG_CTRUNC != 0 && fds.is_empty() {
+    if flags & libc::MSG_CTRUNC != 0 && fds.is_empty() {
         // A descriptor was sent but could not be installed: this process is out of them.
         return Err(Error::Connect(io::Error::from_raw_os_error(libc::EMFILE)));
     }
     // The buffer holds one byte more than a message may have, so a message of exactly that
     // length arrives whole, without MSG_TRUNC: it is oversized all the same.
-    if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0
-        || n as usize > MSG_MAX
-        || fds.len() > FDS_MAX
-    {
+    if flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || n > MSG_MAX || fds.len() > FDS_MAX {
         return Err(Error::Protocol("handshake: oversized message".into()));
     }
-    Ok(Some((buf[..n as usize].to_vec(), fds)))
+    Ok(Some((buf[..n].to_vec(), fds)))
 }
 
 #[cfg(test)]
@@ -179,23 +230,6 @@ mod tests {
     use crate::conn::PRIVATE_DATA_MAX;
     use crate::shm::notice::NO_SLOT;
     use crate::shm::wire::{HELLO, encode};
-
-    /// A seqpacket pair (non-blocking).
-    fn pair() -> (OwnedFd, OwnedFd) {
-        let mut sv = [0; 2];
-        // SAFETY: plain syscall into a live local array of two descriptors.
-        let r = unsafe {
-            libc::socketpair(
-                libc::AF_UNIX,
-                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
-                0,
-                sv.as_mut_ptr(),
-            )
-        };
-        assert_eq!(r, 0);
-        // SAFETY: fresh descriptors owned by nobody else.
-        unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) }
-    }
 
     /// Found by the handshake fuzz target: a message one byte longer than any valid one fit
     /// the receive buffer exactly and was passed on as if it had a valid size.

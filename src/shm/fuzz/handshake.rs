@@ -1,14 +1,14 @@
 //! The handshake target: establishment messages through the real decoder, both judges and the
 //! real receiver, and shared segments through the real opener.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
 use crate::conn::PRIVATE_DATA_MAX;
 use crate::error::Error;
 use crate::shm::notice::{NO_SLOT, SLOTS};
 use crate::shm::segment::Segment;
-use crate::shm::socket::recv_msg;
+use crate::shm::socket::{pair, recv_msg, send_with_fds};
 use crate::shm::wire::{
     ACCEPT, FDS_MAX, HEADER, HELLO, HelloVerdict, MSG_MAX, REJECT, REJECT_VERSION, VERSION, decode,
     encode_with_probe, judge_hello, judge_reply,
@@ -85,61 +85,22 @@ pub fn handshake(data: &[u8]) {
 /// message too long, too many descriptors) or, for an empty packet, a hang-up.
 fn through_socket(buf: &[u8], nfds: usize) -> Option<(Vec<u8>, usize)> {
     thread_local! {
-        static PAIR: (OwnedFd, OwnedFd, OwnedFd) = {
-            let mut sv = [0; 2];
-            // SAFETY: plain syscall into a live local array of two descriptors.
-            let r = unsafe {
-                libc::socketpair(
-                    libc::AF_UNIX,
-                    libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
-                    0,
-                    sv.as_mut_ptr(),
-                )
-            };
-            assert_eq!(r, 0, "socketpair");
+        static PAIR: ((OwnedFd, OwnedFd), OwnedFd) = {
             // SAFETY: a NUL-terminated path; plain syscall.
-            let null = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+            let null =
+                unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
             assert!(null >= 0, "/dev/null");
-            // SAFETY: fresh descriptors owned by nobody else.
-            unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1]), OwnedFd::from_raw_fd(null)) }
+            // SAFETY: a fresh descriptor owned by nobody else.
+            (pair(), unsafe { OwnedFd::from_raw_fd(null) })
         };
     }
-    PAIR.with(|(tx, rx, null)| {
+    PAIR.with(|((tx, rx), null)| {
         let fds = vec![null.as_raw_fd(); nfds];
-        let mut iov = libc::iovec {
-            iov_base: buf.as_ptr().cast_mut().cast(),
-            iov_len: buf.len(),
-        };
-        let mut cbuf = [0u64; 8];
-        // SAFETY: msghdr is plain data; zero is a valid "no name, no control" value.
-        let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-        mh.msg_iov = &mut iov;
-        mh.msg_iovlen = 1;
-        if nfds > 0 {
-            let bytes = std::mem::size_of_val(&fds[..]) as u32;
-            mh.msg_control = cbuf.as_mut_ptr().cast();
-            // SAFETY: pure size computations; at most 4 descriptors fit `cbuf`.
-            mh.msg_controllen = unsafe { libc::CMSG_SPACE(bytes) } as usize;
-            // SAFETY: `cbuf` holds one header carrying `fds`, so CMSG_FIRSTHDR is non-null and
-            // CMSG_DATA points inside it.
-            unsafe {
-                let c = libc::CMSG_FIRSTHDR(&mh);
-                (*c).cmsg_level = libc::SOL_SOCKET;
-                (*c).cmsg_type = libc::SCM_RIGHTS;
-                (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
-                let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                for (i, &fd) in fds.iter().enumerate() {
-                    data.add(i).write_unaligned(fd);
-                }
-            }
-        }
-        // SAFETY: `mh` points at live locals for the duration of the call.
-        let n = unsafe { libc::sendmsg(tx.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) };
-        if n < 0 {
+        let Ok(n) = send_with_fds(tx.as_raw_fd(), buf, &fds, libc::MSG_NOSIGNAL) else {
             // Longer than a packet may be: nothing was sent.
             return None;
-        }
-        assert_eq!(n as usize, buf.len());
+        };
+        assert_eq!(n, buf.len());
         match recv_msg(rx.as_raw_fd(), Some(Duration::ZERO)) {
             Ok(Some((got, fds))) => {
                 assert!(buf.len() <= MSG_MAX && !buf.is_empty() && nfds <= FDS_MAX);

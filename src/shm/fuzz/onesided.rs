@@ -1,6 +1,6 @@
 //! The one-sided target.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
@@ -9,6 +9,7 @@ use crate::conn::{RdmaOp, RdmaRequest, Sge, Transport, pack_remote, unpack_remot
 use crate::mr::{Access, MemoryRegion};
 use crate::shm::onesided::{Refused, Shortcut, SocketReader, run};
 use crate::shm::segment::Segment;
+use crate::shm::socket::{pair, send_with_fds};
 use crate::shm::wire::{OFFER, OFFER_LEN, REVOKED};
 use crate::{Context, SendFlags};
 
@@ -45,19 +46,7 @@ fn onesided_state() -> &'static OneSided {
         let (seg, _fd) = Segment::create(64 * 1024).expect("a segment");
         let seg = Arc::new(seg);
         let shortcut = Arc::new(Shortcut::new(seg.clone(), 0));
-        let mut sv = [0; 2];
-        // SAFETY: plain syscall into a live local array of two descriptors.
-        let r = unsafe {
-            libc::socketpair(
-                libc::AF_UNIX,
-                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
-                0,
-                sv.as_mut_ptr(),
-            )
-        };
-        assert_eq!(r, 0, "socketpair");
-        // SAFETY: fresh descriptors owned by nobody else.
-        let socks = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
+        let socks = pair();
         OneSided {
             ctx,
             target,
@@ -71,32 +60,8 @@ fn onesided_state() -> &'static OneSided {
 
 /// Sends one packet, with `fd` attached when given.
 fn send_packet(sock: RawFd, pkt: &[u8], fd: Option<RawFd>) {
-    let mut iov = libc::iovec {
-        iov_base: pkt.as_ptr().cast_mut().cast(),
-        iov_len: pkt.len(),
-    };
-    let mut cbuf = [0u64; 4];
-    // SAFETY: msghdr is plain data; zero is a valid "no name, no control" value.
-    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-    mh.msg_iov = &mut iov;
-    mh.msg_iovlen = 1;
-    if let Some(fd) = fd {
-        mh.msg_control = cbuf.as_mut_ptr().cast();
-        // SAFETY: CMSG_SPACE is a pure size computation.
-        mh.msg_controllen = unsafe { libc::CMSG_SPACE(4) } as usize;
-        // SAFETY: `cbuf` holds one header carrying one descriptor, so CMSG_FIRSTHDR is
-        // non-null and CMSG_DATA points inside it.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&mh);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(4) as usize;
-            libc::CMSG_DATA(c).cast::<RawFd>().write_unaligned(fd);
-        }
-    }
-    // SAFETY: `mh` points at live locals for the duration of the call.
-    let n = unsafe { libc::sendmsg(sock, &mh, libc::MSG_NOSIGNAL) };
-    assert_eq!(n, pkt.len() as isize, "sendmsg");
+    let sent = send_with_fds(sock, pkt, fd.as_slice(), libc::MSG_NOSIGNAL);
+    assert_eq!(sent.ok(), Some(pkt.len()), "sendmsg");
 }
 
 /// The one-sided target: packets from the peer (offers, with the memfd of a real region or

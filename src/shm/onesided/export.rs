@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::log::log;
 use crate::mr::{Access, Exposure, MemoryRegion};
 use crate::shm::segment::{EXPORT_SLOTS, Export, READS_PEER_YES, Segment};
+use crate::shm::socket::send_with_fds;
 use crate::shm::wire::{Offer, OfferKind, Revoked, send_unwaited};
 
 /// At most this many of a connection's export slots in use when a region is exposed only so
@@ -339,38 +340,12 @@ fn reopen_read_only(fd: RawFd) -> Option<OwnedFd> {
 
 /// Sends an offer packet, with `fd` attached, waiting a bounded time for room.
 fn send_offer(sock: RawFd, pkt: &[u8], fd: Option<RawFd>) -> Result<()> {
-    let mut iov = libc::iovec {
-        iov_base: pkt.as_ptr() as *mut _,
-        iov_len: pkt.len(),
-    };
-    let mut cbuf = [0u64; 4];
-    // SAFETY: msghdr is plain data; zero is a valid "no name, no control" value.
-    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-    mh.msg_iov = &mut iov;
-    mh.msg_iovlen = 1;
-    if let Some(fd) = fd {
-        let bytes = std::mem::size_of::<RawFd>() as u32;
-        mh.msg_control = cbuf.as_mut_ptr().cast();
-        // SAFETY: CMSG_SPACE is a pure size computation; one int fits the 32-byte buffer.
-        mh.msg_controllen = unsafe { libc::CMSG_SPACE(bytes) } as usize;
-        // SAFETY: the control buffer holds one header carrying one descriptor, so
-        // CMSG_FIRSTHDR is non-null and CMSG_DATA points inside it.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&mh);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
-            libc::CMSG_DATA(c).cast::<RawFd>().write_unaligned(fd);
-        }
-    }
     let deadline = Instant::now() + OFFER_SEND_WAIT;
     loop {
-        // SAFETY: `mh` points at live locals (iov, pkt, cbuf) for the duration of the call.
-        let n = unsafe { libc::sendmsg(sock, &mh, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
-        if n >= 0 {
+        let flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
+        let Err(e) = send_with_fds(sock, pkt, fd.as_slice(), flags) else {
             return Ok(());
-        }
-        let e = io::Error::last_os_error();
+        };
         match e.kind() {
             io::ErrorKind::Interrupted => continue,
             io::ErrorKind::WouldBlock => {

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -12,6 +12,7 @@ use super::shortcut::{Published, Shortcut};
 use super::{REMOTE_BITS, offset_in};
 use crate::mr::Access;
 use crate::shm::segment::EXPORT_SLOTS;
+use crate::shm::socket::{Received, recv_with_fds};
 use crate::shm::wire::{Offer, OfferKind, Packet, Revoked};
 use crate::sys::cvt;
 
@@ -241,53 +242,21 @@ impl SocketReader {
         let mut buf = [0u8; 64];
         let mut cbuf = [0u64; 4];
         while !self.eof {
-            let mut iov = libc::iovec {
-                iov_base: buf.as_mut_ptr().cast(),
-                iov_len: buf.len(),
-            };
-            // SAFETY: msghdr is plain data; zero is a valid starting value.
-            let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-            mh.msg_iov = &mut iov;
-            mh.msg_iovlen = 1;
-            mh.msg_control = cbuf.as_mut_ptr().cast();
-            mh.msg_controllen = std::mem::size_of_val(&cbuf);
-            // SAFETY: `mh` points at live local buffers of the sizes it states.
-            let n = unsafe {
-                libc::recvmsg(sock, &mut mh, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC)
-            };
-            // Every descriptor that came is owned (and closed unless used) before anything else.
-            let mut fds = Vec::new();
-            if n >= 0 && mh.msg_controllen > 0 {
-                // SAFETY: walking the control messages the kernel wrote into `cbuf`.
-                unsafe {
-                    let mut c = libc::CMSG_FIRSTHDR(&mh);
-                    while !c.is_null() {
-                        if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS
-                        {
-                            let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                            let count = ((*c).cmsg_len - libc::CMSG_LEN(0) as usize)
-                                / std::mem::size_of::<RawFd>();
-                            for i in 0..count {
-                                fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
-                            }
-                        }
-                        c = libc::CMSG_NXTHDR(&mh, c);
-                    }
-                }
-            }
-            match n {
-                0 => self.eof = true,
-                n if n > 0 => {
-                    let pkt = &buf[..n as usize];
+            match recv_with_fds(sock, &mut buf, &mut cbuf) {
+                Ok(Received { len: 0, .. }) => self.eof = true,
+                Ok(Received {
+                    len,
+                    mut fds,
+                    flags,
+                }) => {
+                    let pkt = &buf[..len];
                     match Packet::decode(pkt) {
                         Packet::Wake => news = true,
                         Packet::Bye => {
                             news = true;
                             self.said_bye = true;
                         }
-                        Packet::Offer(offer)
-                            if fds.len() <= 1 && mh.msg_flags & libc::MSG_TRUNC == 0 =>
-                        {
+                        Packet::Offer(offer) if fds.len() <= 1 && flags & libc::MSG_TRUNC == 0 => {
                             if let Some(imp) = Import::from_offer(&offer, fds.pop()) {
                                 // A slot offered again carries a new region: the old one is gone.
                                 let had = self.imports.len();
@@ -311,22 +280,19 @@ impl SocketReader {
                         _ => {}
                     }
                 }
-                _ => {
-                    let e = io::Error::last_os_error();
-                    match e.kind() {
-                        io::ErrorKind::WouldBlock => break,
-                        io::ErrorKind::Interrupted => {}
-                        // A peer that closes with doorbells of ours still unread makes the
-                        // kernel report a reset before the packets it sent first - its goodbye
-                        // among them. The report is consumed by reading it: read on, and the
-                        // goodbye (if it said one) and the end of file follow.
-                        io::ErrorKind::ConnectionReset => {}
-                        _ => {
-                            self.eof = true;
-                            self.broken = true;
-                        }
+                Err(e) => match e.kind() {
+                    io::ErrorKind::WouldBlock => break,
+                    io::ErrorKind::Interrupted => {}
+                    // A peer that closes with doorbells of ours still unread makes the kernel
+                    // report a reset before the packets it sent first - its goodbye among
+                    // them. The report is consumed by reading it: read on, and the goodbye (if
+                    // it said one) and the end of file follow.
+                    io::ErrorKind::ConnectionReset => {}
+                    _ => {
+                        self.eof = true;
+                        self.broken = true;
                     }
-                }
+                },
             }
         }
         news
