@@ -147,7 +147,7 @@ pub fn ring(data: &[u8]) {
     drop(mem);
 }
 
-/// Seeds for [`ring`]: honest traffic of several shapes, and a few hostile moves.
+/// Seeds for [`ring()`]: honest traffic of several shapes, and a few hostile moves.
 pub fn ring_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let write =
         |n: u16, imm: bool| [vec![4], n.to_le_bytes().to_vec(), vec![u8::from(imm)]].concat();
