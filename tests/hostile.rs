@@ -15,7 +15,7 @@ use rdmabridge::{
 };
 
 /// The wire format of the handshake and the layout of the shared segment, as documented in
-/// `src/shm/handshake.rs` and `src/shm/segment.rs`: a hostile peer knows them too.
+/// `src/shm/wire.rs` and `src/shm/segment.rs`: a hostile peer knows them too.
 const MAGIC: u32 = 0x3152_4252;
 const VERSION: u16 = 3;
 const HELLO: u16 = 1;

@@ -103,7 +103,7 @@ pub(crate) fn must_ring<F: Flag>(sleeping: &F, news: u32, between: impl FnOnce()
 /// announce the sleep, look once more, sleep until a doorbell - and the writer
 /// `Flow::notify_peer` after each record it writes. Not modelled: the notice board marked
 /// between the fence and the look at `sleeping`, the poster's wake-up of its own side
-/// (`Shared::kick`), and the sleep's timeout (without which a lost doorbell hangs the model).
+/// (`ConnState::kick`), and the sleep's timeout (without which a lost doorbell hangs the model).
 #[cfg(all(test, loom))]
 mod loom_model {
     use super::*;

@@ -24,32 +24,31 @@ use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::bell;
 use crate::shm::engine::Engine;
-use crate::shm::flow::{Flow, Reach, RecvWr, SendSrc};
-use crate::shm::onesided::{self, Exports, Import, ImportCache, Inbox};
+use crate::shm::flow::{Flow, RecvWr, SendSrc, SharedRegions};
+use crate::shm::onesided::{self, Exports, Import, ImportCache, Shortcut, SocketReader};
 use crate::shm::segment::Segment;
-use crate::shm::shortcut::Shortcut;
 use crate::sync::{SpinGuard, SpinLock};
 
 /// State shared by the users of a connection, the pollers of its completion queue, and its
 /// background work on the driver.
-pub(crate) struct Shared {
+pub(crate) struct ConnState {
     pub(crate) info: ConnInfo,
     /// Where this connection's completions go.
     pub(crate) report: Reporter,
     pub(crate) ctx: Arc<ContextInner>,
     /// The data path. Held briefly by whoever posts, polls or drives, never across a sleep (a
-    /// spin lock); taken through [`Shared::lock`], whose guard publishes `gate` as it lets go.
+    /// spin lock); taken through [`ConnState::lock`], whose guard publishes `gate` as it lets go.
     flow: SpinLock<Flow>,
     /// [`Flow::gate`] as of the last release of the flow's lock: what the lock-free one-sided
     /// path reads instead of taking that lock (see [`Conn::rdma`]).
     gate: AtomicUsize,
-    /// The peer's region the last one-sided operation reached (see `onesided.rs`). Taken
+    /// The peer's region the last one-sided operation reached (see `onesided/`). Taken
     /// after the flow's lock when both are held, and alone by the lock-free one-sided path;
     /// never by pollers. A spin lock: it is held for an access or a look-up, never across a
-    /// sleep (the locked path may take the offer inbox's lock, held as briefly).
+    /// sleep (the locked path may take the socket reader's lock, held as briefly).
     imports: Arc<SpinLock<ImportCache>>,
-    /// The peer's region the lock-free write reaches (see `shortcut.rs`), published by whoever
-    /// holds `imports` and fills it.
+    /// The peer's region the lock-free write reaches (see `onesided/shortcut.rs`), published
+    /// by whoever holds `imports` and fills it.
     shortcut: Arc<Shortcut>,
     /// The connection's segment, this side's index in it, and the peer's process when this
     /// side may reach its memory (as the flow has them; fixed for the connection's life).
@@ -69,8 +68,8 @@ pub(crate) struct Shared {
     pub(crate) exports: Arc<Exports>,
     /// The reader of the connection's socket and the peer's regions it learned of. Taken
     /// after the flow's lock when both are held.
-    pub(crate) inbox: Arc<Mutex<Inbox>>,
-    /// How many imports the inbox forgot so far (its [`Inbox::forgotten`]).
+    pub(crate) inbox: Arc<Mutex<SocketReader>>,
+    /// How many imports the inbox forgot so far (its [`SocketReader::forgotten`]).
     pub(crate) imports_forgotten: Arc<AtomicU64>,
     /// Polls in a row that moved nothing (see `settle`).
     idle_polls: AtomicU32,
@@ -115,7 +114,7 @@ impl Drop for FlowGuard<'_> {
     }
 }
 
-impl Shared {
+impl ConnState {
     pub(crate) fn lock(&self) -> FlowGuard<'_> {
         FlowGuard {
             gate: &self.gate,
@@ -137,7 +136,7 @@ impl Shared {
         self.imports.lock()
     }
 
-    pub(crate) fn lock_inbox(&self) -> MutexGuard<'_, Inbox> {
+    pub(crate) fn lock_inbox(&self) -> MutexGuard<'_, SocketReader> {
         self.inbox.lock()
     }
 
@@ -171,7 +170,7 @@ impl Shared {
 }
 
 /// With [`Progress::Caller`], the completion queue's pollers drive this connection's data path.
-impl Source for Shared {
+impl Source for ConnState {
     fn key(&self) -> u64 {
         self.info.id
     }
@@ -279,7 +278,7 @@ const SETTLE_POLLS: u32 = 1024;
 
 /// The user's handle of an shm connection. Dropping it tears the connection down.
 pub(crate) struct Conn {
-    sh: Arc<Shared>,
+    sh: Arc<ConnState>,
     private_data: Vec<u8>,
 }
 
@@ -325,7 +324,7 @@ impl Conn {
         let driver = ctx.driver.get().map_err(Error::Thread)?;
         let seg = Arc::new(seg);
         let exports = Arc::new(Exports::new(seg.clone(), side, peer_proc, sock.as_raw_fd()));
-        let inbox = Inbox::default();
+        let inbox = SocketReader::default();
         let imports_forgotten = inbox.forgotten();
         let inbox = Arc::new(Mutex::new(inbox));
         let imports = Arc::new(SpinLock::new(ImportCache::default()));
@@ -338,12 +337,12 @@ impl Conn {
             opts.recv_queue_depth,
             peer_board,
             peer_pid,
-            Reach {
+            SharedRegions {
                 exports: exports.clone(),
                 inbox: inbox.clone(),
             },
         );
-        let sh = Arc::new(Shared {
+        let sh = Arc::new(ConnState {
             info,
             report: Reporter {
                 cq,
@@ -425,7 +424,7 @@ impl Conn {
     /// first publishing the region for the lock-free write when `wr` is what that write does:
     /// the paths that reach a region for one publish it, so that the next goes that way. Only
     /// those: a region that was published keeps its address range reserved until the
-    /// connection goes (see `shortcut.rs`).
+    /// connection goes (see `onesided/shortcut.rs`).
     fn access(&self, imp: &Import, wr: &RdmaRequest<'_>) -> Result<(), onesided::Refused> {
         if !wr.signaled && wr.op == (RdmaOp::Write { imm: None }) {
             imp.publish(&self.sh.shortcut);
@@ -581,7 +580,7 @@ impl ConnSeam for Conn {
     }
 
     /// Lets the peer reach `mr` with one-sided operations; returns its key (see
-    /// `onesided.rs`: the offer is in the peer's socket when this returns).
+    /// `onesided/`: the offer is in the peer's socket when this returns).
     fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {
         // Caller memory needs the peer to reach this process; it says whether it can as its
         // side starts, which may be just after ours (asked before taking the lock).
@@ -620,7 +619,7 @@ impl ConnSeam for Conn {
     /// The lock-free path of the common small write: one local segment, unsignaled, no
     /// immediate. Done here with no lock when the connection is up and its send queue has room
     /// (as for `unlocked_rdma`) and the peer's region is the one published on the connection's
-    /// shortcut (`shortcut.rs`).
+    /// shortcut (`onesided/shortcut.rs`).
     #[inline(always)]
     #[deny(
         clippy::panic,

@@ -1,15 +1,16 @@
-//! Copies of the sizes a message usually has, inline: a call to `memcpy` (through the PLT, then
-//! its own dispatch on the size) costs more than the copy of a small message itself.
+//! The data path's copies: a message's bytes, and a one-sided access's. Sizes a message
+//! usually has are copied inline: a call to `memcpy` (through the PLT, then its own dispatch on
+//! the size) costs more than the copy of a small message itself.
 
-/// Copies `len` bytes from `src` to `dst`: up to 64 bytes with at most four unaligned loads
-/// and four unaligned stores (overlapping at the middle when `len` is not a power of two),
-/// longer ones with `memcpy`.
+/// Copies `len` bytes of a message from `src` to `dst`: up to 64 bytes with at most four
+/// unaligned loads and four unaligned stores (overlapping at the middle when `len` is not a
+/// power of two), longer ones with `memcpy`.
 ///
 /// # Safety
 /// As [`std::ptr::copy_nonoverlapping`]: `src` readable and `dst` writable for `len` bytes,
 /// the two not overlapping.
 #[inline(always)]
-pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+pub(crate) unsafe fn copy_message(src: *const u8, dst: *mut u8, len: usize) {
     // SAFETY: in every arm each access lies inside `src..src+len` or `dst..dst+len` (the
     // second one of an arm ends exactly at `len`, and `len` is at least its width there);
     // the caller's contract covers those ranges, and unaligned accesses are allowed.
@@ -44,6 +45,29 @@ pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
+/// Copies the `len` bytes of an access into or out of a peer's region mapped here: a word of
+/// 8 or 4 bytes (the size of a flag or a counter, whose latency counts) as one load and one
+/// store, anything else as a message's bytes are copied ([`copy_message`]: inline up to 64
+/// bytes, `memcpy` beyond).
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`.
+#[inline(always)]
+pub(crate) unsafe fn copy_access(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: the caller's contract; unaligned accesses of exactly `len` bytes.
+    unsafe {
+        match len {
+            8 => dst
+                .cast::<u64>()
+                .write_unaligned(src.cast::<u64>().read_unaligned()),
+            4 => dst
+                .cast::<u32>()
+                .write_unaligned(src.cast::<u32>().read_unaligned()),
+            _ => copy_message(src, dst, len),
+        }
+    }
+}
+
 /// # Safety
 /// `p + at` is readable for `size_of::<T>()` bytes.
 #[inline(always)]
@@ -71,7 +95,7 @@ mod tests {
             for off in [0usize, 1, 7] {
                 let mut dst = vec![0xEEu8; 200];
                 // SAFETY: both buffers hold off + len + 1 bytes and are distinct.
-                unsafe { copy(src.as_ptr().add(off), dst.as_mut_ptr().add(1), len) };
+                unsafe { copy_message(src.as_ptr().add(off), dst.as_mut_ptr().add(1), len) };
                 assert_eq!(dst[0], 0xEE, "byte before, len {len}");
                 assert_eq!(
                     &dst[1..1 + len],

@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 use crate::cq::{Opcode, Sink};
 use crate::driver::{Handler, Next, Ready};
 use crate::shm::bell;
-use crate::shm::conn::{FlowGuard, Shared};
-use crate::shm::flow::{BYE, End, send_packet};
+use crate::shm::conn::{ConnState, FlowGuard};
+use crate::shm::flow::End;
+use crate::shm::wire::{BYE, send_packet};
 
 /// While the driver moves a connection's data: how long it keeps looking at it after the last
 /// movement before the connection sleeps.
@@ -29,7 +30,7 @@ const POSTER_MISSED: Duration = Duration::from_millis(1);
 const IDLE: Duration = Duration::from_millis(10);
 
 pub(crate) struct Engine {
-    sh: Arc<Shared>,
+    sh: Arc<ConnState>,
     /// The handshake socket (descriptor 0 of the registration): doorbells, goodbye, hang-up.
     sock: OwnedFd,
     /// The pollers' count of polls when this connection's last turn looked.
@@ -50,7 +51,7 @@ const LOCK_TRIES: u32 = 64;
 
 /// The connection's lock if it comes free at once: a poster or poller holding it is moving the
 /// connection itself (and holds it only briefly), and the driver must not wait for it.
-fn try_lock(sh: &Shared) -> Option<FlowGuard<'_>> {
+fn try_lock(sh: &ConnState) -> Option<FlowGuard<'_>> {
     for _ in 0..LOCK_TRIES {
         match sh.try_lock() {
             Some(g) => return Some(g),
@@ -61,7 +62,7 @@ fn try_lock(sh: &Shared) -> Option<FlowGuard<'_>> {
 }
 
 impl Engine {
-    pub(crate) fn new(sh: Arc<Shared>, sock: OwnedFd) -> Engine {
+    pub(crate) fn new(sh: Arc<ConnState>, sock: OwnedFd) -> Engine {
         Engine {
             sh,
             sock,
@@ -195,7 +196,7 @@ impl Engine {
             return Ok(Next::Again);
         }
         let help = assist || flow.blocked();
-        // Everything, while it assists: posts do not kick it (see `Shared::posted`).
+        // Everything, while it assists: posts do not kick it (see `ConnState::posted`).
         flow.set_sleeping(if help { bell::RECORDS | bell::TAKEN } else { 0 });
         let work = help && flow.has_work();
         Ok(if work {
@@ -207,8 +208,8 @@ impl Engine {
         })
     }
 
-    /// Reads the socket's packets (doorbells, goodbye, offers of regions: see
-    /// `onesided.rs`); an end of file means the peer is gone.
+    /// Reads the socket's packets (doorbells, goodbye, offers of regions: see `wire.rs`); an
+    /// end of file means the peer is gone.
     fn drain_socket(&mut self) -> std::result::Result<(), End> {
         let mut inbox = self.sh.lock_inbox();
         inbox.drain(self.sock.as_raw_fd());

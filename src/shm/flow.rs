@@ -26,27 +26,24 @@ use crate::cq::{Completion, Opcode, Reporter, Sink, WcStatus};
 use crate::error::{Error, Result};
 use crate::fifo::Fifo;
 use crate::mr::MemoryRegion;
-use crate::shm::onesided::{self, Exports, Inbox};
+use crate::shm::onesided::{self, Exports, SocketReader};
 use crate::shm::ring::{self, Consumer, Producer, Record};
 use crate::shm::segment::{
     FATAL_ACCESS, FATAL_LENGTH, FATAL_PROTOCOL, READS_PEER_NO, READS_PEER_YES, Segment,
 };
+use crate::shm::wire::{WAKE, send_packet};
 use crate::shm::{bell, direct};
 
 /// [`Flow::gate`] of a connection that is down: above every send queue's depth.
 pub(crate) const GATE_DOWN: usize = usize::MAX;
 
-/// Doorbell packet: "look at the rings".
-pub(crate) const WAKE: u8 = 1;
-/// Goodbye packet: an orderly close follows.
-pub(crate) const BYE: u8 = 2;
-
-/// What a flow needs for large messages in one copy through the mapping of a region the
-/// library allocated (see `onesided.rs`): the connection's exports, to expose the region a
-/// send comes from, and its inbox, to find the region the peer exposed.
-pub(crate) struct Reach {
+/// The regions shared on a connection, both ways: its exports, to expose the region a send
+/// comes from, and the reader of its socket, which knows the regions the peer exposed. A flow
+/// needs them for large messages in one copy through the mapping of a region the library
+/// allocated (see `onesided/`).
+pub(crate) struct SharedRegions {
     pub(crate) exports: Arc<Exports>,
-    pub(crate) inbox: Arc<Mutex<Inbox>>,
+    pub(crate) inbox: Arc<Mutex<SocketReader>>,
 }
 
 /// Why the connection ended.
@@ -186,8 +183,8 @@ pub(crate) struct Flow {
     peer_pid: Option<libc::pid_t>,
     /// The peer can copy from ours, so large sends may go direct (known once it says so).
     peer_reads_us: bool,
-    /// Messages through a region's mapping (see [`Reach`]).
-    reach: Reach,
+    /// Messages through a region's mapping (see [`SharedRegions`]).
+    regions: SharedRegions,
     /// The id of the region the last message through a mapping came from, and its key: a
     /// region exposed on the connection stays so while it lives, and ids are never reused.
     sent_from: Option<(u64, u64)>,
@@ -209,7 +206,7 @@ impl Flow {
         recv_depth: u32,
         peer_board: Option<(Board, u32)>,
         peer_pid: Option<libc::pid_t>,
-        reach: Reach,
+        regions: SharedRegions,
     ) -> Flow {
         let reads = if peer_pid.is_some() {
             READS_PEER_YES
@@ -251,7 +248,7 @@ impl Flow {
             peer_board,
             peer_pid,
             peer_reads_us: false,
-            reach,
+            regions,
             sent_from: None,
             inbox_news: false,
             closed: false,
@@ -511,7 +508,7 @@ impl Flow {
         {
             return Some(key);
         }
-        if let Some(key) = self.reach.exports.expose_for_send(self.sock, mr) {
+        if let Some(key) = self.regions.exports.expose_for_send(self.sock, mr) {
             self.sent_from = Some((mr.id(), key));
             return Some(key);
         }
@@ -1060,9 +1057,8 @@ impl Flow {
         dst: *mut u8,
         len: usize,
     ) -> std::result::Result<(), ReceiveError> {
-        let reach = &self.reach;
         // The offer went out before the record did: if not read yet, it is in the socket.
-        let (import, news) = reach.inbox.lock().find(key, self.sock);
+        let (import, news) = self.regions.inbox.lock().find(key, self.sock);
         let copied = import.ok_or(ReceiveError::Protocol).and_then(|import| {
             // SAFETY: `dst` is writable for `len` bytes (a posted receive's range, checked by
             // the caller); the peer's mapping is not this side's memory.
@@ -1210,17 +1206,3 @@ impl Flow {
 /// The flags that tell a record holding a whole message of its own (both ends, neither
 /// direct nor a write with immediate data).
 const WHOLE_MASK: u32 = ring::FIRST | ring::LAST | ring::DIRECT | ring::WRITE_IMM;
-
-/// Sends one packet on the handshake socket without waiting.
-pub(crate) fn send_packet(sock: RawFd, b: u8) {
-    // SAFETY: sends one byte from a live local; MSG_NOSIGNAL turns a closed peer into EPIPE,
-    // which is ignored here because the hang-up is noticed by the connection's driver.
-    unsafe {
-        libc::send(
-            sock,
-            (&raw const b).cast(),
-            1,
-            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-        )
-    };
-}

@@ -156,7 +156,7 @@ impl Memory for Mapped {
     #[inline(always)]
     unsafe fn copy_in(&self, off: usize, src: *const u8, n: usize) {
         // SAFETY: the caller's contract: in bounds, readable, and free space.
-        unsafe { crate::shm::copy::copy(src, self.data.add(off), n) }
+        unsafe { crate::shm::copy::copy_message(src, self.data.add(off), n) }
     }
 
     #[inline(always)]

@@ -30,14 +30,15 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::{REVOKE_WAIT, offset_in};
 use crate::log::log;
-use crate::shm::onesided::{copy, offset_in};
+use crate::shm::copy::copy_access;
 use crate::shm::segment::{EXPORT_SLOTS, Segment};
 
 /// Longest a retirement waits for a copy in progress (one copy of at most 4 GiB - 1, by a
 /// thread that may be descheduled meanwhile): as long as the owner waits for an access. After
 /// it the range is never unmapped before the connection goes.
-const RETIRE_WAIT: Duration = crate::shm::onesided::REVOKE_WAIT;
+const RETIRE_WAIT: Duration = REVOKE_WAIT;
 /// At most this many retired ranges are kept per connection; beyond, the oldest one whose
 /// wait ended is unmapped.
 const RETIRED_MAX: usize = 256;
@@ -191,7 +192,7 @@ impl Shortcut {
             // (its retirement waits for `busy`) and is writable for `start..start + size`,
             // which holds `addr..addr + len` (`offset_in`); `src` is readable for `len` (the
             // caller's contract).
-            unsafe { copy(src, base.add(off), len) };
+            unsafe { copy_access(src, base.add(off), len) };
         }
         // Release: the copy comes before the owner, or a retirement, seeing 0.
         busy.store(0, Ordering::Release);
