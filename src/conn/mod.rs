@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 mod remote;
-pub(crate) mod wr;
+mod wr;
 
 pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
 #[cfg(feature = "fuzzing")]
@@ -290,16 +290,20 @@ pub struct Connection {
     /// here so that a post checks against them without calls through the seam.
     info: ConnInfo,
     ctx: Arc<ContextInner>,
+    /// What the transport said of [`ConnSeam::writes_directly`].
+    writes_directly: bool,
 }
 
 impl Connection {
     pub(crate) fn new(imp: impl ConnSeam + 'static) -> Self {
         let info = imp.info();
         let ctx = imp.context().clone();
+        let writes_directly = imp.writes_directly();
         Connection {
             imp: Box::new(imp),
             info,
             ctx,
+            writes_directly,
         }
     }
 
@@ -549,8 +553,31 @@ impl Connection {
     /// way, which reports). Nothing on its way can panic, so the C surface runs it ahead of its
     /// catch of panics.
     #[inline(always)]
+    #[deny(
+        clippy::panic,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::indexing_slicing
+    )]
     pub(crate) fn write_direct(&self, local: &Sge<'_>, remote: &RemoteRegion, offset: u64) -> bool {
-        self.imp.write_direct(local, remote, offset)
+        if !self.writes_directly {
+            return false;
+        }
+        let op = RdmaOp::Write { imm: None };
+        match wr::check_single(
+            &self.ctx,
+            self.info.id,
+            op,
+            local,
+            remote,
+            offset,
+            SendFlags(0),
+        ) {
+            // SAFETY: `check_single` found `ptr..ptr + len` inside `local.mr`, which the caller
+            // holds through the call.
+            Some((ptr, len, addr)) => unsafe { self.imp.write_direct(ptr, len, remote.key, addr) },
+            None => false,
+        }
     }
 
     /// Posts the write (without immediate) or read `op` of the one local segment `local` the
@@ -671,16 +698,31 @@ pub(crate) mod seam {
         /// # Safety
         /// `one.ptr` is valid for `one.len` bytes inside `one.mr` through the call.
         unsafe fn rdma_single(&self, one: &OneOp<'_>) -> Result<()>;
-        /// The unsignaled write (no immediate) of the one local segment `local` to
-        /// `remote_offset` of `remote`, finished at once on the caller's thread with nothing to
-        /// report (shm: a copy into a region published on the connection): true when it was;
-        /// false having done nothing, a failed check included (the caller then posts it through
-        /// [`rdma_single`](Self::rdma_single) or [`rdma`](Self::rdma), which report). Nothing
-        /// on its way may panic: the C surface calls it ahead of its catch of panics. A
-        /// transport that posts every write to a device declines.
-        #[inline(always)]
-        fn write_direct(&self, local: &Sge<'_>, remote: &RemoteRegion, remote_offset: u64) -> bool {
-            let _ = (local, remote, remote_offset);
+        /// Whether the transport finishes some unsignaled writes at once on the caller's thread
+        /// ([`write_direct`](Self::write_direct)); asked once, when the [`Connection`] is made.
+        /// A transport that posts every write to a device says no (the default).
+        fn writes_directly(&self) -> bool {
+            false
+        }
+        /// An unsignaled write of `len` bytes at `src` to the peer's address `remote_addr` of
+        /// the region with `key` (checked by [`wr::check_single`]), finished at once on the
+        /// caller's thread with nothing to report (shm: a copy into a region published on the
+        /// connection): true when it was; false having done nothing (the caller then posts it
+        /// through [`rdma_single`](Self::rdma_single), which reports). Called only when
+        /// [`writes_directly`](Self::writes_directly) said yes. Its arguments are in registers
+        /// (the common small write), and nothing on its way may panic: the C surface calls it
+        /// ahead of its catch of panics.
+        ///
+        /// # Safety
+        /// `src` is readable for `len` bytes through the call.
+        unsafe fn write_direct(
+            &self,
+            src: *const u8,
+            len: usize,
+            key: u64,
+            remote_addr: u64,
+        ) -> bool {
+            let _ = (src, len, key, remote_addr);
             false
         }
         fn disconnect(&self);

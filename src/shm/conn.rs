@@ -13,8 +13,8 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::conn::seam::ConnSeam;
 use crate::conn::{
-    ConnInfo, ConnOptions, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, RemoteRegion,
-    SendFlags, SendRequest, Sge, Transport, next_conn_id, wr,
+    ConnInfo, ConnOptions, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest,
+    Transport, next_conn_id,
 };
 use crate::cq::notice::Board;
 use crate::cq::{CompletionQueue, Progress, Reporter, Sink, SlotReservation, Source, WcStatus};
@@ -616,38 +616,18 @@ impl ConnSeam for Conn {
         self.rdma(&one.request())
     }
 
+    fn writes_directly(&self) -> bool {
+        true
+    }
+
     /// The lock-free path of the common small write: one local segment, unsignaled, no
     /// immediate. Done here with no lock when the connection is up and its send queue has room
     /// (as for `unlocked_rdma`) and the peer's region is the one published on the connection's
     /// shortcut (`onesided/shortcut.rs`).
-    #[inline(always)]
-    #[deny(
-        clippy::panic,
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::indexing_slicing
-    )]
-    fn write_direct(&self, local: &Sge<'_>, remote: &RemoteRegion, remote_offset: u64) -> bool {
-        let op = RdmaOp::Write { imm: None };
-        let Some((src, len, addr)) = wr::check_single(
-            &self.sh.ctx,
-            self.sh.info.id,
-            op,
-            local,
-            remote,
-            remote_offset,
-            SendFlags(0),
-        ) else {
-            return false;
-        };
-        // SAFETY: `check_single` found `src..src + len` inside `local.mr`, which the caller
-        // holds through the call.
-        self.sendable()
-            && unsafe {
-                self.sh
-                    .shortcut
-                    .write(remote.key, src.cast_const(), len, addr)
-            }
+    #[inline]
+    unsafe fn write_direct(&self, src: *const u8, len: usize, key: u64, remote_addr: u64) -> bool {
+        // SAFETY: the caller's contract.
+        self.sendable() && unsafe { self.sh.shortcut.write(key, src, len, remote_addr) }
     }
 
     fn disconnect(&self) {
