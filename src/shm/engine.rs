@@ -12,11 +12,12 @@ use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
 use std::time::{Duration, Instant};
 
-use crate::cq::{Opcode, Sink};
+use crate::conn::End;
+use crate::cq::{Opcode, Sink, WcStatus};
 use crate::driver::{Handler, Next, Ready};
 use crate::shm::bell;
 use crate::shm::conn::{FlowGuard, Shared};
-use crate::shm::flow::{BYE, End, send_packet};
+use crate::shm::flow::{BYE, send_packet};
 
 /// While the driver moves a connection's data: how long it keeps looking at it after the last
 /// movement before the connection sleeps.
@@ -270,7 +271,7 @@ impl Handler for Engine {
                 let end = match crate::panic::catch(|| self.turn(ready)) {
                     Ok(Ok(next)) => return next,
                     Ok(Err(end)) => end,
-                    Err(_) => End::Protocol,
+                    Err(_) => End::Failed(WcStatus::General),
                 };
                 self.begin_teardown(end);
                 end

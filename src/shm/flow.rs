@@ -21,6 +21,7 @@ use std::sync::atomic::Ordering;
 
 use parking_lot::Mutex;
 
+use crate::conn::End;
 use crate::cq::{Completion, Opcode, Reporter, Sink, WcStatus};
 use crate::error::{Error, Result};
 use crate::fifo::Fifo;
@@ -47,21 +48,6 @@ pub(crate) const BYE: u8 = 2;
 pub(crate) struct Reach {
     pub(crate) exports: Arc<Exports>,
     pub(crate) inbox: Arc<Mutex<Inbox>>,
-}
-
-/// Why the connection ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum End {
-    /// The user asked for it.
-    Local,
-    /// The peer closed: `clean` if it said goodbye first.
-    Peer { clean: bool },
-    /// A receive here was too small for a message.
-    LocalLength,
-    /// The peer broke the protocol (or a panic inside the library).
-    Protocol,
-    /// A one-sided operation of this side named memory the peer did not let it reach.
-    RemoteAccess,
 }
 
 /// Where a send's bytes come from while it waits to be written into the ring.
@@ -476,7 +462,8 @@ impl Flow {
             .ctrl(self.side)
             .fatal
             .store(FATAL_ACCESS << 48, Ordering::SeqCst);
-        self.failed.get_or_insert(End::RemoteAccess);
+        self.failed
+            .get_or_insert(End::Failed(WcStatus::RemoteAccess));
     }
 
     /// Whether sends wait for ring space.
@@ -611,7 +598,8 @@ impl Flow {
             let taken = match self.receive(report, usize::MAX, &mut Sink::queue(&report.cq)) {
                 Ok(taken) => taken,
                 Err(ReceiveError::Length) => {
-                    self.failed.get_or_insert(End::LocalLength);
+                    self.failed
+                        .get_or_insert(End::Failed(WcStatus::LocalLength));
                     return Ok(());
                 }
                 Err(ReceiveError::Protocol) => {
@@ -634,7 +622,7 @@ impl Flow {
             .ctrl(self.side)
             .fatal
             .store(FATAL_PROTOCOL << 48, Ordering::SeqCst);
-        self.failed.get_or_insert(End::Protocol);
+        self.failed.get_or_insert(End::Failed(WcStatus::General));
     }
 
     /// One pass over everything: fills receives from the incoming ring, completes the sends
@@ -656,7 +644,7 @@ impl Flow {
         let received = match self.receive(report, limit, out) {
             Ok(m) => m,
             Err(ReceiveError::Length) => {
-                self.failed = Some(End::LocalLength);
+                self.failed = Some(End::Failed(WcStatus::LocalLength));
                 return true;
             }
             Err(ReceiveError::Protocol) => {
@@ -1163,8 +1151,8 @@ impl Flow {
             if let End::Peer { .. } = end {
                 // Everything the peer finished writing before it left is delivered.
                 match self.receive(report, usize::MAX, out) {
-                    Err(ReceiveError::Length) => end = End::LocalLength,
-                    Err(ReceiveError::Protocol) => end = End::Protocol,
+                    Err(ReceiveError::Length) => end = End::Failed(WcStatus::LocalLength),
+                    Err(ReceiveError::Protocol) => end = End::Failed(WcStatus::General),
                     Ok(_) => {}
                 }
             }
@@ -1194,16 +1182,25 @@ impl Flow {
         while let Some(wr) = self.recvs.pop_front() {
             out.put(report.record(wr.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None));
         }
-        match end {
-            End::Local | End::Peer { clean: true } if peer_fatal == 0 => WcStatus::Success,
-            End::Local | End::Peer { .. } if refused_seq.is_some() => WcStatus::RemoteError,
-            // The peer's library refused one of its own accesses to this side's memory.
-            End::Peer { .. } if peer_fatal >> 48 == FATAL_ACCESS => WcStatus::PeerAccess,
-            End::Peer { clean: false } => WcStatus::Transport,
-            End::LocalLength => WcStatus::LocalLength,
-            End::RemoteAccess => WcStatus::RemoteAccess,
-            _ => WcStatus::General,
-        }
+        told_by_peer(end, peer_fatal).status()
+    }
+}
+
+/// `end`, once what the peer's library marked in its control words when it failed the
+/// connection (`fatal`) is known: that it refused one of this side's messages (too long for its
+/// receive), or one of its own accesses to this side's memory, or found this side breaking the
+/// protocol.
+fn told_by_peer(end: End, fatal: u64) -> End {
+    if fatal == 0 {
+        return end;
+    }
+    match (end, fatal >> 48) {
+        (End::Failed(_), _) => end,
+        (_, FATAL_LENGTH) => End::Failed(WcStatus::RemoteError),
+        (End::Peer { .. }, FATAL_ACCESS) => End::Failed(WcStatus::PeerAccess),
+        // Otherwise a peer that vanished is lost to this side, whatever it marked.
+        (End::Peer { clean: false }, _) => end,
+        _ => End::Failed(WcStatus::General),
     }
 }
 
@@ -1223,4 +1220,31 @@ pub(crate) fn send_packet(sock: RawFd, b: u8) {
             libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
         )
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_the_peer_marked_says_why_the_connection_ended() {
+        let lost = End::Peer { clean: false };
+        let bye = End::Peer { clean: true };
+        let length = FATAL_LENGTH << 48 | 7;
+        let access = FATAL_ACCESS << 48;
+        let protocol = FATAL_PROTOCOL << 48;
+        for end in [End::Local, bye, lost, End::Failed(WcStatus::LocalLength)] {
+            assert_eq!(told_by_peer(end, 0), end);
+        }
+        for end in [End::Local, bye, lost] {
+            assert_eq!(told_by_peer(end, length).status(), WcStatus::RemoteError);
+        }
+        assert_eq!(told_by_peer(bye, access).status(), WcStatus::PeerAccess);
+        assert_eq!(told_by_peer(lost, access).status(), WcStatus::PeerAccess);
+        assert_eq!(told_by_peer(End::Local, access).status(), WcStatus::General);
+        assert_eq!(told_by_peer(lost, protocol).status(), WcStatus::Transport);
+        assert_eq!(told_by_peer(bye, protocol).status(), WcStatus::General);
+        let own = End::Failed(WcStatus::RemoteAccess);
+        assert_eq!(told_by_peer(own, length), own);
+    }
 }

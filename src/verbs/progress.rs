@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use rdma_sys as sys;
 use sys::rdma_cm_event_type::*;
 
-use crate::conn::{ConnInfo, ConnOptions, Transport, next_conn_id};
+use crate::conn::{ConnInfo, ConnOptions, End, Transport, next_conn_id};
 use crate::cq::{CompletionQueue, Opcode, Reporter, WcStatus};
 use crate::domain::ContextInner;
 use crate::driver::{Handler, Next, Ready};
@@ -44,14 +44,6 @@ const FLUSH_STEP: Duration = Duration::from_millis(20);
 /// How often a connection's turn comes when nothing else brings it (it looks at the device
 /// CQ for failures, at the port, and at the ledger), at the least.
 const TICK: Duration = Duration::from_secs(1);
-
-/// Why the connection ended, and the status of its disconnect record.
-#[derive(Clone, Copy)]
-enum End {
-    Local,
-    Peer,
-    Failed(WcStatus),
-}
 
 /// Where the connection is in its life.
 #[derive(Clone, Copy)]
@@ -154,7 +146,9 @@ impl Engine {
             return Err(End::Failed(fail));
         }
         if self.peer_gone {
-            return Err(End::Peer);
+            // An RDMA CM disconnect: the peer's kernel closes in order even for a process
+            // that died.
+            return Err(End::Peer { clean: true });
         }
         // The routine looks (tick, keepalive) of all the connections fall on a common grid, so
         // that many idle connections cost their driver few wake-ups.
@@ -285,7 +279,7 @@ impl Engine {
                     // peer of this library makes only with a one-sided access it was not
                     // allowed (a bad key or range, a right the region lacks).
                     let end = match end {
-                        End::Peer if st.failed.is_none() && self.qp_in_error() => {
+                        End::Peer { .. } if st.failed.is_none() && self.qp_in_error() => {
                             End::Failed(WcStatus::PeerAccess)
                         }
                         end => end,
@@ -308,7 +302,7 @@ impl Engine {
                     // the failure here: when it comes, with the flushes, it says why the
                     // connection ended. (Flushes themselves fail nothing.)
                     let end = match (end, st.failed) {
-                        (End::Peer, Some(status)) => End::Failed(status),
+                        (End::Peer { .. }, Some(status)) => End::Failed(status),
                         (end, _) => end,
                     };
                     drop(st);
@@ -352,13 +346,9 @@ impl Engine {
                     self.stage = Stage::Report(end);
                 }
                 Stage::Report(end) => {
-                    let status = match end {
-                        End::Local | End::Peer => WcStatus::Success,
-                        End::Failed(s) => s,
-                    };
                     self.sh
                         .report
-                        .complete(0, Opcode::Disconnected, status, 0, None);
+                        .complete(0, Opcode::Disconnected, end.status(), 0, None);
                     return Next::Done;
                 }
             }
