@@ -1,7 +1,13 @@
 //! How a connection ends, the same on every transport (the reliable-connected semantics of
-//! docs/semantics.md): why it ended, and the status its disconnect record carries for it.
+//! docs/semantics.md): why it ended, the status its disconnect record carries for it, and the
+//! order of its last records. Whatever is outstanding when it ends completes queue by queue
+//! in posting order - the send queue's work (sends and one-sided operations), then the
+//! receives - as flushed unless the transport knows how it ended ([`flush_outstanding`]); the
+//! disconnect record comes after all of them ([`End::report`]), and nothing of the connection
+//! after it: each transport closes the connection to its posters and takes it away from its
+//! pollers before it flushes.
 
-use crate::cq::WcStatus;
+use crate::cq::{Opcode, Reporter, Sink, WcStatus};
 
 /// Why a connection ended, as its transport found out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +32,49 @@ impl End {
             End::Failed(s) => s,
         }
     }
+
+    /// Reports the end: the disconnect record, the connection's last (see the module's doc).
+    pub(crate) fn report(self, report: &Reporter) {
+        report.complete(0, Opcode::Disconnected, self.status(), 0, None);
+    }
+}
+
+/// A work request of the caller's still outstanding when its connection ended.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Unfinished {
+    pub(crate) wr_id: u64,
+    pub(crate) opcode: Opcode,
+    /// How it ended, when the transport knows (it ran already, or the peer refused it);
+    /// `None`: it is flushed.
+    pub(crate) status: Option<WcStatus>,
+}
+
+impl Unfinished {
+    /// A work request that is flushed (the usual case).
+    pub(crate) fn flushed(wr_id: u64, opcode: Opcode) -> Unfinished {
+        Unfinished {
+            wr_id,
+            opcode,
+            status: None,
+        }
+    }
+}
+
+/// Completes what was outstanding on a connection that ended, into `out`: the send queue's
+/// work (`sends`), then the receives (`recvs`, their ids), each in posting order.
+pub(crate) fn flush_outstanding(
+    report: &Reporter,
+    out: &mut Sink<'_>,
+    sends: impl Iterator<Item = Unfinished>,
+    recvs: impl Iterator<Item = u64>,
+) {
+    for w in sends {
+        let status = w.status.unwrap_or(WcStatus::Flushed);
+        out.put(report.record(w.wr_id, w.opcode, status, 0, None));
+    }
+    for wr_id in recvs {
+        out.put(report.record(wr_id, Opcode::Recv, WcStatus::Flushed, 0, None));
+    }
 }
 
 #[cfg(test)]
@@ -47,5 +96,52 @@ mod tests {
         ] {
             assert_eq!(End::Failed(s).status(), s);
         }
+    }
+
+    // Not in `loom` builds, where the queue is made of loom's atomics, which only work inside
+    // a model.
+    #[cfg(not(loom))]
+    #[test]
+    fn sends_then_receives_in_posting_order_then_the_end_last() {
+        let cq = crate::cq::CompletionQueue::new().unwrap();
+        let report = Reporter {
+            cq: cq.clone(),
+            conn_id: 7,
+            context: 0,
+            peer: String::new(),
+        };
+        let unfinished = |wr_id, opcode, status| Unfinished {
+            wr_id,
+            opcode,
+            status,
+        };
+        let sends = [
+            unfinished(1, Opcode::Send, None),
+            unfinished(2, Opcode::Write, Some(WcStatus::RemoteAccess)),
+            unfinished(3, Opcode::Send, Some(WcStatus::RemoteError)),
+            unfinished(4, Opcode::Read, None),
+        ];
+        flush_outstanding(
+            &report,
+            &mut Sink::queue(&cq),
+            sends.into_iter(),
+            [10, 11].into_iter(),
+        );
+        End::Peer { clean: false }.report(&report);
+        let got: Vec<_> = std::iter::from_fn(|| cq.poll())
+            .map(|c| (c.wr_id, c.opcode, c.status, c.conn_id))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (1, Opcode::Send, WcStatus::Flushed, 7),
+                (2, Opcode::Write, WcStatus::RemoteAccess, 7),
+                (3, Opcode::Send, WcStatus::RemoteError, 7),
+                (4, Opcode::Read, WcStatus::Flushed, 7),
+                (10, Opcode::Recv, WcStatus::Flushed, 7),
+                (11, Opcode::Recv, WcStatus::Flushed, 7),
+                (0, Opcode::Disconnected, WcStatus::Transport, 7),
+            ]
+        );
     }
 }

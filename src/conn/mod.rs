@@ -11,7 +11,7 @@ mod end;
 mod remote;
 mod wr;
 
-pub(crate) use end::End;
+pub(crate) use end::{End, Unfinished, flush_outstanding};
 pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
 #[cfg(feature = "fuzzing")]
 pub(crate) use remote::{pack as pack_remote, unpack as unpack_remote};

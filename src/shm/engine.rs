@@ -13,7 +13,7 @@ use std::sync::atomic::{Ordering, fence};
 use std::time::{Duration, Instant};
 
 use crate::conn::End;
-use crate::cq::{Opcode, Sink, WcStatus};
+use crate::cq::{Sink, WcStatus};
 use crate::driver::{Handler, Next, Ready};
 use crate::shm::bell;
 use crate::shm::conn::{FlowGuard, Shared};
@@ -242,15 +242,13 @@ impl Engine {
             return Next::Yield;
         };
         let cq = &self.sh.report.cq;
-        let status = flow.close(end, &self.sh.report, &mut Sink::queue(cq));
+        let end = flow.close(end, &self.sh.report, &mut Sink::queue(cq));
         self.sh.lock_imports().set(0, None);
         drop(flow);
         // Nothing is reachable through the connection any more, either way.
         self.sh.exports.close();
         self.sh.lock_inbox().clear();
-        self.sh
-            .report
-            .complete(0, Opcode::Disconnected, status, 0, None);
+        end.report(&self.sh.report);
         Next::Done
     }
 }

@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 
 use parking_lot::Mutex;
 
-use crate::conn::End;
+use crate::conn::{End, Unfinished, flush_outstanding};
 use crate::cq::{Completion, Opcode, Reporter, Sink, WcStatus};
 use crate::error::{Error, Result};
 use crate::fifo::Fifo;
@@ -1140,13 +1140,8 @@ impl Flow {
 
     /// Ends the data path: no more posting or progress. Takes what the peer delivered before
     /// it left (`end` is a peer's close), completes everything else as flushed, and returns
-    /// the status of the disconnect record. Completions go to `out`.
-    pub(crate) fn close(
-        &mut self,
-        mut end: End,
-        report: &Reporter,
-        out: &mut Sink<'_>,
-    ) -> WcStatus {
+    /// why the connection ended, for its disconnect record. Completions go to `out`.
+    pub(crate) fn close(&mut self, mut end: End, report: &Reporter, out: &mut Sink<'_>) -> End {
         if !self.closed && self.failed.is_none() {
             if let End::Peer { .. } = end {
                 // Everything the peer finished writing before it left is delivered.
@@ -1166,23 +1161,23 @@ impl Flow {
         let refused_seq =
             (peer_fatal >> 48 == FATAL_LENGTH).then_some(peer_fatal & ((1 << 48) - 1));
         self.inflight_signaled = 0;
-        while let Some(f) = self.inflight.pop_front() {
-            let status = if Some(f.seq) == refused_seq {
-                WcStatus::RemoteError
+        let (inflight, pending, recvs) = (&mut self.inflight, &mut self.pending, &mut self.recvs);
+        let in_ring = std::iter::from_fn(|| inflight.pop_front()).map(|f| Unfinished {
+            wr_id: f.wr_id,
+            opcode: f.opcode,
+            status: if Some(f.seq) == refused_seq {
+                Some(WcStatus::RemoteError)
             } else if f.done || f.status != WcStatus::Success {
-                f.status
+                Some(f.status)
             } else {
-                WcStatus::Flushed
-            };
-            out.put(report.record(f.wr_id, f.opcode, status, 0, None));
-        }
-        while let Some(wr) = self.pending.pop_front() {
-            out.put(report.record(wr.wr_id, wr.kind.opcode(), WcStatus::Flushed, 0, None));
-        }
-        while let Some(wr) = self.recvs.pop_front() {
-            out.put(report.record(wr.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None));
-        }
-        told_by_peer(end, peer_fatal).status()
+                None
+            },
+        });
+        let waiting = std::iter::from_fn(|| pending.pop_front())
+            .map(|wr| Unfinished::flushed(wr.wr_id, wr.kind.opcode()));
+        let recvs = std::iter::from_fn(|| recvs.pop_front()).map(|wr| wr.wr_id);
+        flush_outstanding(report, out, in_ring.chain(waiting), recvs);
+        told_by_peer(end, peer_fatal)
     }
 }
 

@@ -21,8 +21,10 @@ use std::time::{Duration, Instant};
 use rdma_sys as sys;
 use sys::rdma_cm_event_type::*;
 
-use crate::conn::{ConnInfo, ConnOptions, End, Transport, next_conn_id};
-use crate::cq::{CompletionQueue, Opcode, Reporter, WcStatus};
+use crate::conn::{
+    ConnInfo, ConnOptions, End, Transport, Unfinished, flush_outstanding, next_conn_id,
+};
+use crate::cq::{CompletionQueue, Reporter, Sink, WcStatus};
 use crate::domain::ContextInner;
 use crate::driver::{Handler, Next, Ready};
 use crate::error::{Error, Result};
@@ -346,9 +348,7 @@ impl Engine {
                     self.stage = Stage::Report(end);
                 }
                 Stage::Report(end) => {
-                    self.sh
-                        .report
-                        .complete(0, Opcode::Disconnected, end.status(), 0, None);
+                    end.report(&self.sh.report);
                     return Next::Done;
                 }
             }
@@ -360,22 +360,24 @@ impl Engine {
 /// reached it (sends and one-sided operations), then the sends and writes with immediate held
 /// for credits (which never did), then the receives.
 fn flush_rest(sh: &Shared, st: &mut PostState) {
-    while let Some(e) = st.sends.pop_front() {
-        if !e.internal {
-            sh.report
-                .complete(e.wr_id, e.op, WcStatus::Flushed, 0, None);
-        }
-    }
     let held = st.credits.as_mut().map(|c| std::mem::take(&mut c.held));
-    for h in held.into_iter().flatten() {
-        sh.report
-            .complete(h.wr_id, h.opcode(), WcStatus::Flushed, 0, None);
-    }
     sh.note_held(st);
-    while let Some(e) = st.recvs.pop_front() {
-        sh.report
-            .complete(e.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None);
-    }
+    let (sends, recvs) = (&mut st.sends, &mut st.recvs);
+    let on_device = std::iter::from_fn(|| sends.pop_front())
+        .filter(|e| !e.internal)
+        .map(|e| Unfinished::flushed(e.wr_id, e.op));
+    let held = held
+        .into_iter()
+        .flatten()
+        .map(|h| Unfinished::flushed(h.wr_id, h.opcode()));
+    let recvs = std::iter::from_fn(|| recvs.pop_front()).map(|e| e.wr_id);
+    let report = &sh.report;
+    flush_outstanding(
+        report,
+        &mut Sink::queue(&report.cq),
+        on_device.chain(held),
+        recvs,
+    );
 }
 
 impl Handler for Engine {
