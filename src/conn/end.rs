@@ -6,8 +6,45 @@
 //! disconnect record comes after all of them ([`End::report`]), and nothing of the connection
 //! after it: each transport closes the connection to its posters and takes it away from its
 //! pollers before it flushes.
+//!
+//! Until then every post passes one gate: a connection that is down takes no work, and a queue
+//! holding as many of the caller's work requests as its granted depth takes no more, until one
+//! of them completes ([`admit_send`], [`admit_recv`]).
 
 use crate::cq::{Opcode, Reporter, Sink, WcStatus};
+use crate::error::{Error, Result};
+
+/// Refuses work on a connection that is `down`.
+#[inline]
+pub(crate) fn ensure_up(down: bool) -> Result<()> {
+    if down {
+        return Err(Error::Disconnected);
+    }
+    Ok(())
+}
+
+/// Lets a post take a slot of the send queue (sends and one-sided operations), which holds
+/// `outstanding` of the caller's work requests of the `depth` granted, on a connection that is
+/// `down` or not.
+#[inline]
+pub(crate) fn admit_send(down: bool, outstanding: usize, depth: usize) -> Result<()> {
+    admit(down, outstanding, depth, "send")
+}
+
+/// [`admit_send`] for the receive queue.
+#[inline]
+pub(crate) fn admit_recv(down: bool, outstanding: usize, depth: usize) -> Result<()> {
+    admit(down, outstanding, depth, "receive")
+}
+
+#[inline(always)]
+fn admit(down: bool, outstanding: usize, depth: usize, queue: &'static str) -> Result<()> {
+    ensure_up(down)?;
+    if outstanding >= depth {
+        return Err(Error::QueueFull(queue));
+    }
+    Ok(())
+}
 
 /// Why a connection ended, as its transport found out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +117,25 @@ pub(crate) fn flush_outstanding(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_that_is_down_or_a_full_queue_takes_no_work() {
+        assert!(admit_send(false, 0, 1).is_ok());
+        assert!(admit_recv(false, 127, 128).is_ok());
+        assert!(matches!(
+            admit_send(false, 4, 4),
+            Err(Error::QueueFull("send"))
+        ));
+        assert!(matches!(
+            admit_recv(false, 5, 4),
+            Err(Error::QueueFull("receive"))
+        ));
+        // Down comes first, full queue or not.
+        assert!(matches!(admit_send(true, 0, 4), Err(Error::Disconnected)));
+        assert!(matches!(admit_recv(true, 4, 4), Err(Error::Disconnected)));
+        assert!(ensure_up(false).is_ok());
+        assert!(matches!(ensure_up(true), Err(Error::Disconnected)));
+    }
 
     #[test]
     fn orderly_closes_succeed_and_failures_say_why() {

@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 
 use parking_lot::Mutex;
 
-use crate::conn::{End, Unfinished, flush_outstanding};
+use crate::conn::{End, Unfinished, admit_recv, admit_send, ensure_up, flush_outstanding};
 use crate::cq::{Completion, Opcode, Reporter, Sink, WcStatus};
 use crate::error::{Error, Result};
 use crate::fifo::Fifo;
@@ -245,18 +245,21 @@ impl Flow {
         }
     }
 
+    /// Whether the connection is down: closed, or failed and waiting for its driver to close
+    /// it. It takes no more work either way.
+    fn down(&self) -> bool {
+        self.closed || self.failed.is_some()
+    }
+
     pub(crate) fn check_open(&self) -> Result<()> {
-        if self.closed || self.failed.is_some() {
-            return Err(Error::Disconnected);
-        }
-        Ok(())
+        ensure_up(self.down())
     }
 
     /// What the connection's lock-free one-sided path may rely on, published whenever the
     /// lock is let go (see `conn::FlowGuard`): the send queue's slots in use, or [`GATE_DOWN`]
     /// once the connection is closed or failed.
     pub(crate) fn gate(&self) -> usize {
-        if self.closed || self.failed.is_some() {
+        if self.down() {
             GATE_DOWN
         } else {
             self.pending.len() + self.inflight.len()
@@ -264,11 +267,8 @@ impl Flow {
     }
 
     pub(crate) fn claim_send(&self) -> Result<()> {
-        self.check_open()?;
-        if self.pending.len() + self.inflight.len() >= self.send_depth {
-            return Err(Error::QueueFull("send"));
-        }
-        Ok(())
+        let outstanding = self.pending.len() + self.inflight.len();
+        admit_send(self.down(), outstanding, self.send_depth)
     }
 
     /// Posts a send of `len` bytes at `ptr` (inside `region`, when they are in one): written
@@ -585,10 +585,7 @@ impl Flow {
     /// and the peer's send completes, with no wake-up of either side in between. A reason to
     /// end the connection found on the way is left in `failed` (the post itself succeeded).
     pub(crate) fn post_recv(&mut self, wr: RecvWr, report: &Reporter) -> Result<()> {
-        self.check_open()?;
-        if self.recvs.len() >= self.recv_depth {
-            return Err(Error::QueueFull("receive"));
-        }
+        admit_recv(self.down(), self.recvs.len(), self.recv_depth)?;
         let starved = self.recvs.is_empty();
         self.recvs.push_back(wr);
         // Only the first receive can find a message waiting for one: with receives posted,
