@@ -1,15 +1,17 @@
 //! The connection core, the same for every transport: the public types [`Listener`],
 //! [`ConnRequest`], [`Connection`] and their options; the work requests and their checks
-//! (`wr.rs`); and the seam a transport implements behind them ([`seam`]).
+//! (`wr.rs`); how a connection ends (`end.rs`); and the seam a transport implements behind them ([`seam`]).
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+mod end;
 mod remote;
 mod wr;
 
+pub(crate) use end::{End, Unfinished, admit_recv, admit_send, ensure_up, flush_outstanding};
 pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
 #[cfg(feature = "fuzzing")]
 pub(crate) use remote::{pack as pack_remote, unpack as unpack_remote};

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
 use std::time::{Duration, Instant};
 
-use crate::cq::{Opcode, Sink};
+use crate::conn::End;
+use crate::cq::{Sink, WcStatus};
 use crate::driver::{Handler, Next, Ready};
 use crate::shm::bell;
 use crate::shm::conn::{ConnState, FlowGuard};
-use crate::shm::flow::End;
 use crate::shm::wire::{BYE, send_packet};
 
 /// While the driver moves a connection's data: how long it keeps looking at it after the last
@@ -242,15 +242,13 @@ impl Engine {
             return Next::Yield;
         };
         let cq = &self.sh.report.cq;
-        let status = flow.close(end, &self.sh.report, &mut Sink::queue(cq));
+        let end = flow.close(end, &self.sh.report, &mut Sink::queue(cq));
         self.sh.lock_imports().set(0, None);
         drop(flow);
         // Nothing is reachable through the connection any more, either way.
         self.sh.exports.close();
         self.sh.lock_inbox().clear();
-        self.sh
-            .report
-            .complete(0, Opcode::Disconnected, status, 0, None);
+        end.report(&self.sh.report);
         Next::Done
     }
 }
@@ -271,7 +269,7 @@ impl Handler for Engine {
                 let end = match crate::panic::catch(|| self.turn(ready)) {
                     Ok(Ok(next)) => return next,
                     Ok(Err(end)) => end,
-                    Err(_) => End::Protocol,
+                    Err(_) => End::Failed(WcStatus::General),
                 };
                 self.begin_teardown(end);
                 end

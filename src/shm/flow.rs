@@ -21,6 +21,7 @@ use std::sync::atomic::Ordering;
 
 use parking_lot::Mutex;
 
+use crate::conn::{End, Unfinished, admit_recv, admit_send, ensure_up, flush_outstanding};
 use crate::cq::notice::Board;
 use crate::cq::{Completion, Opcode, Reporter, Sink, WcStatus};
 use crate::error::{Error, Result};
@@ -44,21 +45,6 @@ pub(crate) const GATE_DOWN: usize = usize::MAX;
 pub(crate) struct SharedRegions {
     pub(crate) exports: Arc<Exports>,
     pub(crate) inbox: Arc<Mutex<SocketReader>>,
-}
-
-/// Why the connection ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum End {
-    /// The user asked for it.
-    Local,
-    /// The peer closed: `clean` if it said goodbye first.
-    Peer { clean: bool },
-    /// A receive here was too small for a message.
-    LocalLength,
-    /// The peer broke the protocol (or a panic inside the library).
-    Protocol,
-    /// A one-sided operation of this side named memory the peer did not let it reach.
-    RemoteAccess,
 }
 
 /// Where a send's bytes come from while it waits to be written into the ring.
@@ -256,18 +242,21 @@ impl Flow {
         }
     }
 
+    /// Whether the connection is down: closed, or failed and waiting for its driver to close
+    /// it. It takes no more work either way.
+    fn down(&self) -> bool {
+        self.closed || self.failed.is_some()
+    }
+
     pub(crate) fn check_open(&self) -> Result<()> {
-        if self.closed || self.failed.is_some() {
-            return Err(Error::Disconnected);
-        }
-        Ok(())
+        ensure_up(self.down())
     }
 
     /// What the connection's lock-free one-sided path may rely on, published whenever the
     /// lock is let go (see `conn::FlowGuard`): the send queue's slots in use, or [`GATE_DOWN`]
     /// once the connection is closed or failed.
     pub(crate) fn gate(&self) -> usize {
-        if self.closed || self.failed.is_some() {
+        if self.down() {
             GATE_DOWN
         } else {
             self.pending.len() + self.inflight.len()
@@ -275,11 +264,8 @@ impl Flow {
     }
 
     pub(crate) fn claim_send(&self) -> Result<()> {
-        self.check_open()?;
-        if self.pending.len() + self.inflight.len() >= self.send_depth {
-            return Err(Error::QueueFull("send"));
-        }
-        Ok(())
+        let outstanding = self.pending.len() + self.inflight.len();
+        admit_send(self.down(), outstanding, self.send_depth)
     }
 
     /// Posts a send of `len` bytes at `ptr` (inside `region`, when they are in one): written
@@ -473,7 +459,8 @@ impl Flow {
             .ctrl(self.side)
             .fatal
             .store(FATAL_ACCESS << 48, Ordering::SeqCst);
-        self.failed.get_or_insert(End::RemoteAccess);
+        self.failed
+            .get_or_insert(End::Failed(WcStatus::RemoteAccess));
     }
 
     /// Whether sends wait for ring space.
@@ -595,10 +582,7 @@ impl Flow {
     /// and the peer's send completes, with no wake-up of either side in between. A reason to
     /// end the connection found on the way is left in `failed` (the post itself succeeded).
     pub(crate) fn post_recv(&mut self, wr: RecvWr, report: &Reporter) -> Result<()> {
-        self.check_open()?;
-        if self.recvs.len() >= self.recv_depth {
-            return Err(Error::QueueFull("receive"));
-        }
+        admit_recv(self.down(), self.recvs.len(), self.recv_depth)?;
         let starved = self.recvs.is_empty();
         self.recvs.push_back(wr);
         // Only the first receive can find a message waiting for one: with receives posted,
@@ -608,7 +592,8 @@ impl Flow {
             let taken = match self.receive(report, usize::MAX, &mut Sink::queue(&report.cq)) {
                 Ok(taken) => taken,
                 Err(ReceiveError::Length) => {
-                    self.failed.get_or_insert(End::LocalLength);
+                    self.failed
+                        .get_or_insert(End::Failed(WcStatus::LocalLength));
                     return Ok(());
                 }
                 Err(ReceiveError::Protocol) => {
@@ -631,7 +616,7 @@ impl Flow {
             .ctrl(self.side)
             .fatal
             .store(FATAL_PROTOCOL << 48, Ordering::SeqCst);
-        self.failed.get_or_insert(End::Protocol);
+        self.failed.get_or_insert(End::Failed(WcStatus::General));
     }
 
     /// One pass over everything: fills receives from the incoming ring, completes the sends
@@ -653,7 +638,7 @@ impl Flow {
         let received = match self.receive(report, limit, out) {
             Ok(m) => m,
             Err(ReceiveError::Length) => {
-                self.failed = Some(End::LocalLength);
+                self.failed = Some(End::Failed(WcStatus::LocalLength));
                 return true;
             }
             Err(ReceiveError::Protocol) => {
@@ -1148,19 +1133,14 @@ impl Flow {
 
     /// Ends the data path: no more posting or progress. Takes what the peer delivered before
     /// it left (`end` is a peer's close), completes everything else as flushed, and returns
-    /// the status of the disconnect record. Completions go to `out`.
-    pub(crate) fn close(
-        &mut self,
-        mut end: End,
-        report: &Reporter,
-        out: &mut Sink<'_>,
-    ) -> WcStatus {
+    /// why the connection ended, for its disconnect record. Completions go to `out`.
+    pub(crate) fn close(&mut self, mut end: End, report: &Reporter, out: &mut Sink<'_>) -> End {
         if !self.closed && self.failed.is_none() {
             if let End::Peer { .. } = end {
                 // Everything the peer finished writing before it left is delivered.
                 match self.receive(report, usize::MAX, out) {
-                    Err(ReceiveError::Length) => end = End::LocalLength,
-                    Err(ReceiveError::Protocol) => end = End::Protocol,
+                    Err(ReceiveError::Length) => end = End::Failed(WcStatus::LocalLength),
+                    Err(ReceiveError::Protocol) => end = End::Failed(WcStatus::General),
                     Ok(_) => {}
                 }
             }
@@ -1174,35 +1154,71 @@ impl Flow {
         let refused_seq =
             (peer_fatal >> 48 == FATAL_LENGTH).then_some(peer_fatal & ((1 << 48) - 1));
         self.inflight_signaled = 0;
-        while let Some(f) = self.inflight.pop_front() {
-            let status = if Some(f.seq) == refused_seq {
-                WcStatus::RemoteError
+        let (inflight, pending, recvs) = (&mut self.inflight, &mut self.pending, &mut self.recvs);
+        let in_ring = std::iter::from_fn(|| inflight.pop_front()).map(|f| Unfinished {
+            wr_id: f.wr_id,
+            opcode: f.opcode,
+            status: if Some(f.seq) == refused_seq {
+                Some(WcStatus::RemoteError)
             } else if f.done || f.status != WcStatus::Success {
-                f.status
+                Some(f.status)
             } else {
-                WcStatus::Flushed
-            };
-            out.put(report.record(f.wr_id, f.opcode, status, 0, None));
-        }
-        while let Some(wr) = self.pending.pop_front() {
-            out.put(report.record(wr.wr_id, wr.kind.opcode(), WcStatus::Flushed, 0, None));
-        }
-        while let Some(wr) = self.recvs.pop_front() {
-            out.put(report.record(wr.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None));
-        }
-        match end {
-            End::Local | End::Peer { clean: true } if peer_fatal == 0 => WcStatus::Success,
-            End::Local | End::Peer { .. } if refused_seq.is_some() => WcStatus::RemoteError,
-            // The peer's library refused one of its own accesses to this side's memory.
-            End::Peer { .. } if peer_fatal >> 48 == FATAL_ACCESS => WcStatus::PeerAccess,
-            End::Peer { clean: false } => WcStatus::Transport,
-            End::LocalLength => WcStatus::LocalLength,
-            End::RemoteAccess => WcStatus::RemoteAccess,
-            _ => WcStatus::General,
-        }
+                None
+            },
+        });
+        let waiting = std::iter::from_fn(|| pending.pop_front())
+            .map(|wr| Unfinished::flushed(wr.wr_id, wr.kind.opcode()));
+        let recvs = std::iter::from_fn(|| recvs.pop_front()).map(|wr| wr.wr_id);
+        flush_outstanding(report, out, in_ring.chain(waiting), recvs);
+        told_by_peer(end, peer_fatal)
+    }
+}
+
+/// `end`, once what the peer's library marked in its control words when it failed the
+/// connection (`fatal`) is known: that it refused one of this side's messages (too long for its
+/// receive), or one of its own accesses to this side's memory, or found this side breaking the
+/// protocol.
+fn told_by_peer(end: End, fatal: u64) -> End {
+    if fatal == 0 {
+        return end;
+    }
+    match (end, fatal >> 48) {
+        (End::Failed(_), _) => end,
+        (_, FATAL_LENGTH) => End::Failed(WcStatus::RemoteError),
+        (End::Peer { .. }, FATAL_ACCESS) => End::Failed(WcStatus::PeerAccess),
+        // Otherwise a peer that vanished is lost to this side, whatever it marked.
+        (End::Peer { clean: false }, _) => end,
+        _ => End::Failed(WcStatus::General),
     }
 }
 
 /// The flags that tell a record holding a whole message of its own (both ends, neither
 /// direct nor a write with immediate data).
 const WHOLE_MASK: u32 = ring::FIRST | ring::LAST | ring::DIRECT | ring::WRITE_IMM;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_the_peer_marked_says_why_the_connection_ended() {
+        let lost = End::Peer { clean: false };
+        let bye = End::Peer { clean: true };
+        let length = FATAL_LENGTH << 48 | 7;
+        let access = FATAL_ACCESS << 48;
+        let protocol = FATAL_PROTOCOL << 48;
+        for end in [End::Local, bye, lost, End::Failed(WcStatus::LocalLength)] {
+            assert_eq!(told_by_peer(end, 0), end);
+        }
+        for end in [End::Local, bye, lost] {
+            assert_eq!(told_by_peer(end, length).status(), WcStatus::RemoteError);
+        }
+        assert_eq!(told_by_peer(bye, access).status(), WcStatus::PeerAccess);
+        assert_eq!(told_by_peer(lost, access).status(), WcStatus::PeerAccess);
+        assert_eq!(told_by_peer(End::Local, access).status(), WcStatus::General);
+        assert_eq!(told_by_peer(lost, protocol).status(), WcStatus::Transport);
+        assert_eq!(told_by_peer(bye, protocol).status(), WcStatus::General);
+        let own = End::Failed(WcStatus::RemoteAccess);
+        assert_eq!(told_by_peer(own, length), own);
+    }
+}

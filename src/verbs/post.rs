@@ -18,7 +18,8 @@ use rdma_sys as sys;
 
 use crate::conn::seam::ConnSeam;
 use crate::conn::{
-    ConnInfo, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SGE_MAX, SendRequest,
+    ConnInfo, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SGE_MAX, SendRequest, admit_recv,
+    admit_send,
 };
 use crate::cq::{Opcode, Reporter, WcStatus};
 use crate::domain::ContextInner;
@@ -464,12 +465,11 @@ impl Conn {
     /// connection is down or its send queue is full; `Ok(false)` when it needs a receive at
     /// the peer (`credit`) that the peer has not posted yet, or others wait for one before it.
     fn may_post(&self, st: &PostState, credit: bool) -> Result<bool> {
-        if st.closed {
-            return Err(Error::Disconnected);
-        }
-        if st.user_work >= self.sh.info.send_queue_depth as usize {
-            return Err(Error::QueueFull("send"));
-        }
+        admit_send(
+            st.closed,
+            st.user_work,
+            self.sh.info.send_queue_depth as usize,
+        )?;
         Ok(!(credit
             && st
                 .credits
@@ -674,12 +674,11 @@ impl ConnSeam for Conn {
         } = wr;
         let lkey = mr.lkey_in(&self.sh.pd)?;
         let mut st = self.sh.lock();
-        if st.closed {
-            return Err(Error::Disconnected);
-        }
-        if st.recvs.len() >= self.sh.info.recv_queue_depth as usize {
-            return Err(Error::QueueFull("receive"));
-        }
+        admit_recv(
+            st.closed,
+            st.recvs.len(),
+            self.sh.info.recv_queue_depth as usize,
+        )?;
         let seq = st.next_seq;
         let mut sge = sys::ibv_sge {
             addr: ptr as u64,

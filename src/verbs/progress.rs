@@ -21,8 +21,10 @@ use std::time::{Duration, Instant};
 use rdma_sys as sys;
 use sys::rdma_cm_event_type::*;
 
-use crate::conn::{ConnInfo, ConnOptions, Transport, next_conn_id};
-use crate::cq::{CompletionQueue, Opcode, Reporter, WcStatus};
+use crate::conn::{
+    ConnInfo, ConnOptions, End, Transport, Unfinished, flush_outstanding, next_conn_id,
+};
+use crate::cq::{CompletionQueue, Reporter, Sink, WcStatus};
 use crate::domain::ContextInner;
 use crate::driver::{Handler, Next, Ready};
 use crate::error::{Error, Result};
@@ -44,14 +46,6 @@ const FLUSH_STEP: Duration = Duration::from_millis(20);
 /// How often a connection's turn comes when nothing else brings it (it looks at the device
 /// CQ for failures, at the port, and at the ledger), at the least.
 const TICK: Duration = Duration::from_secs(1);
-
-/// Why the connection ended, and the status of its disconnect record.
-#[derive(Clone, Copy)]
-enum End {
-    Local,
-    Peer,
-    Failed(WcStatus),
-}
 
 /// Where the connection is in its life.
 #[derive(Clone, Copy)]
@@ -154,7 +148,9 @@ impl Engine {
             return Err(End::Failed(fail));
         }
         if self.peer_gone {
-            return Err(End::Peer);
+            // An RDMA CM disconnect: the peer's kernel closes in order even for a process
+            // that died.
+            return Err(End::Peer { clean: true });
         }
         // The routine looks (tick, keepalive) of all the connections fall on a common grid, so
         // that many idle connections cost their driver few wake-ups.
@@ -285,7 +281,7 @@ impl Engine {
                     // peer of this library makes only with a one-sided access it was not
                     // allowed (a bad key or range, a right the region lacks).
                     let end = match end {
-                        End::Peer if st.failed.is_none() && self.qp_in_error() => {
+                        End::Peer { .. } if st.failed.is_none() && self.qp_in_error() => {
                             End::Failed(WcStatus::PeerAccess)
                         }
                         end => end,
@@ -308,7 +304,7 @@ impl Engine {
                     // the failure here: when it comes, with the flushes, it says why the
                     // connection ended. (Flushes themselves fail nothing.)
                     let end = match (end, st.failed) {
-                        (End::Peer, Some(status)) => End::Failed(status),
+                        (End::Peer { .. }, Some(status)) => End::Failed(status),
                         (end, _) => end,
                     };
                     drop(st);
@@ -352,13 +348,7 @@ impl Engine {
                     self.stage = Stage::Report(end);
                 }
                 Stage::Report(end) => {
-                    let status = match end {
-                        End::Local | End::Peer => WcStatus::Success,
-                        End::Failed(s) => s,
-                    };
-                    self.sh
-                        .report
-                        .complete(0, Opcode::Disconnected, status, 0, None);
+                    end.report(&self.sh.report);
                     return Next::Done;
                 }
             }
@@ -370,22 +360,24 @@ impl Engine {
 /// reached it (sends and one-sided operations), then the sends and writes with immediate held
 /// for credits (which never did), then the receives.
 fn flush_rest(sh: &Shared, st: &mut PostState) {
-    while let Some(e) = st.sends.pop_front() {
-        if !e.internal {
-            sh.report
-                .complete(e.wr_id, e.op, WcStatus::Flushed, 0, None);
-        }
-    }
     let held = st.credits.as_mut().map(|c| std::mem::take(&mut c.held));
-    for h in held.into_iter().flatten() {
-        sh.report
-            .complete(h.wr_id, h.opcode(), WcStatus::Flushed, 0, None);
-    }
     sh.note_held(st);
-    while let Some(e) = st.recvs.pop_front() {
-        sh.report
-            .complete(e.wr_id, Opcode::Recv, WcStatus::Flushed, 0, None);
-    }
+    let (sends, recvs) = (&mut st.sends, &mut st.recvs);
+    let on_device = std::iter::from_fn(|| sends.pop_front())
+        .filter(|e| !e.internal)
+        .map(|e| Unfinished::flushed(e.wr_id, e.op));
+    let held = held
+        .into_iter()
+        .flatten()
+        .map(|h| Unfinished::flushed(h.wr_id, h.opcode()));
+    let recvs = std::iter::from_fn(|| recvs.pop_front()).map(|e| e.wr_id);
+    let report = &sh.report;
+    flush_outstanding(
+        report,
+        &mut Sink::queue(&report.cq),
+        on_device.chain(held),
+        recvs,
+    );
 }
 
 impl Handler for Engine {
