@@ -23,7 +23,6 @@ use crate::driver::Registration;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
 use crate::shm::bell;
-use crate::shm::engine::Engine;
 use crate::shm::flow::{Flow, RecvWr, SendSrc, SharedRegions};
 use crate::shm::onesided::{self, Exports, Import, ImportCache, Shortcut, SocketReader};
 use crate::shm::segment::Segment;
@@ -296,14 +295,31 @@ pub(crate) fn process_name(pid: libc::pid_t) -> String {
 }
 
 impl Conn {
-    /// Starts the connection over an established handshake socket and segment.
-    pub(crate) fn start(
+    /// The connection's handle, over its started state (see `engine::start`).
+    pub(crate) fn new(sh: Arc<ConnState>, peer_private_data: Vec<u8>) -> Conn {
+        Conn {
+            sh,
+            private_data: peer_private_data,
+        }
+    }
+}
+
+/// A connection's state as its handshake leaves it, before its background work starts: the
+/// socket that work will own, and the notice-board slot the queue keeps for it.
+pub(crate) struct Unstarted {
+    pub(crate) sh: Arc<ConnState>,
+    pub(crate) sock: OwnedFd,
+    pub(crate) slot: Option<SlotReservation>,
+}
+
+impl Unstarted {
+    /// The state of a connection over an established handshake socket and segment.
+    pub(crate) fn new(
         ctx: Arc<ContextInner>,
         cq: Arc<CompletionQueue>,
         opts: &ConnOptions,
         link: Link,
-        peer_private_data: Vec<u8>,
-    ) -> Result<Conn> {
+    ) -> Result<Unstarted> {
         let Link {
             side,
             sock,
@@ -367,30 +383,11 @@ impl Conn {
             imports_forgotten,
             inbox,
         });
-        // Before the background work starts, so that its teardown's removal always comes after.
-        if slot.is_some() {
-            // The connection starts on the board, not polled every time: the peer marks it.
-            // Asked for before the queue's first look at it, so no message falls between.
-            sh.lock().set_want_mark(true);
-        }
-        if caller_polls {
-            match slot {
-                Some(r) => sh.report.cq.add_source_at(sh.clone(), r),
-                None => sh.report.cq.add_source(sh.clone()),
-            }
-        }
-        let fd = sock.as_raw_fd();
-        let engine = Box::new(Engine::new(sh.clone(), sock));
-        if let Err(e) = driver.register(&sh.wake, &[fd], engine) {
-            sh.report.cq.remove_source(info.id);
-            return Err(Error::Thread(e));
-        }
-        Ok(Conn {
-            sh,
-            private_data: peer_private_data,
-        })
+        Ok(Unstarted { sh, sock, slot })
     }
+}
 
+impl Conn {
     /// The lock-free path of an unsignaled one-sided operation without immediate data: when the
     /// connection is up, its send queue has room (as `gate` says: what the flow's lock last
     /// left behind) and the peer's region is the cached one, runs the access holding only the

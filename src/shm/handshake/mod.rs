@@ -22,6 +22,7 @@ use crate::domain::ContextInner;
 use crate::error::{Error, Result};
 use crate::shm::conn::{Conn, Link};
 use crate::shm::direct;
+use crate::shm::engine;
 use crate::shm::segment::{DEFAULT_RING_CAP, Segment};
 use crate::shm::socket::{address, my_uid, peer_cred, recv_msg, send_msg, socket};
 use crate::shm::wire::{ACCEPT, HELLO, REJECT, decode, encode, judge_reply};
@@ -82,7 +83,7 @@ impl Request {
             peer_pid,
             peer_proc: pid,
         };
-        Conn::start(self.ctx.clone(), cq, opts, link, data)
+        engine::start(self.ctx.clone(), cq, opts, link, data)
     }
 }
 
@@ -217,5 +218,5 @@ pub(crate) fn connect(
         peer_pid,
         peer_proc: pid,
     };
-    Conn::start(ctx, cq, opts, link, msg.data)
+    engine::start(ctx, cq, opts, link, msg.data)
 }
