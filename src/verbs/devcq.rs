@@ -3,13 +3,13 @@
 //! `ibv_poll_cq`, however many connections it serves.
 //!
 //! Each work completion is dispatched (`dispatch.rs`) by its queue-pair number to its
-//! connection's ledger (`post.rs`), under that connection's lock, so the per-connection order and semantics hold
+//! connection's ledger (`conn.rs`), under that connection's lock, so the per-connection order and semantics hold
 //! (flushes, unsignaled sends completed by a later signaled one, credits and hello, failed-state
 //! detection). A connection is a member from the creation of its queue pair until its teardown
 //! has drained its flushes (or given up after the flush deadline); a completion of an unknown
 //! queue pair is ignored. Queue-pair numbers are reused by devices, so a stale completion of a
 //! destroyed queue pair could carry the number of a new one: every work-request id also
-//! carries its connection's 16-bit tag (see `post::TAG_SHIFT`), given out in turn by this CQ,
+//! carries its connection's 16-bit tag (see `conn::TAG_SHIFT`), given out in turn by this CQ,
 //! and a completion whose tag is not its member's is ignored. Mis-routing would take a stale
 //! completion left unpolled while 65,536 more connections were made on this CQ and the last
 //! of them got the same queue-pair number.
@@ -37,8 +37,8 @@ use crate::driver::{Driver, Handler, Next, Ready, Registration};
 use crate::error::{Error, Result};
 use crate::idmap::IdMap;
 use crate::verbs::cm::set_nonblocking;
+use crate::verbs::conn::{ConnState, PostState, TAG_SHIFT, try_lock};
 use crate::verbs::dispatch::{Member, PollState, Wc, complete, deliver, unpark};
-use crate::verbs::post::{PostState, Shared, TAG_SHIFT, try_lock};
 
 /// Smallest device CQ made: room for a few connections before the first resize.
 const MIN_CQE: u32 = 1024;
@@ -281,7 +281,7 @@ impl DevCq {
     }
 
     /// The count of members with sends held, which each member keeps up to date
-    /// (`Shared::note_held`).
+    /// (`ConnState::note_held`).
     pub(super) fn held_conns(&self) -> Arc<AtomicUsize> {
         self.held.clone()
     }
@@ -343,7 +343,7 @@ impl DevCq {
     /// delivered afterwards. `false` when a lock was not free at once (try again later).
     pub(super) fn leave(
         &self,
-        sh: &Shared,
+        sh: &ConnState,
         qp_num: u32,
         flush: impl FnOnce(&mut PostState),
     ) -> bool {
@@ -425,7 +425,7 @@ impl Source for DevCq {
         if ps.retired {
             return;
         }
-        // Relaxed: a hint (see `Shared::note_held`).
+        // Relaxed: a hint (see `ConnState::note_held`).
         if self.held.load(Ordering::Relaxed) > 0 {
             self.pump_held(&ps);
         }
@@ -455,7 +455,7 @@ impl Source for DevCq {
 pub(super) struct Attachment {
     pub(super) devcq: Arc<DevCq>,
     need: u32,
-    /// The connection's tag, shifted into place (see `post::TAG_SHIFT`).
+    /// The connection's tag, shifted into place (see `conn::TAG_SHIFT`).
     pub(super) tag: u64,
     qp_num: Option<u32>,
     released: bool,
@@ -477,7 +477,7 @@ impl Attachment {
     }
 
     /// The connection started: its completions go to `sh`, those parked until now first.
-    pub(super) fn join(&self, sh: &Arc<Shared>) {
+    pub(super) fn join(&self, sh: &Arc<ConnState>) {
         let mut ps = self.devcq.lock();
         let PollState {
             members, parked, ..

@@ -1,5 +1,5 @@
 //! Dispatch of a shared device CQ's work completions (`devcq.rs`) to the connections' ledgers
-//! (`post.rs`): by queue-pair number and tag, under each connection's lock, in the order the
+//! (`conn.rs`): by queue-pair number and tag, under each connection's lock, in the order the
 //! device reported them - parked, in order, when a driver turn finds the lock held.
 //!
 //! The ledger keeps each connection's outstanding work in posting order (sends and receives
@@ -15,8 +15,8 @@ use rdma_sys as sys;
 
 use crate::cq::{Opcode, Sink, WcStatus};
 use crate::idmap::IdMap;
-use crate::verbs::post::{
-    HELLO_BIT, PostState, RECV_BIT, SEQ_MASK, Shared, TAG_MASK, at_or_before, try_lock,
+use crate::verbs::conn::{
+    ConnState, HELLO_BIT, PostState, RECV_BIT, SEQ_MASK, TAG_MASK, at_or_before, try_lock,
 };
 
 /// A work completion, copied out of the device's record.
@@ -82,7 +82,7 @@ pub(super) struct Member {
     pub(super) tag: u64,
     /// Its shared state, from the start of the connection (completions that come before, such
     /// as the client's hello arriving at a server still setting up, are parked until then).
-    pub(super) sh: Option<Arc<Shared>>,
+    pub(super) sh: Option<Arc<ConnState>>,
     /// Completions not yet delivered because its lock was held by a thread of the program.
     pub(super) parked: VecDeque<Wc>,
 }
@@ -179,7 +179,7 @@ pub(super) fn unpark(ps: &mut PollState, blocking: bool, out: &mut Sink<'_>) -> 
 
 /// After completions were delivered to a connection: owed credit writes go out, and its turn
 /// runs when it just failed (to tear it down) or is closing (it waits for its flushes).
-fn settle(sh: &Shared, st: &mut PostState, failed_before: bool) {
+fn settle(sh: &ConnState, st: &mut PostState, failed_before: bool) {
     sh.push_credits(st);
     // A message of the peer's may have brought credits for sends held for them.
     // Relaxed: only changed under the state lock, which is held.
@@ -194,7 +194,7 @@ fn settle(sh: &Shared, st: &mut PostState, failed_before: bool) {
 /// Completes the work one device completion reports, in the connection's ledger. Notes the
 /// first error that failed the queue pair. Returns how many records it emitted.
 #[inline(always)]
-pub(super) fn complete(sh: &Shared, st: &mut PostState, wc: &Wc, out: &mut Sink<'_>) -> usize {
+pub(super) fn complete(sh: &ConnState, st: &mut PostState, wc: &Wc, out: &mut Sink<'_>) -> usize {
     let status = wc.status;
     if status != WcStatus::Success && status != WcStatus::Flushed && st.failed.is_none() {
         st.failed = Some(status);

@@ -4,6 +4,8 @@
 #[cfg(feature = "verbs")]
 mod cm;
 #[cfg(feature = "verbs")]
+mod conn;
+#[cfg(feature = "verbs")]
 mod credit;
 #[cfg(feature = "verbs")]
 mod devcq;
@@ -12,22 +14,20 @@ mod dispatch;
 #[cfg(feature = "verbs")]
 mod domain;
 #[cfg(feature = "verbs")]
-mod establish;
+mod engine;
 #[cfg(feature = "verbs")]
-mod post;
+mod handshake;
 #[cfg(feature = "verbs")]
 mod preamble;
-#[cfg(feature = "verbs")]
-mod progress;
 #[cfg(feature = "verbs")]
 mod res;
 
 #[cfg(feature = "verbs")]
 pub(crate) use cm::sockaddr;
 #[cfg(feature = "verbs")]
-pub(crate) use establish::Listener;
+pub(crate) use engine::connect;
 #[cfg(feature = "verbs")]
-pub(crate) use progress::connect;
+pub(crate) use handshake::Listener;
 #[cfg(feature = "verbs")]
 pub(crate) use res::registration_error;
 

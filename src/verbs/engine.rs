@@ -29,10 +29,10 @@ use crate::domain::ContextInner;
 use crate::driver::{Handler, Next, Ready};
 use crate::error::{Error, Result};
 use crate::verbs::cm::EventChannel;
+use crate::verbs::conn::{Conn, ConnState, PostState, post_error, try_lock};
 use crate::verbs::credit::{Credits, HELLO_LEN, INTERNAL_SLOTS};
 use crate::verbs::devcq::DevCq;
-use crate::verbs::establish::{Established, Request, Resources, establish};
-use crate::verbs::post::{Conn, PostState, Shared, post_error, try_lock};
+use crate::verbs::handshake::{Established, Request, Resources, establish};
 
 /// How long a connection's turns first wait while sends wait for credits (or a credit write
 /// is owed), doubling up to [`CREDIT_POLL_MAX`].
@@ -87,7 +87,7 @@ fn retry_bound(opts: &ConnOptions) -> Duration {
 }
 
 pub(super) struct Engine {
-    sh: Arc<Shared>,
+    sh: Arc<ConnState>,
     /// The device CQ the connection shares with the others of its queue on its device.
     devcq: Arc<DevCq>,
     /// Dropped in teardown, except the share of the device CQ until it is given back.
@@ -177,7 +177,7 @@ impl Engine {
             }
             next = next.min(at);
         }
-        if Shared::credit_busy(&st) {
+        if ConnState::credit_busy(&st) {
             // Sends wait for credits, which arrive on a message of the peer's (its delivery
             // starts them) or as an RDMA write (no completion): look at the word again soon,
             // backing off while nothing comes.
@@ -359,7 +359,7 @@ impl Engine {
 /// Completes everything the device did not report as flushed: the send-queue work that
 /// reached it (sends and one-sided operations), then the sends and writes with immediate held
 /// for credits (which never did), then the receives.
-fn flush_rest(sh: &Shared, st: &mut PostState) {
+fn flush_rest(sh: &ConnState, st: &mut PostState) {
     let held = st.credits.as_mut().map(|c| std::mem::take(&mut c.held));
     sh.note_held(st);
     let (sends, recvs) = (&mut st.sends, &mut st.recvs);
@@ -446,7 +446,7 @@ impl Conn {
             }
             Credits::new(mr, peer, info.send_queue_depth, info.recv_queue_depth)
         });
-        let sh = Arc::new(Shared {
+        let sh = Arc::new(ConnState {
             info,
             report: Reporter {
                 cq,

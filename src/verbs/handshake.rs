@@ -25,10 +25,10 @@ use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
 use crate::verbs::cm::{CmEvent, CmId, EventChannel, sockaddr};
+use crate::verbs::conn::{HELLO_BIT, RECV_BIT, post_error};
 use crate::verbs::credit::{CreditMr, FLAG_CREDITS, HELLO_LEN, INTERNAL_SLOTS, Remote};
 use crate::verbs::devcq::{Attachment, attach};
 use crate::verbs::domain::Domain;
-use crate::verbs::post::{HELLO_BIT, RECV_BIT, post_error};
 use crate::verbs::preamble::{parse_credit_ext, parse_preamble, with_preamble};
 use crate::verbs::res::{DeviceEvents, Pd, device_events};
 
@@ -445,7 +445,7 @@ impl std::fmt::Debug for Request {
 
 impl Request {
     /// Accepts the request: the queue pair is made and established (the connection is started
-    /// by `progress.rs`).
+    /// by `engine.rs`).
     pub(super) fn establish(
         mut self,
         cq: Arc<CompletionQueue>,
@@ -542,7 +542,7 @@ impl Drop for Request {
     }
 }
 
-/// A queue pair established with its peer, for `progress.rs` to start as a connection.
+/// A queue pair established with its peer, for `engine.rs` to start as a connection.
 pub(super) struct Established {
     pub(super) ctx: Arc<ContextInner>,
     pub(super) cq: Arc<CompletionQueue>,
@@ -555,7 +555,7 @@ pub(super) struct Established {
 }
 
 /// Connects to `host:port`: the queue pair is made and established (the connection is started
-/// by `progress.rs`).
+/// by `engine.rs`).
 pub(super) fn establish(
     ctx: Arc<ContextInner>,
     host: &str,

@@ -1,5 +1,5 @@
 //! Posting on a verbs connection: the ledger of outstanding work that posters, the pollers of
-//! the shared device CQ (`devcq.rs`) and the connection's driver turns (`progress.rs`) share
+//! the shared device CQ (`devcq.rs`) and the connection's driver turns (`engine.rs`) share
 //! under the connection's lock, the caller's sends, receives and one-sided operations, and the
 //! library's own work (hello, keepalive, credit writes; see `credit.rs`).
 //!
@@ -111,7 +111,7 @@ impl PostState {
     }
 }
 
-pub(super) struct Shared {
+pub(super) struct ConnState {
     pub(super) info: ConnInfo,
     /// Where this connection's completions go.
     pub(super) report: Reporter,
@@ -144,9 +144,9 @@ pub(super) struct Shared {
 // SAFETY: the QP pointer is used only under `state`'s lock while `closed` is false (posting);
 // the driver destroys the QP only after setting `closed` under that lock. libibverbs posting
 // calls are thread-safe.
-unsafe impl Send for Shared {}
+unsafe impl Send for ConnState {}
 // SAFETY: as above.
-unsafe impl Sync for Shared {}
+unsafe impl Sync for ConnState {}
 
 /// How often a driver turn tries a lock before it gives up and comes back later: its holder
 /// (a poster or poller) holds it only briefly, and the driver must not wait for it.
@@ -163,7 +163,7 @@ pub(super) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
     None
 }
 
-impl Shared {
+impl ConnState {
     pub(super) fn lock(&self) -> MutexGuard<'_, PostState> {
         self.state.lock()
     }
@@ -448,7 +448,7 @@ impl Shared {
 
 /// The user's handle of a verbs connection. Dropping it tears the connection down.
 pub(crate) struct Conn {
-    pub(super) sh: Arc<Shared>,
+    pub(super) sh: Arc<ConnState>,
     pub(super) private_data: Vec<u8>,
 }
 
@@ -829,7 +829,7 @@ impl Drop for Conn {
     fn drop(&mut self) {
         self.disconnect();
         // The teardown runs as driver turns that never wait for the peer: bounded by the
-        // flush deadline (`progress::FLUSH_WAIT`). When this returns the disconnect has been
+        // flush deadline (`engine::FLUSH_WAIT`). When this returns the disconnect has been
         // reported and every resource of the connection is gone.
         self.sh.reg.wait_finished();
     }
