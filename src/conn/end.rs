@@ -23,6 +23,16 @@ pub(crate) fn ensure_up(down: bool) -> Result<()> {
     Ok(())
 }
 
+/// The error of a failed send on a connection's socket: [`Error::Disconnected`] when it says
+/// the peer is gone (its end closed or reset), else `other(e)`.
+pub(crate) fn socket_error(e: std::io::Error, other: fn(std::io::Error) -> Error) -> Error {
+    if matches!(e.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET)) {
+        Error::Disconnected
+    } else {
+        other(e)
+    }
+}
+
 /// Lets a post take a slot of the send queue (sends and one-sided operations), which holds
 /// `outstanding` of the caller's work requests of the `depth` granted, on a connection that is
 /// `down` or not.

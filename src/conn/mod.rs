@@ -11,7 +11,9 @@ mod end;
 mod remote;
 mod wr;
 
-pub(crate) use end::{End, Unfinished, admit_recv, admit_send, ensure_up, flush_outstanding};
+pub(crate) use end::{
+    End, Unfinished, admit_recv, admit_send, ensure_up, flush_outstanding, socket_error,
+};
 pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
 #[cfg(feature = "fuzzing")]
 pub(crate) use remote::{pack as pack_remote, unpack as unpack_remote};

@@ -26,7 +26,7 @@ use crate::domain::ContextInner;
 use crate::driver::Registration;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
-use crate::verbs::credit::{CREDIT_WRITES_MAX, Credits, Held, Regions, SIGNAL_EVERY, Work};
+use crate::verbs::credit::{CREDIT_WRITES_MAX, Credits, Regions, SIGNAL_EVERY, SendWork, Work};
 
 /// Work-request ids the library hands the device: bit 63 marks a receive, bit 62 the server's
 /// internal receive for the client's hello; bits 46..62 carry the connection's tag (see
@@ -171,7 +171,11 @@ impl ConnState {
     /// Hands a piece of the caller's work to the device (`st.user_work` already counts it).
     /// On failure the work comes back with the error number, so that held work keeps its place.
     #[allow(clippy::result_large_err)] // the error path is rare; the work is moved, not copied
-    fn post_user(&self, st: &mut PostState, h: Held) -> std::result::Result<(), (i32, Held)> {
+    fn post_user(
+        &self,
+        st: &mut PostState,
+        h: SendWork,
+    ) -> std::result::Result<(), (i32, SendWork)> {
         // SAFETY: ibv_send_wr is plain data; zero is a valid start.
         let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
         let mut f = 0;
@@ -226,7 +230,7 @@ impl ConnState {
                 note_told(st, &wr);
                 Ok(())
             }
-            Err((r, mrs)) => Err((r, Held { mrs, ..h })),
+            Err((r, mrs)) => Err((r, SendWork { mrs, ..h })),
         }
     }
 
@@ -491,7 +495,7 @@ impl Conn {
     fn send_inline(&self, ptr: *mut u8, len: usize, wr_id: u64, signaled: bool) -> Result<()> {
         let mut st = self.sh.lock();
         if !self.may_post(&st, true)? {
-            // Held for credits: the general way holds it.
+            // SendWork for credits: the general way holds it.
             drop(st);
             return self.post_send_raw(ptr, len, 0, wr_id, signaled, true, None);
         }
@@ -539,7 +543,7 @@ impl Conn {
     ) -> Result<()> {
         let mut mrs: Regions = Default::default();
         mrs[0] = mr;
-        self.submit(Held {
+        self.submit(SendWork {
             work: Work::Send {
                 ptr,
                 len: len as u32,
@@ -554,7 +558,7 @@ impl Conn {
 
     /// Hands the caller's work to the device, or, when it needs a receive the peer has not
     /// posted yet (or others wait before it), holds it for credits.
-    fn submit(&self, mut h: Held) -> Result<()> {
+    fn submit(&self, mut h: SendWork) -> Result<()> {
         let mut st = self.sh.lock();
         let credit = h.needs_credit();
         if !self.may_post(&st, credit)? {
@@ -793,7 +797,7 @@ impl ConnSeam for Conn {
         let nsge = nsge as u32;
         if matches!(wr.op, RdmaOp::Write { imm: Some(_) }) {
             // It takes a receive at the peer: it may have to wait for a credit.
-            return self.submit(Held {
+            return self.submit(SendWork {
                 work: Work::Rdma {
                     op: wr.op,
                     sges,

@@ -229,14 +229,14 @@ pub(crate) enum Work {
 /// A piece of the caller's send-queue work: posted at once, or, when it needs one of the
 /// peer's receives (a send, a write with immediate) and the peer has none posted yet, held by
 /// the library until credits arrive.
-pub(crate) struct Held {
+pub(crate) struct SendWork {
     pub(crate) work: Work,
     pub(crate) wr_id: u64,
     pub(crate) signaled: bool,
     pub(crate) mrs: Regions,
 }
 
-impl Held {
+impl SendWork {
     /// The opcode its completion carries.
     pub(crate) fn opcode(&self) -> Opcode {
         match self.work {
@@ -282,7 +282,7 @@ pub(crate) struct Credits {
     pub(crate) low: u64,
     /// A credit write is due but could not go out yet (no hello, or no free internal slot).
     pub(crate) owed: bool,
-    pub(crate) held: std::collections::VecDeque<Held>,
+    pub(crate) held: std::collections::VecDeque<SendWork>,
     /// Copies of held inline sends, one slot of `max_inline` bytes per send-queue entry (made
     /// on the first held inline send).
     pub(crate) staging: Vec<u8>,
@@ -354,7 +354,7 @@ impl Credits {
         if self.staging.is_empty() {
             self.staging = vec![0; slot * depth as usize];
         }
-        // Held sends leave in order and at most `depth` are held, so slot i is free again by
+        // SendWork sends leave in order and at most `depth` are held, so slot i is free again by
         // the time it comes round.
         let at = (self.staging_next % depth as usize) * slot;
         self.staging_next = self.staging_next.wrapping_add(1);

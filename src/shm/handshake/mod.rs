@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::conn::seam::RequestSeam;
-use crate::conn::{ConnOptions, Connection};
+use crate::conn::{ConnOptions, Connection, socket_error};
 use crate::cq::CompletionQueue;
 use crate::cq::notice::{Board, NO_SLOT};
 use crate::domain::ContextInner;
@@ -65,13 +65,7 @@ impl Request {
         fds.extend(slot.as_ref().map(|s| s.board_fd()));
         let slot_no = slot.as_ref().map_or(NO_SLOT, |s| s.slot());
         let reply = encode(ACCEPT, seg.cap() as u32, 0, slot_no, &opts.private_data);
-        send_msg(sock.as_raw_fd(), &reply, &fds).map_err(|e| {
-            if e.raw_os_error() == Some(libc::EPIPE) || e.raw_os_error() == Some(libc::ECONNRESET) {
-                Error::Disconnected
-            } else {
-                Error::Accept(e)
-            }
-        })?;
+        send_msg(sock.as_raw_fd(), &reply, &fds).map_err(|e| socket_error(e, Error::Accept))?;
         drop(fd);
         let data = std::mem::take(&mut self.private_data);
         let link = Link {

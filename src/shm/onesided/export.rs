@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::{REMOTE_BITS, REVOKE_WAIT};
+use crate::conn::{ensure_up, socket_error};
 use crate::error::{Error, Result};
 use crate::log::log;
 use crate::mr::{Access, Exposure, MemoryRegion};
@@ -131,9 +132,7 @@ impl Exports {
         peer_reaches_us: bool,
     ) -> Result<u64> {
         let mut st = self.lock();
-        if st.closed {
-            return Err(Error::Disconnected);
-        }
+        ensure_up(st.closed)?;
         if let Some(&(key, _)) = st.by_mr.get(&mr.id()) {
             return Ok(key);
         }
@@ -355,10 +354,7 @@ fn send_offer(sock: RawFd, pkt: &[u8], fd: Option<RawFd>) -> Result<()> {
                 }
                 let _ = crate::sys::poll_one(sock, libc::POLLOUT, Some(left));
             }
-            _ if matches!(e.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET)) => {
-                return Err(Error::Disconnected);
-            }
-            _ => return Err(Error::SharedMemory(e)),
+            _ => return Err(socket_error(e, Error::SharedMemory)),
         }
     }
 }
