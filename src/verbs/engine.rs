@@ -302,9 +302,13 @@ impl Engine {
                     // A peer that disconnects because one of this side's work requests failed
                     // there (a receive too small, say) may be heard of before the device reports
                     // the failure here: when it comes, with the flushes, it says why the
-                    // connection ended. (Flushes themselves fail nothing.)
+                    // connection ended. (Flushes themselves fail nothing.) That failure is also
+                    // what put the queue pair in error when the peer's disconnect came first, so
+                    // it overrides a peer's bad access inferred from that state at `Close`.
                     let end = match (end, st.failed) {
-                        (End::Peer { .. }, Some(status)) => End::Failed(status),
+                        (End::Peer { .. } | End::Failed(WcStatus::PeerAccess), Some(status)) => {
+                            End::Failed(status)
+                        }
                         (end, _) => end,
                     };
                     drop(st);
