@@ -292,3 +292,63 @@ pub fn dropping_a_connecting_connection_reports_nothing(net: &Net) {
     assert!(!cq.wait(Some(Duration::from_millis(200))).unwrap());
     assert!(cq.poll().is_none());
 }
+
+/// Connections dropped at every point of their set-up - while connecting to a listener that
+/// never answers, at once after a start that will succeed (with a receive held), while the
+/// server's accept is still unconfirmed, and after a failed start - leave no descriptor or
+/// mapping behind.
+pub fn connects_dropped_midway_leak_nothing(net: &Net) {
+    // One malloc arena, as in connect_close_cycles_leak_nothing.
+    // SAFETY: mallopt only changes the allocator's tuning.
+    assert_eq!(unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) }, 1);
+    let ctx = Context::new().unwrap();
+    let cq = CompletionQueue::new().unwrap();
+    let scq = CompletionQueue::new().unwrap();
+    let mr = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    let opts = ConnOptions {
+        timeout: Some(Duration::from_secs(30)),
+        ..Default::default()
+    };
+    let cycle = || {
+        let silent = net.addr("leak-silent");
+        let l = ctx.listen(&silent, 16).unwrap();
+        let pending: Vec<_> = (0..4)
+            .map(|_| ctx.connect_start(&silent, &cq, &opts).unwrap())
+            .collect();
+        drop(pending);
+        drop(l);
+        let addr = net.addr("leak-live");
+        let l = ctx.listen(&addr, 16).unwrap();
+        let c = ctx.connect_start(&addr, &cq, &opts).unwrap();
+        c.post_recv(&mr, 0, 64, 1).unwrap();
+        let req = l.get_request(Some(Duration::from_secs(10))).unwrap();
+        let s = req.accept_start(&scq, &opts).unwrap();
+        s.post_recv(&mr, 64, 64, 2).unwrap();
+        drop(s);
+        drop(c);
+        let refused = ctx
+            .connect_start(&net.addr("leak-nobody"), &cq, &opts)
+            .unwrap();
+        while refused.established().is_ok_and(|up| !up) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(refused);
+        drop(l);
+        // Whatever the dropped ones reported before they went.
+        while cq.poll().is_some() || scq.poll().is_some() {}
+    };
+    for _ in 0..10 {
+        cycle(); // warm up thread stacks and allocator arenas
+    }
+    let (fds, maps, ours) = (fd_count(), map_count(), our_map_count());
+    for _ in 0..50 {
+        cycle();
+    }
+    assert_eq!(fd_count(), fds, "descriptors leaked");
+    assert_eq!(
+        our_map_count(),
+        ours,
+        "shared segments or regions left mapped"
+    );
+    assert_eq!(map_count(), maps, "mappings leaked");
+}
