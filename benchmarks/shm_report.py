@@ -91,6 +91,14 @@ def main():
             "ucx tag_lat p50", "us", True)
         add("lat", s, "avg_us", "ours", "lat", "avg_us", "fi", "pingpong",
             "fi_pingpong avg", "us", True)
+    # Both sides sleeping between messages: our event loop on rbr_cq_fd against UCX's event
+    # mode, and against rbr_cq_poll_wait with spin_us 0 (a wait that sleeps at once).
+    for s in sizes("ours", "lat_fd"):
+        for key, stat in (("p50_us", "p50"), ("avg_us", "avg")):
+            add("evlat", s, key, "ours", "lat_fd", key, "ucx", "tag_lat_sleep",
+                "ucx -E sleep " + stat, "us", True, olabel="ours fd " + stat)
+            add("evlat", s, key, "ours", "lat_fd", key, "ours", "lat_wait0",
+                "poll_wait spin 0 " + stat, "us", True, olabel="ours fd " + stat)
     for s in sizes("ours", "bw"):
         add("bw", s, "mb_s", "ours", "bw", "mb_s", "ucx", "tag_bw", "ucx tag_bw", "MB/s", False)
         if ("ucx", "ucp_put_bw", s, "mb_s") in vals:

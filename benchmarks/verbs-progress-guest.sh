@@ -2,6 +2,9 @@
 # Runs inside the soft-RoCE VM (benchmarks/verbs-progress.sh boots it). Measures, side by side in
 # one boot, the stock tools against the C examples over verbs in both progress modes:
 #   latency:    ib_send_lat -R at 2 B and 4 KiB  vs  rbr_client ping-pong (one-way: p50, p99)
+#   event:      ib_send_lat -R -e (perftest's completion-channel mode) at 2 B and 4 KiB  vs
+#               rbr_bench -E (an event loop: rbr_cq_poll until RBR_EMPTY, then epoll_wait on
+#               rbr_cq_fd) and rbr_bench -W -S 0 (rbr_cq_poll_wait sleeping at once)
 #   throughput: ib_send_bw -R from 64 KiB up     vs  rbr_client streaming, window 32
 #   one-sided:  ib_write_lat / ib_read_lat -R at 2 B and 4 KiB, ib_write_bw / ib_read_bw -R from
 #               64 KiB up  vs  rbr_rma_bench (write ping-pong polling memory, read round
@@ -259,6 +262,20 @@ for round in $(seq "$rounds"); do
         record "lat$size" $t p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
       fi
     done
+    # Both sides asleep between messages: perftest on its completion channel, ours as an event
+    # loop on the queue's descriptor and in a wait that sleeps at once.
+    if row=$(perftest ib_send_lat -e -s "$size" -n "$n"); then
+      record "elat$size" ib_send_lat-e p50 "$(echo "$row" | awk '{ print $5 }')"
+      record "elat$size" ib_send_lat-e p99 "$(echo "$row" | awk '{ print $8 }')"
+    fi
+    for w in E W0; do
+      f=(-E) t=rbr-bench-fd
+      [ $w = W0 ] && f=(-W -S 0) t=rbr-bench-wait0
+      if out=$(bench lat "$size" "$n" "${f[@]}"); then
+        record "elat$size" $t p50 "$(echo "$out" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
+        record "elat$size" $t p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
+      fi
+    done
   done
   for size in $bw_sizes; do
     n=$(bw_n "$size")
@@ -349,6 +366,7 @@ awk '
     if (m ~ /^[wr]bw/) { s = substr(m, 4) + 0; return (m ~ /^w/ ? "write" : "read") " bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
     if (m ~ /^late/) return "message waiting for its receive, " substr(m, 5) " B: post to completion"
     if (m ~ /^lat/) { s = substr(m, 4) + 0; return "latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
+    if (m ~ /^elat/) { s = substr(m, 5) + 0; return "latency asleep between messages " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^bw/) { s = substr(m, 3) + 0; return "bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
     if (m ~ /^first/) return "slowest of the first round trips, " substr(m, 6) " B"
     return "connection setup"
@@ -368,8 +386,8 @@ awk '
     printf "| --- | --- | --- | --- | --- | --- | --- |\n"
     for (i = 1; i <= nm; i++) {
       m = order[i]; split(substr(tools[m], 2), ts, " ")
-      field = m ~ /^([wr]?lat|rkern|ruser|late|first)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
-      unit = m ~ /^([wr]?lat|rkern|ruser|late|first)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : " conn/s")
+      field = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
+      unit = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : " conn/s")
       ref = ts[1]; r50 = med(m SUBSEP ref SUBSEP field); r99 = med(m SUBSEP ref SUBSEP "p99")
       for (j = 1; (j in ts); j++) {
         t = ts[j]; k = m SUBSEP t SUBSEP field
@@ -389,7 +407,8 @@ fi
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
 # size, 2 x 2 bandwidth figures per size; the read's split: 2 figures of each tool; rbr_first:
-# 3 figures of the late message and 3 of the first round trips)
-want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 2 + nl * 8 + nb * 4 + 4 + 6)))
+# 3 figures of the late message and 3 of the first round trips; asleep between messages: 2
+# figures of each of 3 tools per size)
+want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 2 + nl * 8 + nb * 4 + 4 + 6 + nl * 6)))
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }
