@@ -16,7 +16,9 @@
 #            on one completion queue per side (all but one idle), each N against N = 1 of the
 #            same run (target: the empty poll at 1,024 costs at most 2x the one at 1)
 #   setup:   rbr_setup (benchmarks/setup.c): connections one after another, each connected,
-#            accepted, carrying a 64 B message each way and closed; connections per second
+#            accepted, carrying a 64 B message each way and closed; and the same with 64
+#            connections in flight from one client thread (rbr_connect_start), the server
+#            accepting without blocking; connections per second (target in flight: 20,000)
 #            (no stock tool measures this over shared memory: ours alone)
 #   first:   rbr_first (benchmarks/first.c), both sides busy-polling and both in
 #            rbr_cq_poll_wait: the slowest of the first 200 round trips of each new connection
@@ -81,6 +83,7 @@ if [ "$quick" = 1 ]; then
   lat_n=300 ucx_lat_warm=30 bw_bytes=$((8 << 20)) max_msgs=20000 fi_n=300
   limits_args=(-n 20000 -r 1) tmo=30
   scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60 setup_n=50 first_n=10
+  setup_inflight=16 setup_inflight_n=200
 else
   lat_sizes=(2 64 1024 4096 65536 1048576)
   event_sizes=(2 64 4096)
@@ -90,6 +93,7 @@ else
   limits_args=(-n 1000000 -r 5) tmo=180
   # With progress threads a round trip takes ~0.1-5 ms at 1,024 connections: minutes.
   scaling_args=(-N 1,16,256,1024 -n 10000 -b 11) scaling_tmo=900 setup_n=2000 first_n=50
+  setup_inflight=64 setup_inflight_n=20000
 fi
 join() { local IFS=,; echo "$*"; }
 # Messages per streaming run, as rbr_bench counts them: BYTES / SIZE, at most MAX, at least 100.
@@ -160,7 +164,9 @@ fail() { echo "shm.sh: round $round: $*" >&2; }
 # ------------------------------------------------------------------ the runs
 # serve_and_run LOG WHAT PROGRAM ADDR SERVER_ARGS... -- CLIENT_ARGS...: PROGRAM's server on
 # cpu0 (once it says it listens) and its client on cpu1, at ADDR; the client's RESULT lines go
-# into raw.txt as ours, a failure is reported as WHAT's.
+# into raw.txt as ours (their test named $result_test when that is set), a failure is reported
+# as WHAT's.
+result_test=""
 serve_and_run() {
   local log=$1 what=$2 prog=$3 addr=$4 sargs=() i
   shift 4
@@ -173,9 +179,8 @@ serve_and_run() {
     sleep 0.05
   done
   if client "$prog" -r client -a "$addr" "$@" >"$log" 2>&1 && end_server; then
-    # ours_test (when set) renames the test, for a mode of the same test.
-    awk -v r="$round" -v t="${ours_test:-}" '$1 == "RESULT" { $1 = r " ours"; if (t != "") $2 = t
-      print }' "$log" >>"$raw"
+    awk -v r="$round" -v t="$result_test" '$1 == "RESULT" { $1 = r " ours"; if (t != "") $2 = t
+        print }' "$log" >>"$raw"
   else
     kill "$spid" 2>/dev/null || true
     end_server || true
@@ -199,7 +204,7 @@ run_ours() {
 run_event() {
   local mode=$1 size=$2 w
   case $mode in fd) w=(-E) ;; wait0) w=(-W -S 0) ;; esac
-  ours_test=lat_$mode serve_and_run "$out/logs/r$round-ours-lat-$mode-$size.log" \
+  result_test=lat_$mode serve_and_run "$out/logs/r$round-ours-lat-$mode-$size.log" \
     "rbr_bench lat $mode" "$bench" "shm://$shm_name" -T 30 "${w[@]}" -- -t lat -s "$size" \
     -n "$lat_n" -T 30 "${w[@]}"
 }
@@ -272,10 +277,14 @@ run_fi() {
   done
 }
 
-# run_setup: rbr_setup's server on cpu0, its client on cpu1.
+# run_setup in_turn|in_flight: rbr_setup's server on cpu0, its client on cpu1, opening its
+# connections one after another (test "setup") or setup_inflight at once ("setup_inflight").
 run_setup() {
-  serve_and_run "$out/logs/r$round-setup.log" rbr_setup "$setup_bin" "shm://$shm_name-setup" \
-    -T 30 -- -n "$setup_n" -T 30
+  local n=$setup_n c=1
+  [ "$1" = in_turn ] || { n=$setup_inflight_n c=$setup_inflight result_test=setup_inflight; }
+  serve_and_run "$out/logs/r$round-setup-$1.log" "rbr_setup -c $c" "$setup_bin" \
+    "shm://$shm_name-setup" -T 30 -- -n "$n" -c "$c" -T 30
+  result_test=""
 }
 
 # run_first busy|wait: rbr_first's server on cpu0, its client on cpu1, both busy-polling or both
@@ -383,7 +392,7 @@ for round in $(seq "$rounds"); do
     echo "shm.sh: round $round/$rounds: scaling (1 to ${scaling_args[1]##*,} connections)"
     in_turn $round "run_scaling caller" "run_scaling thread"
     echo "shm.sh: round $round/$rounds: connection setup"
-    run_setup
+    in_turn $round "run_setup in_turn" "run_setup in_flight"
     echo "shm.sh: round $round/$rounds: first round trips and a message that waits for its receive"
     in_turn $round "run_first busy" "run_first wait"
   fi

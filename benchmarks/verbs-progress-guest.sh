@@ -17,6 +17,9 @@
 #               each connected, accepted, carrying a 64 B message each way and closed; server
 #               and client in two processes, as cmtime's); connections per second of the
 #               client's whole run, for both
+#   in flight:  cmtime -c C (it sets up all C at once) vs rbr_setup -n C -c C (all C started at
+#               once with rbr_connect_start from one thread, each carrying its message each way
+#               and closed; the server accepts them without blocking); the same measure
 #   first:      rbr_first (benchmarks/first.c), both sides busy-polling and both in
 #               rbr_cq_poll_wait: per connection the slowest of the first 200 round trips from
 #               the connect (median over connections, against the busy run's steady round trip),
@@ -35,6 +38,8 @@
 # Usage (in the guest): benchmarks/verbs-progress-guest.sh C_BUILD_DIR [ROUNDS] [--quick|-] [OUT]
 #   --quick: one round at tiny counts, caller progress only (proves the pipeline works)
 #   OUT: a directory writable from the guest; raw.txt (every figure) and table.md go there
+#   RBR_BENCH_MEASURES=setup (environment): only the two setup pairs, each round (minutes, for
+#   setup's spread over many rounds)
 set -u
 build=$1 rounds=${2:-3} quick=${3:-} outdir=${4:-}
 ip=${RBR_TEST_ADDR:?RBR_TEST_ADDR is unset: run me through benchmarks/verbs-progress.sh}
@@ -42,12 +47,12 @@ port=18000 results=/tmp/bench-results
 : >"$results"
 
 # Sizes and counts. Streaming moves about 64 MiB per run (at least 64 messages).
-lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100 first_n=10
+lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100 inflight=64 first_n=10
 lat_n() { [ "$1" -ge 4096 ] && echo 300 || echo 1000; } # ib_send_lat hangs on rxe at 4 KiB x 1000
 bw_n() { local n=$((64 * 1048576 / $1)); [ "$n" -ge 64 ] && echo "$n" || echo 64; }
 variants=${RBR_BENCH_VARIANTS:-"caller/- thread/- caller/1000000"}
 if [ "$quick" = --quick ]; then
-  rounds=1 bw_sizes=65536 conns=10 first_n=2
+  rounds=1 bw_sizes=65536 conns=10 inflight=10 first_n=2
   lat_n() { echo 100; }
   bw_n() { echo 50; }
   variants=${RBR_BENCH_VARIANTS:-"caller/-"}
@@ -137,17 +142,19 @@ cmtime_rate() { # N
   return 1
 }
 
-# rbr_setup: N connections one after another, each connected, accepted, carrying a 64 B
-# message each way and closed; prints connections per second of the client's whole run.
-rbr_conn_rate() { # N
-  local n=$1 i
+# rbr_setup: N connections, C in flight (1: one after another, with the blocking connect), each
+# connected, accepted, carrying a 64 B message each way and closed; prints connections per
+# second of the client's whole run.
+rbr_conn_rate() { # N [C]
+  local n=$1 c=${2:-1} i
   next_port
   : >/tmp/setup-server.log
   timeout 300 "$build/rbr_setup" -r server -a "rdma://$ip:$port" -T 60 >/tmp/setup-server.log 2>&1 &
   local s=$!
   for i in $(seq 600); do grep -q '^listening' /tmp/setup-server.log && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
   local t0; t0=$(now_ns)
-  if ! timeout 300 "$build/rbr_setup" -r client -a "rdma://$ip:$port" -n "$n" -T 60 >/tmp/setup-client.log 2>&1; then
+  if ! timeout 300 "$build/rbr_setup" -r client -a "rdma://$ip:$port" -n "$n" -c "$c" -T 60 \
+    >/tmp/setup-client.log 2>&1; then
     echo "rbr_setup failed:" >&2; cat /tmp/setup-client.log /tmp/setup-server.log >&2
     kill "$s" 2>/dev/null; wait "$s" 2>/dev/null
     return 1
@@ -238,9 +245,22 @@ record_split() { # SIZE TOOL SPLIT-LINE
 
 name() { case $1 in */-) echo "rbr-${1%/*}" ;; */1000000) echo "rbr-${1%/*}-busy" ;; *) echo "rbr-${1%/*}-spin${1#*/}" ;; esac; }
 
+measures=${RBR_BENCH_MEASURES:-all}
+case $measures in all|setup) ;; *) echo "RBR_BENCH_MEASURES: all or setup, not '$measures'" >&2; exit 2 ;; esac
+# setup_pairs: connections one after another and in flight, each against cmtime with the same
+# count (cmtime sets its connections up all at once).
+setup_pairs() {
+  local v
+  if v=$(cmtime_rate "$conns"); then record conn cmtime cps "$v"; fi
+  if v=$(rbr_conn_rate "$conns"); then record conn rbr-setup cps "$v"; fi
+  if v=$(cmtime_rate "$inflight"); then record "inflight$inflight" cmtime cps "$v"; fi
+  if v=$(rbr_conn_rate "$inflight" "$inflight"); then record "inflight$inflight" rbr-setup cps "$v"; fi
+}
+
 echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource), $(nproc) CPUs"
 for round in $(seq "$rounds"); do
   echo "== round $round"
+  if [ "$measures" = setup ]; then setup_pairs; continue; fi
   for size in $lat_sizes; do
     n=$(lat_n "$size")
     # ib_send_lat columns: bytes iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%.
@@ -323,8 +343,7 @@ for round in $(seq "$rounds"); do
       fi
     done
   done
-  if v=$(cmtime_rate "$conns"); then record conn cmtime cps "$v"; fi
-  if v=$(rbr_conn_rate "$conns"); then record conn rbr-setup cps "$v"; fi
+  setup_pairs
   # The late message against this round's one-way ib_send_lat at the smallest size; the first
   # round trips against the busy run's steady round trip.
   sl=$(awk -v m="lat${lat_sizes%% *}" '$2 == m && $3 == "ib_send_lat" && $4 == "p50" { v = $5 } END { print v }' "$results")
@@ -369,6 +388,7 @@ awk '
     if (m ~ /^elat/) { s = substr(m, 5) + 0; return "latency asleep between messages " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^bw/) { s = substr(m, 3) + 0; return "bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
     if (m ~ /^first/) return "slowest of the first round trips, " substr(m, 6) " B"
+    if (m ~ /^inflight/) return "connection setup, " substr(m, 9) " in flight"
     return "connection setup"
   }
   function ratio(a, b) { return (b > 0 && a != "") ? sprintf("%.2fx", a / b) : "-" }
@@ -407,8 +427,12 @@ fi
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
 # size, 2 x 2 bandwidth figures per size; the read's split: 2 figures of each tool; rbr_first:
-# 3 figures of the late message and 3 of the first round trips; asleep between messages: 2
-# figures of each of 3 tools per size)
-want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 2 + nl * 8 + nb * 4 + 4 + 6 + nl * 6)))
+# 3 figures of the late message and 3 of the first round trips; setup: 2 pairs; asleep between
+# messages: 2 figures of each of 3 tools per size)
+if [ "$measures" = setup ]; then
+  want=$((rounds * 4))
+else
+  want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 4 + nl * 8 + nb * 4 + 4 + 6 + nl * 6)))
+fi
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }
