@@ -375,23 +375,20 @@ impl Connection {
 
     #[cold]
     fn take_up(&self) -> Result<&Up> {
-        match self.setup.take_up() {
-            Ok(Some(imp)) => {
-                let up = Up {
+        // Installed under the set-up's lock: a thread that finds the half given out already
+        // finds it here.
+        self.setup
+            .hand_over(|imp| {
+                let _ = self.up.set(Up {
                     info: imp.info(),
                     writes_directly: imp.writes_directly(),
                     imp,
-                };
-                // Only this connection takes its half, once: the set-up gives it out once.
-                Ok(self.up.get_or_init(|| up))
-            }
-            Ok(None) => match self.up.get() {
-                // Another thread of the caller took it meanwhile.
-                Some(up) => Ok(up),
-                None => Err(Error::State("the connection is not established yet")),
-            },
-            Err(_) => Err(Error::Disconnected),
-        }
+                });
+            })
+            .map_err(|_| Error::Disconnected)?;
+        self.up
+            .get()
+            .ok_or(Error::State("the connection is not established yet"))
     }
 
     /// Whether the connection is established: `Ok(true)` once it is, `Ok(false)` while it

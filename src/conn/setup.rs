@@ -291,12 +291,17 @@ impl Setup {
         }
     }
 
-    /// The transport's half of the connection once it is up (given out once); `Ok(None)`
-    /// while connecting.
-    pub(crate) fn take_up(&self) -> Result<Option<Box<dyn ConnSeam>>> {
+    /// Hands the transport's half of the connection, once it is up, to `install` (once, under
+    /// the set-up's lock); the failure if the set-up failed.
+    pub(crate) fn hand_over(&self, install: impl FnOnce(Box<dyn ConnSeam>)) -> Result<()> {
         match &mut *self.lock() {
-            State::Connecting { .. } => Ok(None),
-            State::Up(imp) => Ok(imp.take()),
+            State::Connecting { .. } => Ok(()),
+            State::Up(imp) => {
+                if let Some(imp) = imp.take() {
+                    install(imp);
+                }
+                Ok(())
+            }
             State::Failed(e) => Err(e.duplicate()),
         }
     }
