@@ -21,6 +21,8 @@ echo "== cargo test (release)"
 cargo test --release
 echo "== cargo test without the verbs feature (shm only: what a machine without rdma-core builds)"
 cargo test --release --no-default-features --quiet
+echo "== the tokio feature: the async API's tests, its examples and its leak checks"
+cargo test --release --features tokio --quiet
 echo "== the shm suite again with progress threads (RBR_PROGRESS=thread)"
 RBR_PROGRESS=thread cargo test --release --test shm
 echo "== model checks (loom): shm ring, completion-queue readiness, doorbells"

@@ -70,10 +70,13 @@ mod fifo;
 mod idmap;
 mod log;
 mod mr;
+pub mod ops;
 mod panic;
 mod shm;
 mod sync;
 mod sys;
+#[cfg(all(feature = "tokio", not(loom)))]
+pub mod tokio;
 mod transports;
 mod verbs;
 

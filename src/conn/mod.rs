@@ -643,6 +643,11 @@ impl Connection {
         self.imp.rdma(&wr)
     }
 
+    /// The context it belongs to.
+    pub(crate) fn context_inner(&self) -> &Arc<ContextInner> {
+        &self.ctx
+    }
+
     /// Starts an orderly disconnect. Outstanding work completes (flushed), then a
     /// [`crate::Opcode::Disconnected`] record arrives on the completion queue. Idempotent.
     pub fn disconnect(&self) {

@@ -1,0 +1,203 @@
+//! The `tokio` feature over shm: operations as futures resolve to their outcomes, failures
+//! are errors with their status, records nobody awaits come out of the queue's stream, and
+//! a listener's `accept` is a future.
+
+#![cfg(feature = "tokio")]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Net, pair};
+use rdmabridge::ops::{AsyncConnection, Buf, CmpSwap, FetchAdd, Remote};
+use rdmabridge::tokio::{Listener, Queue};
+use rdmabridge::{Access, ConnOptions, Context, Error, Opcode, SendFlags, WcStatus};
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A connected pair, each side on a queue driven by the current runtime.
+fn async_pair(ctx: &Context) -> (AsyncConnection, Queue, AsyncConnection, Queue) {
+    let o = ConnOptions::default();
+    let (c, ccq, s, scq) = pair(&Net::Shm, ctx, &o, &o);
+    let (cq, sq) = (Queue::drive(ccq).unwrap(), Queue::drive(scq).unwrap());
+    let c = AsyncConnection::new(c, cq.router().clone());
+    let s = AsyncConnection::new(s, sq.router().clone());
+    (c, cq, s, sq)
+}
+
+#[test]
+fn operations_resolve_to_their_outcomes() {
+    runtime().block_on(async {
+        let ctx = Context::new().unwrap();
+        let (c, cq, s, _sq) = async_pair(&ctx);
+        // The server lets the client reach a region and tells it where.
+        let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let target = ctx.alloc_mr(4096, all | Access::REMOTE_ATOMIC).unwrap();
+        let desc = s.pack_region(&target).unwrap();
+        let got = c.recv(Buf::alloc(&ctx, 64).unwrap());
+        s.send_copy(&desc).await.unwrap();
+        let (r, buf) = got.await;
+        assert_eq!(r.unwrap().opcode, Opcode::Recv);
+        let region = c.unpack_remote(&buf).unwrap();
+
+        // A write, read back.
+        let mut out = Buf::alloc(&ctx, 5).unwrap();
+        out.copy_from_slice(b"hello");
+        let at = Remote {
+            region,
+            offset: 100,
+        };
+        let (r, out) = c.write(out, at).await;
+        r.unwrap();
+        let (r, back) = c.read(Buf::alloc(&ctx, 5).unwrap(), at).await;
+        r.unwrap();
+        assert_eq!(&back[..], &out[..]);
+
+        // Atomics give the word as it was.
+        let add = FetchAdd {
+            region,
+            offset: 8,
+            add: 5,
+        };
+        assert_eq!(c.fetch_add(add).await.unwrap(), 0);
+        assert_eq!(c.fetch_add(add).await.unwrap(), 5);
+        let swap = CmpSwap {
+            region,
+            offset: 8,
+            compare: 10,
+            swap: 7,
+        };
+        assert_eq!(c.cmp_swap(swap).await.unwrap(), 10);
+        assert_eq!(c.cmp_swap(swap).await.unwrap(), 7, "no swap: the word is 7");
+
+        // Messages, many in flight, each back with its buffer.
+        let recvs: Vec<_> = Buf::alloc_many(&ctx, 8, 4096)
+            .unwrap()
+            .into_iter()
+            .map(|b| s.recv(b))
+            .collect();
+        let sends: Vec<_> = (0..8u64)
+            .map(|k| {
+                let mut b = Buf::alloc(&ctx, 4096).unwrap();
+                b.fill(&common::pattern(k, 1000 + k as usize)).unwrap();
+                c.send(b)
+            })
+            .collect();
+        for (k, r) in recvs.into_iter().enumerate() {
+            let (r, b) = r.await;
+            assert_eq!(r.unwrap().byte_len as usize, b.len());
+            assert_eq!(&b[..], &common::pattern(k as u64, 1000 + k)[..]);
+        }
+        for s in sends {
+            s.await.0.unwrap();
+        }
+
+        // A plain post's record is nobody's future's: it comes out of the queue's stream.
+        c.post_send_inline(b"plain", 7, SendFlags::SIGNALED)
+            .unwrap();
+        let (r, b) = s.recv(Buf::alloc(&ctx, 64).unwrap()).await;
+        r.unwrap();
+        assert_eq!(&b[..], b"plain");
+        let plain = cq.next().await;
+        assert_eq!((plain.wr_id, plain.opcode), (7, Opcode::Send));
+        assert_eq!(cq.router().in_flight(), 0);
+    });
+}
+
+#[test]
+fn a_failed_operation_is_an_error_with_its_status() {
+    runtime().block_on(async {
+        let ctx = Context::new().unwrap();
+        let (c, cq, s, _sq) = async_pair(&ctx);
+        let small = s.recv(Buf::alloc(&ctx, 16).unwrap());
+        let mut big = Buf::alloc(&ctx, 100).unwrap();
+        big.fill(&[1; 100]).unwrap();
+        let sent = c.send(big);
+        let (r, _) = small.await;
+        assert!(matches!(
+            r,
+            Err(Error::WorkRequest {
+                opcode: Opcode::Recv,
+                status: WcStatus::LocalLength
+            })
+        ));
+        // The connection fails; the send ends with an error too, and the client hears of
+        // the end on its stream.
+        assert!(sent.await.0.is_err());
+        let end = cq.next().await;
+        assert_eq!(end.opcode, Opcode::Disconnected);
+        // A post on a connection that is down fails at once, through its future.
+        let (r, _) = c.send(Buf::alloc(&ctx, 8).unwrap()).await;
+        assert!(matches!(r, Err(Error::Disconnected)), "{r:?}");
+    });
+}
+
+/// A future dropped before its operation completed (here in a `select!` a timer won)
+/// changes nothing for the others: its buffer stays with the router until the record comes.
+#[test]
+fn operations_sit_in_select_beside_timers() {
+    runtime().block_on(async {
+        let ctx = Context::new().unwrap();
+        let (c, _cq, s, sq) = async_pair(&ctx);
+        let mut recv = s.recv(Buf::alloc(&ctx, 64).unwrap());
+        let mut ticks = 0;
+        let (r, b) = loop {
+            tokio::select! {
+                r = &mut recv => break r,
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {
+                    ticks += 1;
+                    if ticks == 3 {
+                        c.send_copy(b"late").await.unwrap();
+                    }
+                }
+            }
+        };
+        r.unwrap();
+        assert_eq!((&b[..], ticks), (&b"late"[..], 3));
+        // Dropped while waiting: the message it would have taken is taken and dropped.
+        let dropped = s.recv(b);
+        tokio::select! {
+            _ = dropped => unreachable!("nothing was sent"),
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+        assert_eq!(sq.router().in_flight(), 1);
+        c.send_copy(b"lost").await.unwrap();
+        while sq.router().in_flight() > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+}
+
+#[test]
+fn a_listener_accepts_as_a_future() {
+    runtime().block_on(async {
+        let ctx = Context::new().unwrap();
+        let addr = Net::Shm.addr("tokio-accept");
+        let l = Listener::bind(&ctx, &addr, 16).unwrap();
+        let q = Queue::new().unwrap();
+        let clients = 8;
+        let dialer = {
+            let (ctx, addr) = (ctx.clone(), addr.clone());
+            std::thread::spawn(move || {
+                let cq = rdmabridge::CompletionQueue::new().unwrap();
+                (0..clients)
+                    .map(|_| ctx.connect(&addr, &cq, &ConnOptions::default()).unwrap())
+                    .collect::<Vec<_>>()
+            })
+        };
+        let mut conns = Vec::new();
+        while conns.len() < clients {
+            let req = tokio::time::timeout(Duration::from_secs(10), l.accept())
+                .await
+                .expect("a request within 10 s")
+                .unwrap();
+            conns.push(req.accept(q.cq(), &ConnOptions::default()).unwrap());
+        }
+        assert_eq!(dialer.join().unwrap().len(), clients);
+    });
+}
