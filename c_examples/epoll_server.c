@@ -23,9 +23,12 @@
  * RBR_OP_DISCONNECTED is a connection's last record: the loop then destroys
  * the connection, its region and its struct peer.
  *
- * Over verbs, accepting waits one network round trip for the client to
- * confirm (at most ACCEPT_TIMEOUT_MS), and the loop serves nothing else
- * meanwhile; over shm accepting does not wait for the client.
+ * Accepting never waits for the client: rbr_request_accept_start returns at
+ * once, the receives are posted while the connection connects, and its
+ * establishment (over verbs: the client's confirmation, one network round
+ * trip later) comes on the queue as an RBR_OP_CONNECTED record - or its
+ * failure, as that connection's last record.  No library call the loop makes
+ * waits for a peer; the longest one is printed at the end.
  *
  * Either descriptor's work is done in bounded portions (at most
  * ACCEPT_BUDGET requests or POLL_BUDGET completions per readiness): what is
@@ -49,7 +52,8 @@
  * The line "listening on ADDR" is printed (and flushed) once both
  * descriptors are in the epoll set, so that scripts know when clients may
  * connect.  At the end it prints "served N clients, echoed M messages
- * (B bytes), F failed".  A client failed if it was rejected (it did not
+ * (B bytes), F failed" and the longest single library call the loop made.
+ * A client failed if it was rejected (it did not
  * send rbr_client's hello as private data), its accept failed, one of its
  * work requests failed, or it went away without an orderly disconnect.
  * Exit status 0 only if the server stopped because N clients had come and
@@ -73,9 +77,8 @@
 #define ACCEPT_BUDGET 64   /* requests taken per listener readiness */
 #define POLL_BATCH 64
 #define POLL_BUDGET 1024   /* completions taken per queue readiness */
-/* Over verbs rbr_request_accept waits for the peer to confirm (one round
- * trip), and the loop with it: at most this long for a peer that never
- * does.  Over shm it does not wait for the peer. */
+/* How long a client has to confirm an accept (over verbs, one round trip);
+ * the loop does not wait for it. */
 #define ACCEPT_TIMEOUT_MS 2000
 #define EX_REJECT_REASON "rbr-epoll-server: unknown client"
 
@@ -117,6 +120,30 @@ struct server {
 };
 
 static volatile sig_atomic_t stop_signal;
+
+/* The longest single library call the loop made, and which. */
+static uint64_t longest_ns;
+static const char *longest_call = "none";
+static uint64_t call_started;
+
+static void call_start(void)
+{
+    call_started = ex_now_ns();
+}
+
+static rbr_status call_end(const char *name, rbr_status st)
+{
+    uint64_t took = ex_now_ns() - call_started;
+
+    if (took > longest_ns) {
+        longest_ns = took;
+        longest_call = name;
+    }
+    return st;
+}
+
+/* A library call, timed (the comma puts the start before the call). */
+#define TIMED(name, call) (call_start(), call_end((name), (call)))
 
 static void on_signal(int sig)
 {
@@ -225,16 +252,18 @@ static void post_recv(const struct server *s, struct peer *p, uint32_t slot)
 {
     if (p->down || p->failed)
         return;
-    check_post(p, rbr_conn_post_recv(p->conn, p->mr, (size_t)slot * s->stride,
-                                     s->o->max_msg, slot),
+    check_post(p, TIMED("rbr_conn_post_recv",
+                        rbr_conn_post_recv(p->conn, p->mr, (size_t)slot * s->stride,
+                                           s->o->max_msg, slot)),
                "rbr_conn_post_recv");
 }
 
-/* The connection is accepted and owns p: from now on only its
- * RBR_OP_DISCONNECTED record frees p. */
+/* The connection is accepted (connecting) and owns p: from now on only its
+ * last record (RBR_OP_DISCONNECTED, or a failed RBR_OP_CONNECTED) frees p.
+ * Its receives are posted at once: the library hands them to the connection
+ * once it is up, so the client's first message finds one. */
 static void peer_start(struct server *s, struct peer *p)
 {
-    rbr_conn_info info;
     uint32_t i;
 
     p->next = s->peers;
@@ -242,6 +271,16 @@ static void peer_start(struct server *s, struct peer *p)
         s->peers->prev = p;
     s->peers = p;
     p->id = rbr_conn_id(p->conn);
+    p->slots = s->o->recvs;
+    for (i = 0; i < p->slots; i++)
+        post_recv(s, p, i);
+}
+
+/* RBR_OP_CONNECTED with success: the connection is up; checks what was
+ * granted against the receives already posted. */
+static void peer_up(struct server *s, struct peer *p)
+{
+    rbr_conn_info info;
 
     memset(&info, 0, sizeof info);
     info.struct_size = sizeof info;
@@ -249,21 +288,15 @@ static void peer_start(struct server *s, struct peer *p)
         peer_fail(p);
         return;
     }
-    /* The library may grant less than asked. */
-    p->slots = s->o->recvs;
-    if (info.recv_queue_depth < p->slots)
-        p->slots = info.recv_queue_depth;
-    if (info.send_queue_depth < p->slots)
-        p->slots = info.send_queue_depth;
-    if (p->slots == 0) {
-        ex_error("connection %llu: granted queue depths %u/%u",
+    /* The library may grant less than asked: then the receives posted
+     * beyond it failed (each has its record), and so does this client. */
+    if (info.recv_queue_depth < p->slots || info.send_queue_depth < p->slots) {
+        ex_error("connection %llu: granted queue depths %u/%u, asked for %u",
                  (unsigned long long)p->id, (unsigned)info.send_queue_depth,
-                 (unsigned)info.recv_queue_depth);
+                 (unsigned)info.recv_queue_depth, (unsigned)p->slots);
         peer_fail(p);
         return;
     }
-    for (i = 0; i < p->slots; i++)
-        post_recv(s, p, i);
     if (s->o->verbose)
         printf("client %llu connected over %s, %u receives posted\n",
                (unsigned long long)p->id,
@@ -314,8 +347,9 @@ static void accept_peer(struct server *s, rbr_request *req)
     copts.private_data_len = strlen(EX_SERVER_HELLO);
     copts.timeout_ms = ACCEPT_TIMEOUT_MS;
     copts.context = p;
-    if (ex_check(rbr_request_accept(req, s->cq, &copts, &p->conn),
-                 "rbr_request_accept"))
+    if (ex_check(TIMED("rbr_request_accept_start",
+                       rbr_request_accept_start(req, s->cq, &copts, &p->conn)),
+                 "rbr_request_accept_start"))
         goto out_mr;
     rbr_request_destroy(req);
     peer_start(s, p);
@@ -338,7 +372,8 @@ static int take_requests(struct server *s)
 
     for (i = 0; i < ACCEPT_BUDGET; i++) {
         rbr_request *req = NULL;
-        rbr_status st = rbr_listener_get_request(s->listener, 0, &req);
+        rbr_status st = TIMED("rbr_listener_get_request",
+                              rbr_listener_get_request(s->listener, 0, &req));
 
         if (st == RBR_EMPTY)
             return 0;
@@ -350,10 +385,16 @@ static int take_requests(struct server *s)
     return 0;
 }
 
-/* RBR_OP_DISCONNECTED: nothing of the connection follows; free it all. */
+/* RBR_OP_DISCONNECTED, or RBR_OP_CONNECTED with a failure: nothing of the
+ * connection follows; free it all. */
 static void peer_end(struct server *s, struct peer *p, const rbr_completion *c)
 {
-    if (c->status != RBR_WC_SUCCESS) {
+    if (c->opcode == RBR_OP_CONNECTED) {
+        rbr_status why = rbr_conn_status(p->conn);
+        ex_error("client %llu: the connection was not established: %s (%s)",
+                 (unsigned long long)p->id, rbr_status_str(why), rbr_last_error());
+        p->failed = 1;
+    } else if (c->status != RBR_WC_SUCCESS) {
         ex_error("client %llu: connection ended with status %s (%d)",
                  (unsigned long long)p->id, ex_wc_status_str(c->status),
                  (int)c->status);
@@ -374,7 +415,9 @@ static void peer_end(struct server *s, struct peer *p, const rbr_completion *c)
         s->peers = p->next;
     if (p->next != NULL)
         p->next->prev = p->prev;
+    call_start();
     rbr_conn_destroy(p->conn);
+    call_end("rbr_conn_destroy", RBR_OK);
     rbr_mr_destroy(p->mr);
     free(p);
 }
@@ -386,6 +429,13 @@ static void handle_completion(struct server *s, const rbr_completion *c)
 
     if (c->opcode == RBR_OP_DISCONNECTED) {
         peer_end(s, p, c);
+        return;
+    }
+    if (c->opcode == RBR_OP_CONNECTED) {
+        if (c->status == RBR_WC_SUCCESS)
+            peer_up(s, p);
+        else
+            peer_end(s, p, c);
         return;
     }
     if (c->status == RBR_WC_FLUSHED)
@@ -402,9 +452,10 @@ static void handle_completion(struct server *s, const rbr_completion *c)
          * the send completes. */
         if (p->down || p->failed)
             return;
-        check_post(p, rbr_conn_post_send(p->conn, p->mr,
-                                         (size_t)slot * s->stride, c->byte_len,
-                                         slot, RBR_SEND_SIGNALED),
+        check_post(p, TIMED("rbr_conn_post_send",
+                            rbr_conn_post_send(p->conn, p->mr,
+                                               (size_t)slot * s->stride, c->byte_len,
+                                               slot, RBR_SEND_SIGNALED)),
                    "rbr_conn_post_send");
         if (!p->down && !p->failed) {
             p->echoed++;
@@ -426,7 +477,7 @@ static int take_completions(struct server *s)
     while (taken < POLL_BUDGET) {
         size_t n = 0;
         size_t i;
-        rbr_status st = rbr_cq_poll(s->cq, wc, POLL_BATCH, &n);
+        rbr_status st = TIMED("rbr_cq_poll", rbr_cq_poll(s->cq, wc, POLL_BATCH, &n));
 
         if (st == RBR_EMPTY)
             return 0;
@@ -605,6 +656,8 @@ int main(int argc, char **argv)
            "%llu failed\n",
            (unsigned long long)s.served, (unsigned long long)s.echoed,
            (unsigned long long)s.bytes, (unsigned long long)s.failed);
+    printf("longest library call in the loop: %.1f us (%s)\n", longest_ns / 1000.0,
+           longest_call);
 
     /* Connections still up (after a signal, the time limit or an error):
      * every record of a connection is queued by the time rbr_conn_destroy

@@ -159,6 +159,17 @@
 #define RBR_OP_DISCONNECTED 16
 
 /**
+ * Opcode (connection event), only for connections started with `rbr_connect_start` or
+ * `rbr_request_accept_start`: the connection is established (`status` RBR_WC_SUCCESS; sends
+ * and one-sided operations may be posted from now on), or it could not be
+ * (RBR_WC_CONNECT_FAILED; `rbr_conn_status` returns the status the blocking call would have,
+ * and after a rejection `rbr_conn_private_data` has the listener's private data). A failed
+ * connection's CONNECTED record is its last: the receives posted while it connected complete
+ * RBR_WC_FLUSHED before it, and no RBR_OP_DISCONNECTED follows.
+ */
+#define RBR_OP_CONNECTED 17
+
+/**
  * Completion status: success.
  */
 #define RBR_WC_SUCCESS 0
@@ -208,6 +219,11 @@
  * was allowed, whatever it writes.
  */
 #define RBR_WC_PEER_ACCESS 8
+
+/**
+ * RBR_OP_CONNECTED only: the connection could not be established.
+ */
+#define RBR_WC_CONNECT_FAILED 9
 
 /**
  * Completion flag: `imm_data` holds immediate data.
@@ -290,9 +306,11 @@
 #define RBR_SGE_MAX 4
 
 /**
- * An established connection: reliable, in-order messages, like an RC queue pair. Create with
- * `rbr_connect` or `rbr_request_accept`; free with `rbr_conn_destroy`. Thread-safe: any thread
- * may post at any time (destroy only when no other call on it is under way). The connection's
+ * A connection: reliable, in-order messages, like an RC queue pair. Create with `rbr_connect`
+ * or `rbr_request_accept` (established when they return), or with `rbr_connect_start` or
+ * `rbr_request_accept_start` (connecting; see there); free with `rbr_conn_destroy`.
+ * Thread-safe: any thread may post at any time (destroy only when no other call on it is under
+ * way). The connection's
  * order is the order in which its posts were made: posts one thread makes one after another
  * keep their order, and posts made at the same moment from several threads take some order
  * among themselves, which the library chooses. (Over shm an unsignaled RDMA write, read or
@@ -339,8 +357,9 @@ typedef struct rbr_mr rbr_mr;
 typedef struct rbr_request rbr_request;
 
 /**
- * The result of every fallible function: `RBR_OK` (0), `RBR_EMPTY` (1, nothing ready), or a
- * negative `RBR_ERR_*` code. Values are fixed forever.
+ * The result of every fallible function: `RBR_OK` (0), `RBR_EMPTY` (1, nothing ready),
+ * `RBR_IN_PROGRESS` (2, not finished yet), or a negative `RBR_ERR_*` code. Values are fixed
+ * forever.
  */
 typedef int32_t rbr_status;
 
@@ -604,6 +623,11 @@ typedef struct rbr_sge {
  * Nothing ready (not an error): `rbr_cq_poll` found no completion.
  */
 #define RBR_EMPTY 1
+
+/**
+ * Not finished yet (not an error): `rbr_conn_status` of a connection still connecting.
+ */
+#define RBR_IN_PROGRESS 2
 
 /**
  * A required pointer argument was NULL.
@@ -1034,6 +1058,21 @@ rbr_status rbr_request_accept(struct rbr_request *r,
                               struct rbr_conn **out);
 
 /**
+ * Accepts the request without waiting and writes the connection into `*out`, connecting; its
+ * completions go to `cq`. Returns at once: the connection's establishment (over verbs, the
+ * peer's confirmation) or its failure arrives on `cq` as an RBR_OP_CONNECTED record, as for
+ * `rbr_connect_start` (see there, and `rbr_conn_status`). The request is answered either
+ * way; only `rbr_request_destroy` remains. RBR_ERR_STATE if it was already answered.
+ *
+ * # Safety
+ * `r`, `cq` live; `opts` NULL or readable; `out` writable.
+ */
+rbr_status rbr_request_accept_start(struct rbr_request *r,
+                                    struct rbr_cq *cq,
+                                    const struct rbr_conn_options *opts,
+                                    struct rbr_conn **out);
+
+/**
  * Rejects the request, sending `data[0..len]` (at most RBR_PRIVATE_DATA_MAX bytes) to the
  * peer, whose `rbr_connect` returns RBR_ERR_REJECTED. RBR_ERR_STATE if already answered.
  *
@@ -1072,6 +1111,40 @@ rbr_status rbr_connect(struct rbr_ctx *ctx,
                        struct rbr_cq *cq,
                        const struct rbr_conn_options *opts,
                        struct rbr_conn **out);
+
+/**
+ * Starts connecting to the listener at `addr` and returns at once, writing the connection
+ * into `*out` in a connecting state; its completions go to `cq`. The outcome arrives on `cq`
+ * as an RBR_OP_CONNECTED record: RBR_WC_SUCCESS once established, RBR_WC_CONNECT_FAILED when
+ * it could not be (then `rbr_conn_status` returns what `rbr_connect` would have:
+ * RBR_ERR_REFUSED, RBR_ERR_REJECTED with the listener's private data in
+ * `rbr_conn_private_data`, RBR_ERR_TIMEOUT after `opts->timeout_ms`, ...). While it connects,
+ * receives may be posted (they are posted in order once it is up, at most
+ * `opts->recv_queue_depth` of them); sends and one-sided posts return RBR_ERR_STATE. Only
+ * bad arguments fail here (RBR_ERR_INVALID, RBR_ERR_ADDRESS, ...), and nothing is made then.
+ * Destroying the connection while it connects ends the attempt; nothing more is reported.
+ *
+ * # Safety
+ * `ctx`, `cq` live; `addr` a NUL-terminated string; `opts` NULL or readable; `out` writable.
+ */
+rbr_status rbr_connect_start(struct rbr_ctx *ctx,
+                             const char *addr,
+                             struct rbr_cq *cq,
+                             const struct rbr_conn_options *opts,
+                             struct rbr_conn **out);
+
+/**
+ * Where a connection made by `rbr_connect_start` or `rbr_request_accept_start` stands:
+ * RBR_OK once established (and after it goes down: the RBR_OP_DISCONNECTED record says
+ * that), RBR_IN_PROGRESS while it connects, or the status its set-up failed with - the one the
+ * blocking call returns - with its message in `rbr_last_error` (and, for RBR_ERR_REJECTED,
+ * the listener's private data in `rbr_last_reject_data` and `rbr_conn_private_data`).
+ * A connection made by a blocking call is always RBR_OK.
+ *
+ * # Safety
+ * `conn` live.
+ */
+rbr_status rbr_conn_status(const struct rbr_conn *conn);
 
 /**
  * Posts a send of `mr[offset..offset+len]`. The bytes must not change until the send

@@ -362,6 +362,22 @@ public:
     /** The connection's id, as in its completions. */
     std::uint64_t id() const noexcept { return rbr_conn_id(get()); }
 
+    /** Whether a connection made by context::connect_start or request::accept_start is
+     *  established: true once it is, false while it connects; throws the status its set-up
+     *  failed with (the one the blocking call throws). See rbr_conn_status. */
+    bool established() const
+    {
+        rbr_status st = rbr_conn_status(get());
+        detail::check(st, "rbr_conn_status");
+        return st == RBR_OK;
+    }
+    /** As above; false with `ec` set when the set-up failed. */
+    bool established(std::error_code &ec) const noexcept
+    {
+        rbr_status st = rbr_conn_status(get());
+        return detail::check(st, ec) && st == RBR_OK;
+    }
+
     /** What was granted. */
     conn_info info() const
     {
@@ -515,6 +531,24 @@ public:
                    : connection();
     }
 
+    /** Accepts without waiting: the connection is returned connecting, and its
+     *  establishment or failure arrives on `cq` as an RBR_OP_CONNECTED record. */
+    connection accept_start(const completion_queue &cq, const conn_options &opts = conn_options())
+    {
+        rbr_conn *raw = nullptr;
+        detail::check(rbr_request_accept_start(get(), cq.get(), &opts, &raw),
+                      "rbr_request_accept_start");
+        return connection(raw);
+    }
+    connection accept_start(const completion_queue &cq, const conn_options &opts,
+                            std::error_code &ec) noexcept
+    {
+        rbr_conn *raw = nullptr;
+        return detail::check(rbr_request_accept_start(get(), cq.get(), &opts, &raw), ec)
+                   ? connection(raw)
+                   : connection();
+    }
+
     /** Rejects, sending `data` (at most RBR_PRIVATE_DATA_MAX bytes) to the peer. */
     void reject(bytes data = bytes())
     {
@@ -643,6 +677,26 @@ public:
     {
         rbr_conn *raw = nullptr;
         return detail::check(rbr_connect(get(), addr.c_str(), cq.get(), &opts, &raw), ec)
+                   ? connection(raw)
+                   : connection();
+    }
+
+    /** Starts connecting and returns at once, the connection connecting: its outcome arrives
+     *  on `cq` as an RBR_OP_CONNECTED record (then connection::established() says why a
+     *  failed one failed). Throws only for bad arguments. */
+    connection connect_start(const std::string &addr, const completion_queue &cq,
+                             const conn_options &opts = conn_options())
+    {
+        rbr_conn *raw = nullptr;
+        detail::check(rbr_connect_start(get(), addr.c_str(), cq.get(), &opts, &raw),
+                      "rbr_connect_start");
+        return connection(raw);
+    }
+    connection connect_start(const std::string &addr, const completion_queue &cq,
+                             const conn_options &opts, std::error_code &ec) noexcept
+    {
+        rbr_conn *raw = nullptr;
+        return detail::check(rbr_connect_start(get(), addr.c_str(), cq.get(), &opts, &raw), ec)
                    ? connection(raw)
                    : connection();
     }

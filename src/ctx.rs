@@ -45,16 +45,17 @@ impl Context {
         r
     }
 
-    /// Connects to a listener at `addr`; the connection's completions go to `cq`.
+    /// Connects to a listener at `addr`; the connection's completions go to `cq`. Returns once
+    /// the connection is established, or failed.
     pub fn connect(
         &self,
         addr: &str,
         cq: &Arc<CompletionQueue>,
         opts: &ConnOptions,
     ) -> Result<Connection> {
-        opts.validate()?;
-        let r = addr::resolve(addr)
-            .and_then(|ep| transports::connect(self.inner.clone(), ep, cq.clone(), opts));
+        let r = self
+            .start(addr, cq, opts, false)
+            .and_then(Connection::established_now);
         match &r {
             Ok(c) => log!(
                 Info,
@@ -65,6 +66,33 @@ impl Context {
             Err(e) => log!(Warn, "connecting to {addr} failed: {e}"),
         }
         r
+    }
+
+    /// Starts connecting to a listener at `addr` and returns at once, the connection
+    /// connecting: its outcome arrives on `cq` as an [`crate::Opcode::Connected`] record
+    /// (established, or failed with [`crate::WcStatus::ConnectFailed`]: then
+    /// [`Connection::established`] returns the error [`connect`](Self::connect) would have).
+    /// Receives may be posted meanwhile; other posts fail with [`crate::Error::State`] until
+    /// it is established. Only a malformed address or options fail here.
+    pub fn connect_start(
+        &self,
+        addr: &str,
+        cq: &Arc<CompletionQueue>,
+        opts: &ConnOptions,
+    ) -> Result<Connection> {
+        self.start(addr, cq, opts, true)
+    }
+
+    fn start(
+        &self,
+        addr: &str,
+        cq: &Arc<CompletionQueue>,
+        opts: &ConnOptions,
+        records: bool,
+    ) -> Result<Connection> {
+        opts.validate()?;
+        addr::resolve(addr)
+            .and_then(|ep| transports::connect(self.inner.clone(), ep, cq.clone(), opts, records))
     }
 
     /// Allocates a zeroed memory region of `len` bytes that the library owns.

@@ -74,6 +74,13 @@ pub(crate) trait Handler: Send {
     /// One turn: look at what is ready, do what can be done now without blocking, and say what
     /// next. A panic ends the registration (as [`Next::Done`]).
     fn run(&mut self, ready: &Ready) -> Next;
+
+    /// Asked when a turn said [`Next::Done`]: the handler that takes over this one's
+    /// registration and descriptors (a connection's background work, after its handshake
+    /// over the same descriptors), or `None` to end the registration.
+    fn successor(&mut self) -> Option<Box<dyn Handler>> {
+        None
+    }
 }
 
 /// The driver of a context, started on first use. Dropping it stops the thread.
@@ -193,6 +200,7 @@ impl Driver {
 
 /// One registration's handle, for waking its handler, asking it to stop, and waiting for its
 /// end.
+#[derive(Clone)]
 pub(crate) struct Registration {
     core: Arc<Core>,
     slot: Arc<Slot>,
@@ -535,7 +543,15 @@ impl Thread {
                     e.deadline = Some(t);
                     self.timers.push(Reverse((t, id)));
                 }
-                Next::Done => self.remove(id),
+                Next::Done => match crate::panic::catch(|| e.handler.successor()) {
+                    Ok(Some(next)) => {
+                        let done = std::mem::replace(&mut e.handler, next);
+                        let _ = crate::panic::catch(move || drop(done));
+                        // The successor's first turn comes in the next round.
+                        self.busy.push(id);
+                    }
+                    _ => self.remove(id),
+                },
             }
         }
         self.due = due;

@@ -145,6 +145,63 @@ impl Error {
         }
     }
 
+    /// The same error again, for an outcome told to more than one waiter (an OS error keeps
+    /// its number, or else its kind and message).
+    pub(crate) fn duplicate(&self) -> Error {
+        let io = |e: &io::Error| match e.raw_os_error() {
+            Some(n) => io::Error::from_raw_os_error(n),
+            None => io::Error::new(e.kind(), e.to_string()),
+        };
+        match self {
+            Error::InvalidArgument(s) => Error::InvalidArgument(s.clone()),
+            Error::Range {
+                offset,
+                len,
+                region_len,
+            } => Error::Range {
+                offset: *offset,
+                len: *len,
+                region_len: *region_len,
+            },
+            Error::Access(s) => Error::Access(s),
+            Error::Address { addr, reason } => Error::Address {
+                addr: addr.clone(),
+                reason: reason.clone(),
+            },
+            Error::Unsupported(s) => Error::Unsupported(s.clone()),
+            Error::NoDevice => Error::NoDevice,
+            Error::Unreachable(s) => Error::Unreachable(s.clone()),
+            Error::Route(s) => Error::Route(s.clone()),
+            Error::ConnectFailed(s) => Error::ConnectFailed(s.clone()),
+            Error::DeviceRemoved => Error::DeviceRemoved,
+            Error::Refused(s) => Error::Refused(s.clone()),
+            Error::Rejected(d) => Error::Rejected(d.clone()),
+            Error::Permission(s) => Error::Permission(s.clone()),
+            Error::Protocol(s) => Error::Protocol(s.clone()),
+            Error::Timeout(s) => Error::Timeout(s),
+            Error::Disconnected => Error::Disconnected,
+            Error::QueueFull(s) => Error::QueueFull(s),
+            Error::AddrInUse(s) => Error::AddrInUse(s.clone()),
+            Error::State(s) => Error::State(s),
+            Error::WorkRequest { opcode, status } => Error::WorkRequest {
+                opcode: *opcode,
+                status: *status,
+            },
+            Error::Listen(e) => Error::Listen(io(e)),
+            Error::Connect(e) => Error::Connect(io(e)),
+            Error::Accept(e) => Error::Accept(io(e)),
+            Error::SharedMemory(e) => Error::SharedMemory(io(e)),
+            Error::MemoryRegion(e) => Error::MemoryRegion(io(e)),
+            Error::MemoryLock { len, limit, source } => Error::MemoryLock {
+                len: *len,
+                limit: limit.clone(),
+                source: io(source),
+            },
+            Error::CompletionQueue(e) => Error::CompletionQueue(io(e)),
+            Error::Thread(e) => Error::Thread(io(e)),
+        }
+    }
+
     pub(crate) fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
     }

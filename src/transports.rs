@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::addr::Endpoint;
-use crate::conn::{ConnOptions, Connection, Listener};
+use crate::conn::{ConnOptions, Connection, Listener, Setup, Started, Transport};
 use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 use crate::error::{Error, Result};
@@ -19,17 +19,25 @@ pub(crate) fn listen(ctx: Arc<ContextInner>, ep: Endpoint, backlog: u32) -> Resu
     }
 }
 
-/// Connects to the listener at `ep` (`opts` were validated); completions go to `cq`.
+/// Starts connecting to the listener at `ep` (`opts` were validated); completions go to `cq`,
+/// and with them the outcome when `records`.
 pub(crate) fn connect(
     ctx: Arc<ContextInner>,
     ep: Endpoint,
     cq: Arc<CompletionQueue>,
     opts: &ConnOptions,
+    records: bool,
 ) -> Result<Connection> {
-    match ep {
-        Endpoint::Shm { name } => shm::connect(ctx, &name, cq, opts).map(Connection::new),
-        Endpoint::Verbs { host, port } => verbs_connect(ctx, &host, port, cq, opts),
-    }
+    let (transport, peer) = match &ep {
+        Endpoint::Shm { name } => (Transport::Shm, format!("shm://{name}")),
+        Endpoint::Verbs { host, port } => (Transport::Verbs, format!("rdma://{host}:{port}")),
+    };
+    let setup = Setup::new(&ctx, &cq, opts, transport, peer, records)?;
+    let started = match ep {
+        Endpoint::Shm { name } => shm::start_connect(&name, cq, opts)?,
+        Endpoint::Verbs { host, port } => verbs_connect(ctx, &host, port, cq, opts)?,
+    };
+    Connection::start(setup, started)
 }
 
 #[cfg(feature = "verbs")]
@@ -47,11 +55,11 @@ fn verbs_connect(
     port: u16,
     cq: Arc<CompletionQueue>,
     opts: &ConnOptions,
-) -> Result<Connection> {
+) -> Result<Started> {
     if !crate::verbs::device_present() {
         return Err(Error::NoDevice);
     }
-    crate::verbs::connect(ctx, host, port, cq, opts).map(Connection::new)
+    crate::verbs::start_connect(ctx, host, port, cq, opts)
 }
 
 #[cfg(not(feature = "verbs"))]
@@ -66,6 +74,6 @@ fn verbs_connect(
     _: u16,
     _: Arc<CompletionQueue>,
     _: &ConnOptions,
-) -> Result<Connection> {
+) -> Result<Started> {
     Err(Error::Unsupported("built without the verbs feature".into()))
 }

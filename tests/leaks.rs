@@ -9,6 +9,7 @@ mod common;
 #[test]
 fn leak_checks_one_after_another() {
     connect_close_cycles_leak_nothing();
+    common::suite::connects_dropped_midway_leak_nothing(&common::Net::Shm);
     expose_and_close_cycles_leak_nothing();
     a_dropped_region_is_unmapped_by_the_peer_while_the_connection_lives();
     large_messages_through_mappings_leak_nothing();

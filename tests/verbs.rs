@@ -18,7 +18,10 @@ macro_rules! suite_over_verbs {
 
 common::for_each_suite_test!(suite_over_verbs);
 // Over shm this one runs in tests/leaks.rs, alone in its binary while it counts descriptors.
-suite_over_verbs!(connect_close_cycles_leak_nothing);
+suite_over_verbs!(
+    connect_close_cycles_leak_nothing,
+    connects_dropped_midway_leak_nothing
+);
 
 /// A connect to an address no route reaches fails with its own status, within the timeout.
 /// (198.18.99.0/24 is on no interface of the VM, so nothing is ever sent.) The ceiling leaves

@@ -3,12 +3,13 @@
 //! (`wr.rs`); how a connection ends (`end.rs`); and the seam a transport implements behind them ([`seam`]).
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 mod end;
 mod remote;
+mod setup;
 mod wr;
 
 pub(crate) use end::{
@@ -17,6 +18,7 @@ pub(crate) use end::{
 pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
 #[cfg(feature = "fuzzing")]
 pub(crate) use remote::{pack as pack_remote, unpack as unpack_remote};
+pub(crate) use setup::{Handshake, Setup, Started, Step};
 #[allow(unused_imports)] // the transports' one-sided paths name it
 pub(crate) use wr::{LocalSeg, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest};
 pub use wr::{SendFlags, Sge};
@@ -252,11 +254,13 @@ impl ConnRequest {
         self.imp.private_data()
     }
 
-    /// Accepts the request; the connection's completions go to `cq`.
+    /// Accepts the request; the connection's completions go to `cq`. Returns once the
+    /// connection is established (over verbs: when the peer confirmed), or failed.
     pub fn accept(self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
-        opts.validate()?;
         let peer = self.imp.peer();
-        let r = self.imp.accept(cq.clone(), opts);
+        let r = self
+            .start(cq, opts, false)
+            .and_then(Connection::established_now);
         match &r {
             Ok(c) => log!(
                 Info,
@@ -267,6 +271,33 @@ impl ConnRequest {
             Err(e) => log!(Warn, "accepting a connection from {peer} failed: {e}"),
         }
         r
+    }
+
+    /// Accepts the request without waiting: returns at once with the connection connecting.
+    /// Its establishment (over verbs: the peer's confirmation), or its failure, arrives as an
+    /// [`crate::Opcode::Connected`] record on `cq`; see [`Connection::established`].
+    pub fn accept_start(self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
+        self.start(cq, opts, true)
+    }
+
+    fn start(
+        self,
+        cq: &Arc<CompletionQueue>,
+        opts: &ConnOptions,
+        records: bool,
+    ) -> Result<Connection> {
+        opts.validate()?;
+        let ctx = self.imp.context().clone();
+        let setup = Setup::new(
+            &ctx,
+            cq,
+            opts,
+            self.imp.transport(),
+            self.imp.peer(),
+            records,
+        )?;
+        let started = self.imp.start(cq.clone(), opts)?;
+        Connection::start(setup, started)
     }
 
     /// Rejects the request, sending `private_data` (at most [`PRIVATE_DATA_MAX`] bytes).
@@ -282,50 +313,138 @@ impl ConnRequest {
     }
 }
 
-/// An established connection: reliable, in-order messages, like an RC queue pair.
+/// A connection: reliable, in-order messages, like an RC queue pair.
+///
+/// Made established by [`crate::Context::connect`] and [`ConnRequest::accept`], or connecting
+/// by [`crate::Context::connect_start`] and [`ConnRequest::accept_start`] (see
+/// [`established`](Self::established)): while it connects, receives may be posted (they are
+/// posted in order once it is up) and every other post fails with [`Error::State`].
 ///
 /// Thread-safe: any thread may post at any time. Dropping it disconnects (if still connected),
 /// completes every outstanding work request with [`crate::WcStatus::Flushed`], delivers a
-/// [`crate::Opcode::Disconnected`] record, and releases everything, in bounded time.
+/// [`crate::Opcode::Disconnected`] record, and releases everything, in bounded time. Dropped
+/// while connecting, it ends the handshake (and reports nothing more).
 #[derive(Debug)]
 pub struct Connection {
-    imp: Box<dyn ConnSeam>,
-    /// What the transport granted, and its context: fixed for the connection's life, kept
-    /// here so that a post checks against them without calls through the seam.
-    info: ConnInfo,
+    /// The transport's half, set once the connection is up (at once for one made by a
+    /// blocking call).
+    up: OnceLock<Up>,
+    /// The set-up the connection came out of, shared with its handshake.
+    setup: Arc<Setup>,
     ctx: Arc<ContextInner>,
+}
+
+/// An established connection's transport half, with what the transport granted: fixed for the
+/// connection's life, kept here so that a post checks against them without calls through the
+/// seam.
+#[derive(Debug)]
+struct Up {
+    imp: Box<dyn ConnSeam>,
+    info: ConnInfo,
     /// What the transport said of [`ConnSeam::writes_directly`].
     writes_directly: bool,
 }
 
 impl Connection {
-    pub(crate) fn new(imp: impl ConnSeam + 'static) -> Self {
-        let info = imp.info();
-        let ctx = imp.context().clone();
-        let writes_directly = imp.writes_directly();
-        Connection {
-            imp: Box::new(imp),
-            info,
-            ctx,
-            writes_directly,
+    /// A connection over `setup`, whose handshake `started` is, running it.
+    pub(crate) fn start(setup: Arc<Setup>, started: Started) -> Result<Connection> {
+        setup.run(started)?;
+        Ok(Connection {
+            up: OnceLock::new(),
+            ctx: setup.context().clone(),
+            setup,
+        })
+    }
+
+    /// The established connection (for the blocking calls): waits for the handshake.
+    pub(crate) fn established_now(self) -> Result<Connection> {
+        self.setup.wait()?;
+        self.up()?;
+        Ok(self)
+    }
+
+    /// The transport's half: `Err` while connecting ([`Error::State`]) or once the set-up
+    /// failed.
+    #[inline(always)]
+    fn up(&self) -> Result<&Up> {
+        match self.up.get() {
+            Some(up) => Ok(up),
+            None => self.take_up(),
         }
+    }
+
+    #[cold]
+    fn take_up(&self) -> Result<&Up> {
+        match self.setup.take_up() {
+            Ok(Some(imp)) => {
+                let up = Up {
+                    info: imp.info(),
+                    writes_directly: imp.writes_directly(),
+                    imp,
+                };
+                // Only this connection takes its half, once: the set-up gives it out once.
+                Ok(self.up.get_or_init(|| up))
+            }
+            Ok(None) => match self.up.get() {
+                // Another thread of the caller took it meanwhile.
+                Some(up) => Ok(up),
+                None => Err(Error::State("the connection is not established yet")),
+            },
+            Err(_) => Err(Error::Disconnected),
+        }
+    }
+
+    /// Whether the connection is established: `Ok(true)` once it is, `Ok(false)` while it
+    /// connects, or the error its set-up failed with - the one the blocking call
+    /// ([`crate::Context::connect`], [`ConnRequest::accept`]) returns: [`Error::Refused`],
+    /// [`Error::Rejected`] with the listener's private data, [`Error::Timeout`], ... Stays
+    /// `Ok(true)` after the connection goes down (the queue's
+    /// [`crate::Opcode::Disconnected`] record says that).
+    pub fn established(&self) -> Result<bool> {
+        if self.up.get().is_some() {
+            return Ok(true);
+        }
+        self.setup.status()
+    }
+
+    /// [`established`](Self::established) for a runtime: `Ready` with the outcome, or
+    /// `Pending` with `cx`'s waker woken once there is one. For wrapping in a future; the
+    /// `tokio` feature's `connect` does.
+    pub fn poll_established(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<()>> {
+        if self.up.get().is_some() {
+            return std::task::Poll::Ready(Ok(()));
+        }
+        self.setup.poll(cx.waker())
     }
 
     /// The connection's id, echoed in its completions.
     #[inline]
     pub fn id(&self) -> u64 {
-        self.info.id
+        self.setup.id()
     }
 
-    /// What was granted.
+    /// What was granted; while connecting, only the id and transport (the rest zero).
     #[inline]
     pub fn info(&self) -> ConnInfo {
-        self.info
+        match self.up() {
+            Ok(up) => up.info,
+            Err(_) => ConnInfo {
+                id: self.id(),
+                send_queue_depth: 0,
+                recv_queue_depth: 0,
+                max_inline: 0,
+                transport: self.setup.transport(),
+            },
+        }
     }
 
     /// The private data the peer sent when it accepted (client) or requested (server).
+    /// While connecting: none; after a rejection, the listener's private data.
     pub fn private_data(&self) -> &[u8] {
-        self.imp.private_data()
+        match self.up() {
+            Ok(up) => up.imp.private_data(),
+            Err(_) => self.setup.reject_data(),
+        }
     }
 
     /// Sends `len` bytes at `offset` of `mr`. The bytes must not change until the send
@@ -339,15 +458,17 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
+        let up = self.up()?;
         let wr = SendRequest::region(&self.ctx, mr, offset, len, wr_id, flags)?;
-        self.imp.send(wr)
+        up.imp.send(wr)
     }
 
     /// Sends `data`, copied before this returns (at most the granted `max_inline` bytes).
     #[inline]
     pub fn post_send_inline(&self, data: &[u8], wr_id: u64, flags: SendFlags) -> Result<()> {
-        let wr = SendRequest::inline(data, self.info.max_inline, wr_id, flags)?;
-        self.imp.send(wr)
+        let up = self.up()?;
+        let wr = SendRequest::inline(data, up.info.max_inline, wr_id, flags)?;
+        up.imp.send(wr)
     }
 
     /// Posts a receive of up to `len` bytes into `mr` at `offset` (needs
@@ -361,7 +482,10 @@ impl Connection {
         wr_id: u64,
     ) -> Result<()> {
         let wr = RecvRequest::new(&self.ctx, mr, offset, len, wr_id)?;
-        self.imp.recv(wr)
+        match self.up.get() {
+            Some(up) => up.imp.recv(wr),
+            None => self.recv_connecting(wr),
+        }
     }
 
     /// Lets the peer reach `mr` with one-sided operations over this connection, as far as the
@@ -391,7 +515,7 @@ impl Connection {
                 "the region allows no remote access (REMOTE_WRITE, REMOTE_READ, REMOTE_ATOMIC)",
             ));
         }
-        let key = self.imp.expose(mr)?;
+        let key = self.up()?.imp.expose(mr)?;
         Ok(remote::pack(
             self.info().transport,
             mr.access(),
@@ -538,9 +662,10 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
+        let up = self.up()?;
         let wr = RdmaRequest::transfer(
             &self.ctx,
-            self.info.id,
+            up.info.id,
             op,
             local,
             remote,
@@ -548,7 +673,7 @@ impl Connection {
             wr_id,
             flags,
         )?;
-        self.imp.rdma(&wr)
+        up.imp.rdma(&wr)
     }
 
     /// The unsignaled write (no immediate) of the one local segment `local` that the transport
@@ -564,13 +689,16 @@ impl Connection {
         clippy::indexing_slicing
     )]
     pub(crate) fn write_direct(&self, local: &Sge<'_>, remote: &RemoteRegion, offset: u64) -> bool {
-        if !self.writes_directly {
+        let Some(up) = self.up.get() else {
+            return false;
+        };
+        if !up.writes_directly {
             return false;
         }
         let op = RdmaOp::Write { imm: None };
         match wr::check_single(
             &self.ctx,
-            self.info.id,
+            up.info.id,
             op,
             local,
             remote,
@@ -579,7 +707,7 @@ impl Connection {
         ) {
             // SAFETY: `check_single` found `ptr..ptr + len` inside `local.mr`, which the caller
             // holds through the call.
-            Some((ptr, len, addr)) => unsafe { self.imp.write_direct(ptr, len, remote.key, addr) },
+            Some((ptr, len, addr)) => unsafe { up.imp.write_direct(ptr, len, remote.key, addr) },
             None => false,
         }
     }
@@ -600,8 +728,9 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Option<Result<()>> {
+        let up = self.up.get()?;
         let (ptr, len, addr) =
-            wr::check_single(&self.ctx, self.info.id, op, local, remote, offset, flags)?;
+            wr::check_single(&self.ctx, up.info.id, op, local, remote, offset, flags)?;
         let one = OneOp {
             op,
             mr: local.mr,
@@ -614,7 +743,7 @@ impl Connection {
         };
         // SAFETY: `check_single` found `ptr..ptr + len` inside `local.mr`, which the caller
         // holds through the call.
-        Some(unsafe { self.imp.rdma_single(&one) })
+        Some(unsafe { up.imp.rdma_single(&one) })
     }
 
     /// Posts an atomic.
@@ -629,9 +758,10 @@ impl Connection {
         wr_id: u64,
         flags: SendFlags,
     ) -> Result<()> {
+        let up = self.up()?;
         let wr = RdmaRequest::atomic(
             &self.ctx,
-            self.info.id,
+            up.info.id,
             op,
             local,
             local_offset,
@@ -640,7 +770,7 @@ impl Connection {
             wr_id,
             flags,
         )?;
-        self.imp.rdma(&wr)
+        up.imp.rdma(&wr)
     }
 
     /// The context it belongs to.
@@ -651,7 +781,33 @@ impl Connection {
     /// Starts an orderly disconnect. Outstanding work completes (flushed), then a
     /// [`crate::Opcode::Disconnected`] record arrives on the completion queue. Idempotent.
     pub fn disconnect(&self) {
-        self.imp.disconnect()
+        match self.up() {
+            Ok(up) => up.imp.disconnect(),
+            // Ends the handshake; a connection that never came up reports no disconnect.
+            Err(_) => self.setup.cancel(),
+        }
+    }
+
+    /// Holds a receive posted while connecting, or posts it if the connection came up.
+    #[cold]
+    fn recv_connecting(&self, wr: RecvRequest<'_>) -> Result<()> {
+        let depth = self.setup.recv_depth();
+        if self
+            .setup
+            .hold_recv(wr.mr, wr.offset, wr.len, wr.wr_id, depth)?
+        {
+            return Ok(());
+        }
+        self.up()?.imp.recv(wr)
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        if self.up.get().is_none() {
+            // Not yet taken: the handshake ends, or the half it brought up is torn down here.
+            drop(self.setup.abandon());
+        }
     }
 }
 
@@ -674,12 +830,13 @@ pub(crate) mod seam {
         fn private_data(&self) -> &[u8];
         /// Who asked, for messages: an address, or a process on this host.
         fn peer(&self) -> String;
-        /// `opts` were validated.
-        fn accept(
-            self: Box<Self>,
-            cq: Arc<CompletionQueue>,
-            opts: &ConnOptions,
-        ) -> Result<Connection>;
+        /// The context of the listener it came to.
+        fn context(&self) -> &Arc<ContextInner>;
+        /// Which transport the connection will be over.
+        fn transport(&self) -> Transport;
+        /// Answers the request with an accept: the handshake that brings the connection up
+        /// (`opts` were validated).
+        fn start(self: Box<Self>, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Started>;
         /// `private_data` was checked against [`PRIVATE_DATA_MAX`].
         fn reject(self: Box<Self>, private_data: &[u8]) -> Result<()>;
     }
@@ -688,8 +845,6 @@ pub(crate) mod seam {
     pub(crate) trait ConnSeam: Send + Sync + std::fmt::Debug {
         fn info(&self) -> ConnInfo;
         fn private_data(&self) -> &[u8];
-        /// The context the connection belongs to: work requests name regions of it only.
-        fn context(&self) -> &Arc<ContextInner>;
         /// Posts a send that passed the core's checks ([`wr`]).
         fn send(&self, wr: SendRequest<'_>) -> Result<()>;
         /// Posts a receive that passed the core's checks ([`wr`]).

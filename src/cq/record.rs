@@ -20,6 +20,13 @@ pub enum Opcode {
     /// A posted receive was consumed by the peer's write with immediate: `imm` carries the
     /// value, `byte_len` the bytes written, which are in place.
     RecvWriteImm,
+    /// Connection event, only for connections started with
+    /// [`crate::Context::connect_start`] or [`crate::ConnRequest::accept_start`]: the
+    /// connection is established ([`WcStatus::Success`]), or it could not be
+    /// ([`WcStatus::ConnectFailed`]; [`crate::Connection::established`] says why). A failed one
+    /// is the connection's last record: the receives posted while it connected complete
+    /// [`WcStatus::Flushed`] before it, and no [`Opcode::Disconnected`] follows.
+    Connected,
     /// Connection event: the connection is down and every work request it had has completed.
     /// It is the last record a connection ever produces.
     Disconnected,
@@ -50,6 +57,8 @@ pub enum WcStatus {
     /// the connection failed for it. Over verbs: the device failed the queue pair for a request
     /// of the peer's, as it does for such an access.
     PeerAccess,
+    /// The connection could not be established (on an [`Opcode::Connected`] record).
+    ConnectFailed,
 }
 
 /// One finished work request or connection event.

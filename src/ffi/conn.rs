@@ -5,17 +5,21 @@ use std::time::Duration;
 
 use crate::ffi::cq::rbr_cq;
 use crate::ffi::ctx::rbr_ctx;
-use crate::ffi::error::{RBR_OK, fail, rbr_status, status};
+use crate::ffi::error::{RBR_IN_PROGRESS, RBR_OK, fail, rbr_status, status};
 use crate::ffi::mr::rbr_mr;
 use crate::ffi::{
     arg_ref, arg_str, bytes_arg, copy_out, ffi_body, ffi_body_or, out_ptr, private_data_arg,
     struct_arg,
 };
-use crate::{ConnOptions, Connection, Error, SendFlags, Transport};
+use std::sync::Arc;
 
-/// An established connection: reliable, in-order messages, like an RC queue pair. Create with
-/// `rbr_connect` or `rbr_request_accept`; free with `rbr_conn_destroy`. Thread-safe: any thread
-/// may post at any time (destroy only when no other call on it is under way). The connection's
+use crate::{CompletionQueue, ConnOptions, Connection, Context, Error, SendFlags, Transport};
+
+/// A connection: reliable, in-order messages, like an RC queue pair. Create with `rbr_connect`
+/// or `rbr_request_accept` (established when they return), or with `rbr_connect_start` or
+/// `rbr_request_accept_start` (connecting; see there); free with `rbr_conn_destroy`.
+/// Thread-safe: any thread may post at any time (destroy only when no other call on it is under
+/// way). The connection's
 /// order is the order in which its posts were made: posts one thread makes one after another
 /// keep their order, and posts made at the same moment from several threads take some order
 /// among themselves, which the library chooses. (Over shm an unsignaled RDMA write, read or
@@ -177,6 +181,31 @@ pub(crate) fn finish(r: crate::Result<Connection>, out: *mut *mut rbr_conn) -> r
     }
 }
 
+/// `rbr_connect` and `rbr_connect_start`: checks the arguments and connects with `connect`.
+///
+/// # Safety
+/// As theirs.
+unsafe fn connect_with(
+    ctx: *mut rbr_ctx,
+    addr: *const c_char,
+    cq: *mut rbr_cq,
+    opts: *const rbr_conn_options,
+    out: *mut *mut rbr_conn,
+    connect: fn(&Context, &str, &Arc<CompletionQueue>, &ConnOptions) -> crate::Result<Connection>,
+) -> rbr_status {
+    ffi_body!({
+        let ctx = arg_ref!(ctx);
+        let addr = arg_str!(addr);
+        let cq = arg_ref!(cq);
+        let out = out_ptr!(out);
+        let opts = match options(opts) {
+            Ok(o) => o,
+            Err(s) => return s,
+        };
+        finish(connect(&ctx.inner, addr, &cq.inner, &opts), out)
+    })
+}
+
 /// Connects to the listener at `addr` and writes the connection into `*out`; its completions
 /// go to `cq`. Blocks at most `opts->timeout_ms`. RBR_ERR_REFUSED: nobody listens there;
 /// RBR_ERR_REJECTED: the listener said no (`rbr_last_reject_data` has its private data);
@@ -192,16 +221,53 @@ pub unsafe extern "C" fn rbr_connect(
     opts: *const rbr_conn_options,
     out: *mut *mut rbr_conn,
 ) -> rbr_status {
+    // SAFETY: as this function's contract.
+    unsafe { connect_with(ctx, addr, cq, opts, out, Context::connect) }
+}
+
+/// Starts connecting to the listener at `addr` and returns at once, writing the connection
+/// into `*out` in a connecting state; its completions go to `cq`. The outcome arrives on `cq`
+/// as an RBR_OP_CONNECTED record: RBR_WC_SUCCESS once established, RBR_WC_CONNECT_FAILED when
+/// it could not be (then `rbr_conn_status` returns what `rbr_connect` would have:
+/// RBR_ERR_REFUSED, RBR_ERR_REJECTED with the listener's private data in
+/// `rbr_conn_private_data`, RBR_ERR_TIMEOUT after `opts->timeout_ms`, ...). While it connects,
+/// receives may be posted (they are posted in order once it is up, at most
+/// `opts->recv_queue_depth` of them); sends and one-sided posts return RBR_ERR_STATE. Only
+/// bad arguments fail here (RBR_ERR_INVALID, RBR_ERR_ADDRESS, ...), and nothing is made then.
+/// Destroying the connection while it connects ends the attempt; nothing more is reported.
+///
+/// # Safety
+/// `ctx`, `cq` live; `addr` a NUL-terminated string; `opts` NULL or readable; `out` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_connect_start(
+    ctx: *mut rbr_ctx,
+    addr: *const c_char,
+    cq: *mut rbr_cq,
+    opts: *const rbr_conn_options,
+    out: *mut *mut rbr_conn,
+) -> rbr_status {
+    // SAFETY: as this function's contract.
+    unsafe { connect_with(ctx, addr, cq, opts, out, Context::connect_start) }
+}
+
+/// Where a connection made by `rbr_connect_start` or `rbr_request_accept_start` stands:
+/// RBR_OK once established (and after it goes down: the RBR_OP_DISCONNECTED record says
+/// that), RBR_IN_PROGRESS while it connects, or the status its set-up failed with - the one the
+/// blocking call returns - with its message in `rbr_last_error` (and, for RBR_ERR_REJECTED,
+/// the listener's private data in `rbr_last_reject_data` and `rbr_conn_private_data`).
+/// A connection made by a blocking call is always RBR_OK.
+///
+/// # Safety
+/// `conn` live.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_conn_status(conn: *const rbr_conn) -> rbr_status {
     ffi_body!({
-        let ctx = arg_ref!(ctx);
-        let addr = arg_str!(addr);
-        let cq = arg_ref!(cq);
-        let out = out_ptr!(out);
-        let opts = match options(opts) {
-            Ok(o) => o,
-            Err(s) => return s,
-        };
-        finish(ctx.inner.connect(addr, &cq.inner, &opts), out)
+        let conn = arg_ref!(conn);
+        match conn.inner.established() {
+            Ok(true) => RBR_OK,
+            Ok(false) => RBR_IN_PROGRESS,
+            Err(e) => fail(e),
+        }
     })
 }
 

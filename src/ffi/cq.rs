@@ -47,6 +47,14 @@ pub const RBR_OP_RECV_WRITE_IMM: u32 = 7;
 /// (retry_count + 1) x 4.096 us x 2^ack_timeout of the port's going down, keepalive or not.
 /// (The times measured are in docs/transports.md, "Verbs".)
 pub const RBR_OP_DISCONNECTED: u32 = 16;
+/// Opcode (connection event), only for connections started with `rbr_connect_start` or
+/// `rbr_request_accept_start`: the connection is established (`status` RBR_WC_SUCCESS; sends
+/// and one-sided operations may be posted from now on), or it could not be
+/// (RBR_WC_CONNECT_FAILED; `rbr_conn_status` returns the status the blocking call would have,
+/// and after a rejection `rbr_conn_private_data` has the listener's private data). A failed
+/// connection's CONNECTED record is its last: the receives posted while it connected complete
+/// RBR_WC_FLUSHED before it, and no RBR_OP_DISCONNECTED follows.
+pub const RBR_OP_CONNECTED: u32 = 17;
 
 /// Completion status: success.
 pub const RBR_WC_SUCCESS: i32 = 0;
@@ -72,6 +80,8 @@ pub const RBR_WC_GENERAL: i32 = 7;
 /// finds it so when the peer disconnects. Not reported for a peer that reads or writes where it
 /// was allowed, whatever it writes.
 pub const RBR_WC_PEER_ACCESS: i32 = 8;
+/// RBR_OP_CONNECTED only: the connection could not be established.
+pub const RBR_WC_CONNECT_FAILED: i32 = 9;
 
 /// Completion flag: `imm_data` holds immediate data.
 pub const RBR_WC_WITH_IMM: u32 = 1;
@@ -118,6 +128,7 @@ impl From<Completion> for rbr_completion {
                 Opcode::CmpSwap => RBR_OP_CMP_SWAP,
                 Opcode::RecvWriteImm => RBR_OP_RECV_WRITE_IMM,
                 Opcode::Disconnected => RBR_OP_DISCONNECTED,
+                Opcode::Connected => RBR_OP_CONNECTED,
             },
             status: match c.status {
                 WcStatus::Success => RBR_WC_SUCCESS,
@@ -129,6 +140,7 @@ impl From<Completion> for rbr_completion {
                 WcStatus::RemoteAccess => RBR_WC_REMOTE_ACCESS,
                 WcStatus::General => RBR_WC_GENERAL,
                 WcStatus::PeerAccess => RBR_WC_PEER_ACCESS,
+                WcStatus::ConnectFailed => RBR_WC_CONNECT_FAILED,
             },
             byte_len: c.byte_len,
             imm_data: c.imm.unwrap_or(0),

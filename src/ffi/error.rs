@@ -6,14 +6,17 @@ use std::ffi::{CString, c_char, c_void};
 
 use crate::error::Error;
 
-/// The result of every fallible function: `RBR_OK` (0), `RBR_EMPTY` (1, nothing ready), or a
-/// negative `RBR_ERR_*` code. Values are fixed forever.
+/// The result of every fallible function: `RBR_OK` (0), `RBR_EMPTY` (1, nothing ready),
+/// `RBR_IN_PROGRESS` (2, not finished yet), or a negative `RBR_ERR_*` code. Values are fixed
+/// forever.
 pub type rbr_status = i32;
 
 /// Success.
 pub const RBR_OK: rbr_status = 0;
 /// Nothing ready (not an error): `rbr_cq_poll` found no completion.
 pub const RBR_EMPTY: rbr_status = 1;
+/// Not finished yet (not an error): `rbr_conn_status` of a connection still connecting.
+pub const RBR_IN_PROGRESS: rbr_status = 2;
 /// A required pointer argument was NULL.
 pub const RBR_ERR_NULL: rbr_status = -1;
 /// An argument is out of range or malformed.
@@ -172,6 +175,7 @@ fn status_name(status: i32) -> &'static std::ffi::CStr {
     match status {
         RBR_OK => c"RBR_OK: success",
         RBR_EMPTY => c"RBR_EMPTY: nothing ready",
+        RBR_IN_PROGRESS => c"RBR_IN_PROGRESS: not finished yet",
         RBR_ERR_NULL => c"RBR_ERR_NULL: a required pointer was NULL",
         RBR_ERR_INVALID => c"RBR_ERR_INVALID: invalid argument",
         RBR_ERR_NO_MEMORY => c"RBR_ERR_NO_MEMORY: out of memory",

@@ -10,7 +10,9 @@ use crate::ffi::{
     arg_mut, arg_ref, arg_str, copy_out, ffi_body, ffi_body_or, out_ptr, private_data_arg,
     timeout_arg,
 };
-use crate::{ConnRequest, Error, Listener};
+use std::sync::Arc;
+
+use crate::{CompletionQueue, ConnOptions, ConnRequest, Connection, Error, Listener};
 
 /// A listening endpoint. Create with `rbr_listen`, free with `rbr_listener_destroy`.
 /// Thread-safe.
@@ -183,6 +185,41 @@ pub unsafe extern "C" fn rbr_request_accept(
     opts: *const rbr_conn_options,
     out: *mut *mut rbr_conn,
 ) -> rbr_status {
+    // SAFETY: as this function's contract.
+    unsafe { accept_with(r, cq, opts, out, ConnRequest::accept) }
+}
+
+/// Accepts the request without waiting and writes the connection into `*out`, connecting; its
+/// completions go to `cq`. Returns at once: the connection's establishment (over verbs, the
+/// peer's confirmation) or its failure arrives on `cq` as an RBR_OP_CONNECTED record, as for
+/// `rbr_connect_start` (see there, and `rbr_conn_status`). The request is answered either
+/// way; only `rbr_request_destroy` remains. RBR_ERR_STATE if it was already answered.
+///
+/// # Safety
+/// `r`, `cq` live; `opts` NULL or readable; `out` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn rbr_request_accept_start(
+    r: *mut rbr_request,
+    cq: *mut rbr_cq,
+    opts: *const rbr_conn_options,
+    out: *mut *mut rbr_conn,
+) -> rbr_status {
+    // SAFETY: as this function's contract.
+    unsafe { accept_with(r, cq, opts, out, ConnRequest::accept_start) }
+}
+
+/// `rbr_request_accept` and `rbr_request_accept_start`: checks the arguments and answers with
+/// `accept`.
+///
+/// # Safety
+/// As theirs.
+unsafe fn accept_with(
+    r: *mut rbr_request,
+    cq: *mut rbr_cq,
+    opts: *const rbr_conn_options,
+    out: *mut *mut rbr_conn,
+    accept: fn(ConnRequest, &Arc<CompletionQueue>, &ConnOptions) -> crate::Result<Connection>,
+) -> rbr_status {
     ffi_body!({
         let r = arg_mut!(r);
         let cq = arg_ref!(cq);
@@ -194,7 +231,7 @@ pub unsafe extern "C" fn rbr_request_accept(
         let Some(req) = r.inner.take() else {
             return fail(Error::State("the request was already answered"));
         };
-        finish(req.accept(&cq.inner, &opts), out)
+        finish(accept(req, &cq.inner, &opts), out)
     })
 }
 

@@ -13,14 +13,13 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::conn::seam::ConnSeam;
 use crate::conn::{
-    ConnInfo, ConnOptions, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest,
-    Transport, next_conn_id,
+    ConnInfo, ConnOptions, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest, Setup,
+    Transport,
 };
 use crate::cq::notice::Board;
 use crate::cq::{CompletionQueue, Progress, Reporter, Sink, SlotReservation, Source, WcStatus};
-use crate::domain::ContextInner;
 use crate::driver::Registration;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::mr::MemoryRegion;
 use crate::shm::bell;
 use crate::shm::flow::{Flow, RecvWr, SendSrc, SharedRegions};
@@ -34,7 +33,6 @@ pub(crate) struct ConnState {
     pub(crate) info: ConnInfo,
     /// Where this connection's completions go.
     pub(crate) report: Reporter,
-    pub(crate) ctx: Arc<ContextInner>,
     /// The data path. Held briefly by whoever posts, polls or drives, never across a sleep (a
     /// spin lock); taken through [`ConnState::lock`], whose guard publishes `gate` as it lets go.
     flow: SpinLock<Flow>,
@@ -315,7 +313,7 @@ pub(crate) struct Unstarted {
 impl Unstarted {
     /// The state of a connection over an established handshake socket and segment.
     pub(crate) fn new(
-        ctx: Arc<ContextInner>,
+        setup: &Setup,
         cq: Arc<CompletionQueue>,
         opts: &ConnOptions,
         link: Link,
@@ -330,14 +328,13 @@ impl Unstarted {
             peer_proc,
         } = link;
         let info = ConnInfo {
-            id: next_conn_id(),
+            id: setup.id(),
             send_queue_depth: opts.send_queue_depth,
             recv_queue_depth: opts.recv_queue_depth,
             max_inline: opts.max_inline,
             transport: Transport::Shm,
         };
         let caller_polls = cq.options().progress == Progress::Caller;
-        let driver = ctx.driver.get().map_err(Error::Thread)?;
         let seg = Arc::new(seg);
         let exports = Arc::new(Exports::new(seg.clone(), side, peer_proc, sock.as_raw_fd()));
         let inbox = SocketReader::default();
@@ -366,7 +363,6 @@ impl Unstarted {
                 context: opts.context,
                 peer: process_name(peer_proc),
             },
-            ctx,
             gate: AtomicUsize::new(flow.gate()),
             flow: SpinLock::new(flow),
             imports,
@@ -376,7 +372,7 @@ impl Unstarted {
             peer_pid,
             caller_polls,
             engine_sleeping: AtomicBool::new(false),
-            wake: driver.registration(),
+            wake: setup.registration().clone(),
             slot: slot.as_ref().map(|r| r.slot()),
             idle_polls: AtomicU32::new(0),
             exports,
@@ -511,10 +507,6 @@ impl ConnSeam for Conn {
 
     fn private_data(&self) -> &[u8] {
         &self.private_data
-    }
-
-    fn context(&self) -> &Arc<ContextInner> {
-        &self.sh.ctx
     }
 
     /// Posts a checked send.

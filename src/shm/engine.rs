@@ -12,29 +12,27 @@ use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
 use std::time::{Duration, Instant};
 
-use crate::conn::ConnOptions;
 use crate::conn::End;
+use crate::conn::{ConnOptions, Setup};
 use crate::cq::CompletionQueue;
 use crate::cq::{Sink, WcStatus};
-use crate::domain::ContextInner;
 use crate::driver::{Handler, Next, Ready};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::shm::bell;
 use crate::shm::conn::{Conn, ConnState, FlowGuard, Link, Unstarted};
 use crate::shm::wire::{BYE, send_packet};
 
 /// Starts a connection over an established handshake socket and segment: its state, its place
-/// among its queue's sources (or on the queue's notice board), and its background work on the
-/// context's driver.
+/// among its queue's sources (or on the queue's notice board), and the background work that
+/// takes over the handshake's registration on the context's driver.
 pub(crate) fn start(
-    ctx: Arc<ContextInner>,
+    setup: &Setup,
     cq: Arc<CompletionQueue>,
     opts: &ConnOptions,
     link: Link,
     peer_private_data: Vec<u8>,
-) -> Result<Conn> {
-    let driver = ctx.driver.get().map_err(Error::Thread)?;
-    let Unstarted { sh, sock, slot } = Unstarted::new(ctx, cq, opts, link)?;
+) -> Result<(Conn, Box<Engine>)> {
+    let Unstarted { sh, sock, slot } = Unstarted::new(setup, cq, opts, link)?;
     // Before the background work starts, so that its teardown's removal always comes after.
     if slot.is_some() {
         // The connection starts on the board, not polled every time: the peer marks it.
@@ -47,13 +45,8 @@ pub(crate) fn start(
             None => sh.report.cq.add_source(sh.clone()),
         }
     }
-    let fd = sock.as_raw_fd();
     let engine = Box::new(Engine::new(sh.clone(), sock));
-    if let Err(e) = driver.register(&sh.wake, &[fd], engine) {
-        sh.report.cq.remove_source(sh.info.id);
-        return Err(Error::Thread(e));
-    }
-    Ok(Conn::new(sh, peer_private_data))
+    Ok((Conn::new(sh, peer_private_data), engine))
 }
 
 /// While the driver moves a connection's data: how long it keeps looking at it after the last

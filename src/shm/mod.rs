@@ -25,4 +25,4 @@ mod segment;
 mod socket;
 mod wire;
 
-pub(crate) use handshake::{Listener, connect};
+pub(crate) use handshake::{Listener, start_connect};

@@ -22,7 +22,6 @@ use crate::conn::{
     admit_send,
 };
 use crate::cq::{Opcode, Reporter, WcStatus};
-use crate::domain::ContextInner;
 use crate::driver::Registration;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
@@ -115,7 +114,6 @@ pub(super) struct ConnState {
     pub(super) info: ConnInfo,
     /// Where this connection's completions go.
     pub(super) report: Reporter,
-    pub(super) ctx: Arc<ContextInner>,
     pub(super) pd: Arc<crate::verbs::res::Pd>,
     pub(super) qp: *mut sys::ibv_qp,
     /// Most local segments the queue pair takes in one work request (at most [`SGE_MAX`]).
@@ -641,10 +639,6 @@ impl ConnSeam for Conn {
 
     fn private_data(&self) -> &[u8] {
         &self.private_data
-    }
-
-    fn context(&self) -> &Arc<ContextInner> {
-        &self.sh.ctx
     }
 
     /// Posts a checked send.

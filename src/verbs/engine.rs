@@ -21,18 +21,15 @@ use std::time::{Duration, Instant};
 use rdma_sys as sys;
 use sys::rdma_cm_event_type::*;
 
-use crate::conn::{
-    ConnInfo, ConnOptions, End, Transport, Unfinished, flush_outstanding, next_conn_id,
-};
-use crate::cq::{CompletionQueue, Reporter, Sink, WcStatus};
-use crate::domain::ContextInner;
+use crate::conn::{ConnInfo, ConnOptions, End, Setup, Transport, Unfinished, flush_outstanding};
+use crate::cq::{Reporter, Sink, WcStatus};
 use crate::driver::{Handler, Next, Ready};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::verbs::cm::EventChannel;
 use crate::verbs::conn::{Conn, ConnState, PostState, post_error, try_lock};
 use crate::verbs::credit::{Credits, HELLO_LEN, INTERNAL_SLOTS};
 use crate::verbs::devcq::DevCq;
-use crate::verbs::handshake::{Established, Request, Resources, establish};
+use crate::verbs::handshake::{Established, Resources};
 
 /// How long a connection's turns first wait while sends wait for credits (or a credit write
 /// is owed), doubling up to [`CREDIT_POLL_MAX`].
@@ -404,30 +401,15 @@ impl Handler for Engine {
     }
 }
 
-/// Connects to `host:port`.
-pub(crate) fn connect(
-    ctx: Arc<ContextInner>,
-    host: &str,
-    port: u16,
-    cq: Arc<CompletionQueue>,
-    opts: &ConnOptions,
-) -> Result<Conn> {
-    Conn::start(establish(ctx, host, port, cq, opts)?, opts)
-}
-
-impl Request {
-    /// Accepts the request.
-    pub(crate) fn into_conn(self, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Conn> {
-        Conn::start(self.establish(cq, opts)?, opts)
-    }
-}
-
 impl Conn {
     /// Starts a connection whose queue pair is established: its shared state joins the device
-    /// CQ and its turns start on the context's driver.
-    fn start(e: Established, opts: &ConnOptions) -> Result<Conn> {
+    /// CQ, and the turns that take over its handshake's registration are returned.
+    pub(super) fn start(
+        e: Established,
+        opts: &ConnOptions,
+        setup: &Setup,
+    ) -> Result<(Conn, Box<dyn Handler>)> {
         let Established {
-            ctx,
             cq,
             mut res,
             peer_data,
@@ -435,13 +417,12 @@ impl Conn {
             credits,
         } = e;
         let info = ConnInfo {
-            id: next_conn_id(),
+            id: setup.id(),
             send_queue_depth: (res.caps.max_send_wr - INTERNAL_SLOTS).min(opts.send_queue_depth),
             recv_queue_depth: (res.caps.max_recv_wr - 1).min(opts.recv_queue_depth),
             max_inline: res.caps.max_inline_data.min(opts.max_inline),
             transport: Transport::Verbs,
         };
-        let driver = ctx.driver.get().map_err(Error::Thread)?;
         // A client that speaks credits sends its hello first (see `crate::verbs::credit`).
         let client_hello = credits.as_ref().is_some_and(|(_, peer)| peer.is_some());
         let credits = credits.map(|(mut mr, peer)| {
@@ -458,7 +439,6 @@ impl Conn {
                 context: opts.context,
                 peer: res.peer(),
             },
-            ctx: ctx.clone(),
             pd: res.pd.clone(),
             qp: res.qp_raw(),
             max_send_sge: res.caps.max_send_sge.min(crate::conn::SGE_MAX as u32),
@@ -478,7 +458,7 @@ impl Conn {
                 unsignaled_run: 0,
                 credits,
             }),
-            reg: driver.registration(),
+            reg: setup.registration().clone(),
             has_held: AtomicBool::new(false),
             keepalive: opts.keepalive.filter(|_| library_peer),
         });
@@ -502,7 +482,6 @@ impl Conn {
         // From here the device CQ's completions of this queue pair go to `sh`.
         res.att.join(&sh);
         let ch = res.ch.take().expect("the connection's event channel");
-        let fd = ch.fd();
         let engine = Engine {
             devcq: res.att.devcq.clone(),
             sh: sh.clone(),
@@ -517,15 +496,11 @@ impl Conn {
             seen_polls: u64::MAX,
             stage: Stage::Up,
         };
-        // On failure the engine is dropped here: its resources go, and the device CQ forgets
-        // the queue pair.
-        driver
-            .register(&sh.reg, &[fd], Box::new(engine))
-            .map_err(Error::Thread)?;
-        Ok(Conn {
+        let conn = Conn {
             sh,
             private_data: peer_data,
-        })
+        };
+        Ok((conn, Box::new(engine)))
     }
 }
 

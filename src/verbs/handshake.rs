@@ -20,11 +20,13 @@ use rdma_sys as sys;
 use sys::rdma_cm_event_type::*;
 
 use crate::conn::seam::{ListenerSeam, RequestSeam};
-use crate::conn::{ConnOptions, ConnRequest, Connection};
+use crate::conn::{ConnOptions, ConnRequest, Handshake, Setup, Started, Step, Transport};
 use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
+use crate::driver::{Next, Ready};
 use crate::error::{Error, Result};
 use crate::verbs::cm::{CmEvent, CmId, EventChannel, sockaddr};
+use crate::verbs::conn::Conn;
 use crate::verbs::conn::{HELLO_BIT, RECV_BIT, post_error};
 use crate::verbs::credit::{CreditMr, FLAG_CREDITS, HELLO_LEN, INTERNAL_SLOTS, Remote};
 use crate::verbs::devcq::{Attachment, attach};
@@ -79,21 +81,6 @@ fn event_error(ev: &CmEvent, target: &str) -> Error {
         RDMA_CM_EVENT_REJECTED => Error::Rejected(parse_preamble(&ev.private_data).1),
         RDMA_CM_EVENT_DEVICE_REMOVAL => Error::DeviceRemoved,
         _ => Error::ConnectFailed(format!("{target}: {} (status {})", ev.name(), ev.status)),
-    }
-}
-
-/// Waits for the next event on `ch`, which must be `want`; anything else is an error.
-fn expect_event(
-    ch: &EventChannel,
-    want: u32,
-    deadline: Option<Instant>,
-    doing: &'static str,
-    target: &str,
-) -> Result<CmEvent> {
-    match ch.get_event(deadline)? {
-        None => Err(Error::Timeout(doing)),
-        Some(ev) if ev.kind == want => Ok(ev),
-        Some(ev) => Err(event_error(&ev, target)),
     }
 }
 
@@ -170,14 +157,17 @@ impl Drop for QpGuard {
 }
 
 impl Resources {
+    /// The objects of a connection over `id` and its channel `ch`, which it takes only when
+    /// it succeeds (a handshake keeps them, and its descriptor, until its handler goes).
     fn new(
         ctx: &ContextInner,
         cq: &Arc<CompletionQueue>,
-        id: CmId,
-        ch: EventChannel,
+        id: &mut Option<CmId>,
+        ch: &mut Option<EventChannel>,
         opts: &ConnOptions,
     ) -> Result<Resources> {
-        let device = id.verbs();
+        let cm = id.as_ref().expect("a live id");
+        let device = cm.verbs();
         if device.is_null() {
             return Err(Error::NoDevice);
         }
@@ -186,7 +176,7 @@ impl Resources {
         let dev = device_events(device)?;
         let (limits, max_send_sge) = Limits::of(device)?;
         // SAFETY: live id, bound to a device port by now.
-        let port = unsafe { (*id.0).port_num };
+        let port = unsafe { (*cm.0).port_num };
         // Room in the shared device CQ for everything the queue pair may report at once: a
         // queue pair in error reports every outstanding work request, signaled or not - the
         // caller's, the library's own (credit writes, keepalive, hello) and the server's hello
@@ -210,16 +200,16 @@ impl Resources {
         attr.cap.max_inline_data = opts.max_inline;
         // SAFETY: live id, PD and attr (its CQ lives while `att` does); on success the id owns
         // the QP and attr.cap holds the granted capabilities.
-        if unsafe { sys::rdma_create_qp(id.0, pd.raw, &mut attr) } != 0 {
+        if unsafe { sys::rdma_create_qp(cm.0, pd.raw, &mut attr) } != 0 {
             let e = io::Error::last_os_error();
             return Err(Error::invalid(format!(
                 "the device refused the queue pair (depths {}/{}, inline {}): {e}",
                 opts.send_queue_depth, opts.recv_queue_depth, opts.max_inline
             )));
         }
-        let qp = QpGuard(id.0);
+        let qp = QpGuard(cm.0);
         // SAFETY: the id owns the live QP just made.
-        att.enter(unsafe { (*(*id.0).qp).qp_num });
+        att.enter(unsafe { (*(*cm.0).qp).qp_num });
         Ok(Resources {
             qp: Some(qp),
             att,
@@ -228,8 +218,8 @@ impl Resources {
             dev,
             port,
             limits,
-            id: Some(id),
-            ch: Some(ch),
+            id: id.take(),
+            ch: ch.take(),
             credit: None,
         })
     }
@@ -444,18 +434,10 @@ impl std::fmt::Debug for Request {
 }
 
 impl Request {
-    /// Accepts the request: the queue pair is made and established (the connection is started
-    /// by `engine.rs`).
-    pub(super) fn establish(
-        mut self,
-        cq: Arc<CompletionQueue>,
-        opts: &ConnOptions,
-    ) -> Result<Established> {
-        let (id, ch) = (
-            self.id.take().expect("unanswered"),
-            self.ch.take().expect("unanswered"),
-        );
-        let mut res = Resources::new(&self.ctx, &cq, id, ch, opts)?;
+    /// Answers the request with an accept: the queue pair is made, and the peer's
+    /// confirmation is to come on the request's channel.
+    fn answer(&mut self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Resources> {
+        let mut res = Resources::new(&self.ctx, cq, &mut self.id, &mut self.ch, opts)?;
         let data = if self.library_peer {
             // Credits: the client's hello must find a receive, so one is posted before the
             // accept (first in the receive queue); the accept tells the client where this side's
@@ -482,25 +464,88 @@ impl Request {
         if unsafe { sys::rdma_accept(res.id_raw(), &mut param) } != 0 {
             return Err(Error::Accept(io::Error::last_os_error()));
         }
-        let deadline = opts.timeout.map(|t| Instant::now() + t);
-        expect_event(
+        Ok(res)
+    }
+}
+
+/// The accepting side's handshake: the accept, then the peer's confirmation.
+struct Accepting {
+    request: Request,
+    cq: Arc<CompletionQueue>,
+    opts: ConnOptions,
+    deadline: Option<Instant>,
+    /// Once accepted.
+    res: Option<Resources>,
+}
+
+impl Accepting {
+    fn turn(&mut self) -> Result<Option<Established>> {
+        let Some(res) = &self.res else {
+            self.res = Some(self.request.answer(&self.cq, &self.opts)?);
+            return Ok(None);
+        };
+        let peer = res.peer();
+        let Some(_) = next_event(
             res.ch(),
             RDMA_CM_EVENT_ESTABLISHED,
-            deadline,
+            self.deadline,
             "waiting for the peer to confirm",
-            "peer",
-        )?;
-        let pd = std::mem::take(&mut self.private_data);
+            &peer,
+        )?
+        else {
+            return Ok(None);
+        };
+        let mut res = self.res.take().expect("accepted");
         // The server learns the client's word from the hello.
         let credits = res.credit.take().map(|c| (c, None));
-        Ok(Established {
-            ctx: self.ctx.clone(),
-            cq,
+        Ok(Some(Established {
+            cq: self.cq.clone(),
             res,
-            peer_data: pd,
-            library_peer: self.library_peer,
+            peer_data: std::mem::take(&mut self.request.private_data),
+            library_peer: self.request.library_peer,
             credits,
-        })
+        }))
+    }
+}
+
+impl Handshake for Accepting {
+    fn step(&mut self, _: &Ready, setup: &Setup) -> Step {
+        let opts = self.opts.clone();
+        step(self.turn(), setup, &opts, self.deadline)
+    }
+}
+
+/// A handshake's step from its turn's outcome: an established queue pair starts as the
+/// connection.
+fn step(
+    turn: Result<Option<Established>>,
+    setup: &Setup,
+    opts: &ConnOptions,
+    deadline: Option<Instant>,
+) -> Step {
+    match turn.and_then(|e| e.map(|e| Conn::start(e, opts, setup)).transpose()) {
+        Ok(Some((conn, engine))) => Step::Up(Box::new(conn), engine),
+        Ok(None) => Step::Wait(Next::Wait(deadline)),
+        Err(e) => Step::Failed(e),
+    }
+}
+
+/// The next event on `ch` if there is one, which must be `want`; `Ok(None)` when there is
+/// none yet, [`Error::Timeout`] when there is none by `deadline`.
+fn next_event(
+    ch: &EventChannel,
+    want: u32,
+    deadline: Option<Instant>,
+    doing: &'static str,
+    target: &str,
+) -> Result<Option<CmEvent>> {
+    match ch.get_event(Some(Instant::now()))? {
+        None if crate::sys::remaining(deadline).is_some_and(|d| d.is_zero()) => {
+            Err(Error::Timeout(doing))
+        }
+        None => Ok(None),
+        Some(ev) if ev.kind == want => Ok(Some(ev)),
+        Some(ev) => Err(event_error(&ev, target)),
     }
 }
 
@@ -528,8 +573,26 @@ impl RequestSeam for Request {
         Ok(())
     }
 
-    fn accept(self: Box<Self>, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
-        Ok(Connection::new((*self).into_conn(cq, opts)?))
+    fn context(&self) -> &Arc<ContextInner> {
+        &self.ctx
+    }
+
+    fn transport(&self) -> Transport {
+        Transport::Verbs
+    }
+
+    fn start(self: Box<Self>, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Started> {
+        let fd = self.ch.as_ref().expect("unanswered").fd();
+        Ok(Started {
+            handshake: Box::new(Accepting {
+                request: *self,
+                cq,
+                opts: opts.clone(),
+                deadline: opts.timeout.map(|t| Instant::now() + t),
+                res: None,
+            }),
+            fd,
+        })
     }
 }
 
@@ -544,7 +607,6 @@ impl Drop for Request {
 
 /// A queue pair established with its peer, for `engine.rs` to start as a connection.
 pub(super) struct Established {
-    pub(super) ctx: Arc<ContextInner>,
     pub(super) cq: Arc<CompletionQueue>,
     pub(super) res: Resources,
     /// The peer's private data (without the library's preamble).
@@ -554,86 +616,163 @@ pub(super) struct Established {
     pub(super) credits: Option<(CreditMr, Option<Remote>)>,
 }
 
-/// Connects to `host:port`: the queue pair is made and established (the connection is started
-/// by `engine.rs`).
-pub(super) fn establish(
+/// Starts connecting to `host:port`: the channel and id are made here; resolving the address
+/// and the route and connecting are the handshake's turns.
+pub(crate) fn start_connect(
     ctx: Arc<ContextInner>,
     host: &str,
     port: u16,
     cq: Arc<CompletionQueue>,
     opts: &ConnOptions,
-) -> Result<Established> {
-    let target = format!("rdma://{host}:{port}");
-    let deadline = opts.timeout.map(|t| Instant::now() + t);
+) -> Result<Started> {
     let ch = EventChannel::new()?;
     let id = CmId::new(&ch)?;
-    let (mut dst, _) = sockaddr(host, port)?;
-    // SAFETY: live id; `dst` is a valid sockaddr.
-    if unsafe {
-        sys::rdma_resolve_addr(
-            id.0,
-            std::ptr::null_mut(),
-            (&raw mut dst).cast(),
-            timeout_ms(deadline),
-        )
-    } != 0
-    {
-        let e = io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::ENETUNREACH)
-            | Some(libc::EHOSTUNREACH)
-            | Some(libc::ENODEV)
-            | Some(libc::EADDRNOTAVAIL) => Error::Unreachable(format!("{target}: {e}")),
-            _ => cm_err("rdma_resolve_addr")(e),
-        });
-    }
-    expect_event(
-        &ch,
-        RDMA_CM_EVENT_ADDR_RESOLVED,
-        deadline,
-        "resolving the address",
-        &target,
-    )?;
-    // SAFETY: live id with a resolved address.
-    if unsafe { sys::rdma_resolve_route(id.0, timeout_ms(deadline)) } != 0 {
-        return Err(cm_err("rdma_resolve_route")(io::Error::last_os_error()));
-    }
-    expect_event(
-        &ch,
-        RDMA_CM_EVENT_ROUTE_RESOLVED,
-        deadline,
-        "resolving the route",
-        &target,
-    )?;
-    let mut res = Resources::new(&ctx, &cq, id, ch, opts)?;
-    res.credit = Some(CreditMr::new(&res.pd)?);
-    let data = with_preamble(&opts.private_data, FLAG_CREDITS, &[]);
-    res.set_ack_timeout(opts)?;
-    let rd = (res.limits.responder_resources, res.limits.initiator_depth);
-    let mut param = res.conn_param(&data, opts, rd);
-    // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
-    if unsafe { sys::rdma_connect(res.id_raw(), &mut param) } != 0 {
-        return Err(cm_err("rdma_connect")(io::Error::last_os_error()));
-    }
-    let ev = expect_event(
-        res.ch(),
-        RDMA_CM_EVENT_ESTABLISHED,
-        deadline,
-        "connecting",
-        &target,
-    )?;
-    let (library_peer, peer_data) = parse_preamble(&ev.private_data);
-    // Credits only if the server offers its word; otherwise plain RC.
-    let credits = match parse_credit_ext(&ev.private_data) {
-        Some(peer) => res.credit.take().map(|c| (c, Some(peer))),
-        None => None,
-    };
-    Ok(Established {
-        ctx,
-        cq,
-        res,
-        peer_data,
-        library_peer,
-        credits,
+    let (dst, _) = sockaddr(host, port)?;
+    let fd = ch.fd();
+    Ok(Started {
+        handshake: Box::new(Connecting {
+            ctx,
+            cq,
+            opts: opts.clone(),
+            target: format!("rdma://{host}:{port}"),
+            deadline: opts.timeout.map(|t| Instant::now() + t),
+            dst,
+            stage: ClientStage::Start,
+            id: Some(id),
+            ch: Some(ch),
+            res: None,
+        }),
+        fd,
     })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ClientStage {
+    Start,
+    Address,
+    Route,
+    Connect,
+}
+
+/// The connecting side's handshake.
+struct Connecting {
+    ctx: Arc<ContextInner>,
+    cq: Arc<CompletionQueue>,
+    opts: ConnOptions,
+    target: String,
+    deadline: Option<Instant>,
+    dst: libc::sockaddr_storage,
+    stage: ClientStage,
+    /// Until the queue pair is made (then in `res`).
+    id: Option<CmId>,
+    ch: Option<EventChannel>,
+    res: Option<Resources>,
+}
+
+// SAFETY: the id and channel are used by one turn at a time; `dst` is plain data.
+unsafe impl Send for Connecting {}
+
+impl Connecting {
+    fn id(&self) -> *mut sys::rdma_cm_id {
+        self.id.as_ref().expect("before the queue pair").0
+    }
+
+    fn event(&self, want: u32, doing: &'static str) -> Result<Option<CmEvent>> {
+        let ch = match &self.res {
+            Some(res) => res.ch(),
+            None => self.ch.as_ref().expect("before the queue pair"),
+        };
+        next_event(ch, want, self.deadline, doing, &self.target)
+    }
+
+    fn turn(&mut self) -> Result<Option<Established>> {
+        match self.stage {
+            ClientStage::Start => {
+                let mut dst = self.dst;
+                // SAFETY: live id; `dst` is a valid sockaddr.
+                if unsafe {
+                    sys::rdma_resolve_addr(
+                        self.id(),
+                        std::ptr::null_mut(),
+                        (&raw mut dst).cast(),
+                        timeout_ms(self.deadline),
+                    )
+                } != 0
+                {
+                    let e = io::Error::last_os_error();
+                    return Err(match e.raw_os_error() {
+                        Some(libc::ENETUNREACH)
+                        | Some(libc::EHOSTUNREACH)
+                        | Some(libc::ENODEV)
+                        | Some(libc::EADDRNOTAVAIL) => {
+                            Error::Unreachable(format!("{}: {e}", self.target))
+                        }
+                        _ => cm_err("rdma_resolve_addr")(e),
+                    });
+                }
+                self.stage = ClientStage::Address;
+            }
+            ClientStage::Address => {
+                if self
+                    .event(RDMA_CM_EVENT_ADDR_RESOLVED, "resolving the address")?
+                    .is_none()
+                {
+                    return Ok(None);
+                }
+                // SAFETY: live id with a resolved address.
+                if unsafe { sys::rdma_resolve_route(self.id(), timeout_ms(self.deadline)) } != 0 {
+                    return Err(cm_err("rdma_resolve_route")(io::Error::last_os_error()));
+                }
+                self.stage = ClientStage::Route;
+            }
+            ClientStage::Route => {
+                if self
+                    .event(RDMA_CM_EVENT_ROUTE_RESOLVED, "resolving the route")?
+                    .is_none()
+                {
+                    return Ok(None);
+                }
+                let res =
+                    Resources::new(&self.ctx, &self.cq, &mut self.id, &mut self.ch, &self.opts)?;
+                let res = self.res.insert(res);
+                res.credit = Some(CreditMr::new(&res.pd)?);
+                let data = with_preamble(&self.opts.private_data, FLAG_CREDITS, &[]);
+                res.set_ack_timeout(&self.opts)?;
+                let rd = (res.limits.responder_resources, res.limits.initiator_depth);
+                let mut param = res.conn_param(&data, &self.opts, rd);
+                // SAFETY: live id with its QP; `param` points at `data`, alive for the call.
+                if unsafe { sys::rdma_connect(res.id_raw(), &mut param) } != 0 {
+                    return Err(cm_err("rdma_connect")(io::Error::last_os_error()));
+                }
+                self.stage = ClientStage::Connect;
+            }
+            ClientStage::Connect => {
+                let Some(ev) = self.event(RDMA_CM_EVENT_ESTABLISHED, "connecting")? else {
+                    return Ok(None);
+                };
+                let mut res = self.res.take().expect("made at the route");
+                let (library_peer, peer_data) = parse_preamble(&ev.private_data);
+                // Credits only if the server offers its word; otherwise plain RC.
+                let credits = match parse_credit_ext(&ev.private_data) {
+                    Some(peer) => res.credit.take().map(|c| (c, Some(peer))),
+                    None => None,
+                };
+                return Ok(Some(Established {
+                    cq: self.cq.clone(),
+                    res,
+                    peer_data,
+                    library_peer,
+                    credits,
+                }));
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl Handshake for Connecting {
+    fn step(&mut self, _: &Ready, setup: &Setup) -> Step {
+        let turn = self.turn();
+        step(turn, setup, &self.opts, self.deadline)
+    }
 }

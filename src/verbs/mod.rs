@@ -25,9 +25,8 @@ mod res;
 #[cfg(feature = "verbs")]
 pub(crate) use cm::sockaddr;
 #[cfg(feature = "verbs")]
-pub(crate) use engine::connect;
 #[cfg(feature = "verbs")]
-pub(crate) use handshake::Listener;
+pub(crate) use handshake::{Listener, start_connect};
 #[cfg(feature = "verbs")]
 pub(crate) use res::registration_error;
 

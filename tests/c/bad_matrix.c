@@ -525,6 +525,14 @@ static void matrix_request(rbr_ctx *ctx, rbr_listener *l, const char *addr, rbr_
     CASE(rbr_request_reject(req, "no", 2), RBR_ERR_STATE, "rbr_request_reject twice");
     CASE(rbr_request_accept(req, cq, &o, &conn), RBR_ERR_STATE,
          "rbr_request_accept after reject");
+    CASE(rbr_request_accept_start(NULL, cq, &o, &conn), RBR_ERR_NULL,
+         "rbr_request_accept_start NULL request");
+    CASE(rbr_request_accept_start(req, NULL, &o, &conn), RBR_ERR_NULL,
+         "rbr_request_accept_start NULL cq");
+    CASE(rbr_request_accept_start(req, cq, &o, NULL), RBR_ERR_NULL,
+         "rbr_request_accept_start NULL out");
+    CASE(rbr_request_accept_start(req, cq, &o, &conn), RBR_ERR_STATE,
+         "rbr_request_accept_start after reject");
     EXPECT_TRUE(conn == SENT_CONN, "rbr_request_accept wrote its out-parameter on failure");
     rbr_request_destroy(req);
     rbr_request_destroy(NULL);
@@ -586,6 +594,38 @@ static void matrix_connect(rbr_ctx *ctx, const char *addr, rbr_cq *cq)
     other_addr(addr, 2, nobody, sizeof nobody);
     CASE(rbr_connect(ctx, nobody, cq, &o, &conn), RBR_ERR_REFUSED, "rbr_connect nobody listens");
     EXPECT_TRUE(conn == SENT_CONN, "rbr_connect wrote its out-parameter on failure");
+
+    /* The non-blocking form: the same argument checks, and a refusal as a record. */
+    CASE(rbr_connect_start(NULL, addr, cq, &o, &conn), RBR_ERR_NULL,
+         "rbr_connect_start NULL ctx");
+    CASE(rbr_connect_start(ctx, NULL, cq, &o, &conn), RBR_ERR_NULL,
+         "rbr_connect_start NULL addr");
+    CASE(rbr_connect_start(ctx, addr, NULL, &o, &conn), RBR_ERR_NULL,
+         "rbr_connect_start NULL cq");
+    CASE(rbr_connect_start(ctx, addr, cq, &o, NULL), RBR_ERR_NULL,
+         "rbr_connect_start NULL out");
+    CASE(rbr_connect_start(ctx, "bogus://x", cq, &o, &conn), RBR_ERR_ADDRESS,
+         "rbr_connect_start unknown scheme");
+    bad = o;
+    bad.send_queue_depth = 0;
+    CASE(rbr_connect_start(ctx, addr, cq, &bad, &conn), RBR_ERR_INVALID,
+         "rbr_connect_start send_queue_depth 0");
+    EXPECT_TRUE(conn == SENT_CONN, "rbr_connect_start wrote its out-parameter on failure");
+    CASE(rbr_conn_status(NULL), RBR_ERR_NULL, "rbr_conn_status NULL conn");
+    CASE(rbr_connect_start(ctx, nobody, cq, &o, &conn), RBR_OK,
+         "rbr_connect_start nobody listens (the outcome comes as a record)");
+    if (conn != SENT_CONN) {
+        rbr_completion wc;
+        size_t n = 0;
+        rbr_status st = rbr_cq_poll_wait(cq, &wc, 1, &n, 10000);
+        EXPECT_TRUE(st == RBR_OK && n == 1 && wc.opcode == RBR_OP_CONNECTED &&
+                        wc.status == RBR_WC_CONNECT_FAILED && wc.conn_id == rbr_conn_id(conn),
+                    "rbr_connect_start nobody listens: a failed CONNECTED record");
+        CASE(rbr_conn_status(conn), RBR_ERR_REFUSED, "rbr_conn_status after the refusal");
+        CASE(rbr_conn_post_send_inline(conn, "x", 1, 0, 0), RBR_ERR_DISCONNECTED,
+             "a send on a connection that never came up");
+        rbr_conn_destroy(conn);
+    }
 }
 
 

@@ -93,6 +93,21 @@ void errors(const std::string &prefix)
     }
     CHECK(thrown);
 
+    /* The same without blocking: the refusal comes as a record, and established() throws it. */
+    auto started = ctx.connect_start(prefix + "-nobody", cq);
+    rbr::completion rec;
+    CHECK(cq.poll_wait(&rec, 1, std::chrono::milliseconds(10000)) == 1);
+    CHECK(rec.opcode == RBR_OP_CONNECTED && rec.status == RBR_WC_CONNECT_FAILED &&
+          rec.conn_id == started.id());
+    CHECK(!started.established(ec) && ec.value() == RBR_ERR_REFUSED);
+    thrown = false;
+    try {
+        started.established();
+    } catch (const rbr::error &e) {
+        thrown = e.status() == RBR_ERR_REFUSED;
+    }
+    CHECK(thrown);
+
     /* A malformed address; unknown options; a post with an unknown flag. */
     auto l = ctx.listen("shm://", 4, ec);
     CHECK(!l && ec.value() == RBR_ERR_ADDRESS);

@@ -10,6 +10,7 @@ use rdmabridge::{Completion, CompletionQueue, ConnOptions, Connection, Context, 
 pub mod edge;
 pub mod faults;
 pub mod onesided;
+pub mod starts;
 pub mod suite;
 
 /// The common suite (suite.rs), listed once for both transports: `for_each_suite_test!(m)`
@@ -52,6 +53,10 @@ macro_rules! for_each_suite_test {
             compare_and_swap_makes_a_working_lock,
             bad_remote_accesses_fail_with_remote_access_and_touch_nothing,
             raw_remote_built_as_the_guide_says_reaches_the_region,
+            one_thread_starts_many_connections_to_one_listener,
+            one_thread_starts_many_connections_to_sixteen_listeners,
+            failed_starts_arrive_as_records_with_their_reasons,
+            dropping_a_connecting_connection_reports_nothing,
         );
     };
 }

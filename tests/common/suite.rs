@@ -12,6 +12,8 @@ pub use super::edge::{
 };
 #[allow(unused_imports)] // the suite runners name them through `suite::`
 pub use super::onesided::*;
+#[allow(unused_imports)] // the suite runners name them through `suite::`
+pub use super::starts::*;
 use super::*;
 use rdmabridge::{
     Access, CompletionQueue, ConnOptions, Context, CqOptions, Error, Opcode, Progress, SendFlags,

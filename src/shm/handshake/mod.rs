@@ -15,14 +15,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::conn::seam::RequestSeam;
-use crate::conn::{ConnOptions, Connection, socket_error};
-use crate::cq::CompletionQueue;
+use crate::conn::{ConnOptions, Handshake, Setup, Started, Step, Transport, socket_error};
 use crate::cq::notice::{Board, NO_SLOT};
+use crate::cq::{CompletionQueue, SlotReservation};
 use crate::domain::ContextInner;
+use crate::driver::{Next, Ready};
 use crate::error::{Error, Result};
 use crate::shm::conn::{Conn, Link};
 use crate::shm::direct;
-use crate::shm::engine;
+use crate::shm::engine::{self, Engine};
 use crate::shm::segment::{DEFAULT_RING_CAP, Segment};
 use crate::shm::socket::{address, my_uid, peer_cred, recv_msg, send_msg, socket};
 use crate::shm::wire::{ACCEPT, HELLO, REJECT, decode, encode, judge_reply};
@@ -43,11 +44,13 @@ pub(crate) struct Request {
 }
 
 impl Request {
-    pub(crate) fn into_conn(
-        mut self,
+    /// Answers the request with an accept and starts the connection.
+    fn answer(
+        &mut self,
+        setup: &Setup,
         cq: Arc<CompletionQueue>,
         opts: &ConnOptions,
-    ) -> Result<Conn> {
+    ) -> Result<(Conn, Box<Engine>)> {
         let sock = self
             .sock
             .take()
@@ -77,7 +80,23 @@ impl Request {
             peer_pid,
             peer_proc: pid,
         };
-        engine::start(self.ctx.clone(), cq, opts, link, data)
+        engine::start(setup, cq, opts, link, data)
+    }
+}
+
+/// The accepting side's handshake: its one turn answers the request.
+struct Accepting {
+    request: Request,
+    cq: Arc<CompletionQueue>,
+    opts: ConnOptions,
+}
+
+impl Handshake for Accepting {
+    fn step(&mut self, _: &Ready, setup: &Setup) -> Step {
+        match self.request.answer(setup, self.cq.clone(), &self.opts) {
+            Ok((conn, engine)) => Step::Up(Box::new(conn), engine),
+            Err(e) => Step::Failed(e),
+        }
     }
 }
 
@@ -89,6 +108,10 @@ impl RequestSeam for Request {
     /// The requesting process, for messages.
     fn peer(&self) -> String {
         super::conn::process_name(self.peer.0)
+    }
+
+    fn context(&self) -> &Arc<ContextInner> {
+        &self.ctx
     }
 
     fn reject(mut self: Box<Self>, private_data: &[u8]) -> Result<()> {
@@ -104,8 +127,24 @@ impl RequestSeam for Request {
         .map_err(Error::Accept)
     }
 
-    fn accept(self: Box<Self>, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Connection> {
-        Ok(Connection::new((*self).into_conn(cq, opts)?))
+    fn transport(&self) -> Transport {
+        Transport::Shm
+    }
+
+    fn start(self: Box<Self>, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Started> {
+        let fd = self
+            .sock
+            .as_ref()
+            .expect("an unanswered request has its socket")
+            .as_raw_fd();
+        Ok(Started {
+            handshake: Box::new(Accepting {
+                request: *self,
+                cq,
+                opts: opts.clone(),
+            }),
+            fd,
+        })
     }
 }
 
@@ -117,100 +156,162 @@ impl Drop for Request {
     }
 }
 
-/// Connects to the listener `name`.
-pub(crate) fn connect(
-    ctx: Arc<ContextInner>,
+/// Starts connecting to the listener `name`: the socket is made here; connecting, the hello
+/// and the reply are the handshake's turns.
+pub(crate) fn start_connect(
     name: &str,
     cq: Arc<CompletionQueue>,
     opts: &ConnOptions,
-) -> Result<Conn> {
-    let deadline = opts.timeout.map(|t| Instant::now() + t);
-    let timed_out = || Error::Timeout("connecting");
+) -> Result<Started> {
     let sock = socket().map_err(Error::Connect)?;
-    let (sa, len) = address(name);
-    loop {
-        // SAFETY: `sa` is a valid sockaddr_un of `len` bytes.
-        let r = unsafe { libc::connect(sock.as_raw_fd(), (&raw const sa).cast(), len) };
-        if r == 0 {
-            break;
-        }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => {
-                return Err(Error::Refused(format!("shm://{name}")));
-            }
-            // The listener's backlog is full: try again until the deadline.
-            Some(libc::EAGAIN) | Some(libc::EINTR) => {
-                if sys::remaining(deadline).is_some_and(|d| d.is_zero()) {
-                    return Err(timed_out());
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            _ => return Err(Error::Connect(e)),
+    let fd = sock.as_raw_fd();
+    Ok(Started {
+        handshake: Box::new(Connecting {
+            name: name.to_owned(),
+            deadline: opts.timeout.map(|t| Instant::now() + t),
+            cq,
+            opts: opts.clone(),
+            sock: Some(sock),
+            sent: None,
+        }),
+        fd,
+    })
+}
+
+/// While the listener's backlog is full: how soon connecting is tried again.
+const BACKLOG_RETRY: Duration = Duration::from_millis(1);
+
+/// The connecting side's handshake.
+struct Connecting {
+    name: String,
+    deadline: Option<Instant>,
+    cq: Arc<CompletionQueue>,
+    opts: ConnOptions,
+    sock: Option<OwnedFd>,
+    /// Once the hello is out: the listener's process and this side's notice-board slot.
+    sent: Option<(libc::pid_t, Option<SlotReservation>)>,
+}
+
+impl Handshake for Connecting {
+    fn step(&mut self, _: &Ready, setup: &Setup) -> Step {
+        match self.turn(setup) {
+            Ok(step) => step,
+            Err(e) => Step::Failed(e),
         }
     }
-    let pid = match peer_cred(sock.as_raw_fd()) {
-        Ok((uid, pid)) if uid == my_uid() || ctx.opts.shm_allow_any_uid => pid,
-        Ok((uid, _)) => return Err(Error::Permission(format!("listener runs as uid {uid}"))),
-        Err(e) => return Err(Error::Connect(e)),
-    };
-    let slot = cq.reserve_slot();
-    let hello = encode(
-        HELLO,
-        opts.send_queue_depth,
-        opts.recv_queue_depth,
-        slot.as_ref().map_or(NO_SLOT, |s| s.slot()),
-        &opts.private_data,
-    );
-    let hello_fds: Vec<RawFd> = slot.as_ref().map(|s| s.board_fd()).into_iter().collect();
-    // The listener closing the connection before it answers (it went away, or dropped a client
-    // that stayed silent too long) is a failed establishment, not an OS error.
-    let hung_up = |e: &io::Error| {
-        matches!(e.raw_os_error(), Some(libc::EPIPE) | Some(libc::ECONNRESET))
-            || e.kind() == io::ErrorKind::ConnectionReset
-    };
-    let closed = || {
+}
+
+/// The listener closing the connection before it answers (it went away, or dropped a client
+/// that stayed silent too long) is a failed establishment, not an OS error.
+fn hung_up(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EPIPE) | Some(libc::ECONNRESET))
+        || e.kind() == io::ErrorKind::ConnectionReset
+}
+
+impl Connecting {
+    fn sock(&self) -> RawFd {
+        self.sock.as_ref().expect("held until up").as_raw_fd()
+    }
+
+    fn closed(&self) -> Error {
         Error::ConnectFailed(format!(
-            "shm://{name}: the listener closed the connection before answering"
+            "shm://{}: the listener closed the connection before answering",
+            self.name
         ))
-    };
-    send_msg(sock.as_raw_fd(), &hello, &hello_fds).map_err(|e| {
-        if hung_up(&e) {
-            closed()
-        } else {
-            Error::Connect(e)
-        }
-    })?;
-    let reply = match recv_msg(sock.as_raw_fd(), sys::remaining(deadline)) {
-        Err(Error::Connect(e)) if hung_up(&e) => return Err(closed()),
-        r => r?,
-    };
-    let Some((buf, fds)) = reply else {
-        return Err(timed_out());
-    };
-    let msg = decode(&buf)?;
-    let board_slot = judge_reply(&msg, fds.len())?;
-    let mut fds = fds.into_iter();
-    let fd = fds.next().expect("judged: an accept carries its segment");
-    let seg = Segment::open(&fd)?;
-    drop(fd);
-    if seg.cap() != msg.a as usize {
-        return Err(Error::Protocol("handshake: ring size mismatch".into()));
     }
-    let peer_board = match (board_slot, fds.next()) {
-        (Some(slot), Some(fd)) => Some((Board::open(&fd)?, slot)),
-        _ => None,
-    };
-    let (addr, value) = msg.probe;
-    let peer_pid = direct::can_read(pid, addr, value).then_some(pid);
-    let link = Link {
-        side: 0,
-        sock,
-        seg,
-        slot,
-        peer_board,
-        peer_pid,
-        peer_proc: pid,
-    };
-    engine::start(ctx, cq, opts, link, msg.data)
+
+    /// Waits for the socket until the deadline, or fails having reached it.
+    fn wait(&self, retry: Option<Instant>) -> Result<Step> {
+        if sys::remaining(self.deadline).is_some_and(|d| d.is_zero()) {
+            return Err(Error::Timeout("connecting"));
+        }
+        let at = match (retry, self.deadline) {
+            (Some(r), Some(d)) => Some(r.min(d)),
+            (r, d) => r.or(d),
+        };
+        Ok(Step::Wait(Next::Wait(at)))
+    }
+
+    fn turn(&mut self, setup: &Setup) -> Result<Step> {
+        if self.sent.is_none() {
+            return self.hello(setup);
+        }
+        let reply = match recv_msg(self.sock(), Some(Duration::ZERO)) {
+            Err(Error::Connect(e)) if hung_up(&e) => return Err(self.closed()),
+            r => r?,
+        };
+        let Some((buf, fds)) = reply else {
+            return self.wait(None);
+        };
+        let msg = decode(&buf)?;
+        let board_slot = judge_reply(&msg, fds.len())?;
+        let mut fds = fds.into_iter();
+        let fd = fds.next().expect("judged: an accept carries its segment");
+        let seg = Segment::open(&fd)?;
+        drop(fd);
+        if seg.cap() != msg.a as usize {
+            return Err(Error::Protocol("handshake: ring size mismatch".into()));
+        }
+        let peer_board = match (board_slot, fds.next()) {
+            (Some(slot), Some(fd)) => Some((Board::open(&fd)?, slot)),
+            _ => None,
+        };
+        let (pid, slot) = self.sent.take().expect("the hello went out");
+        let (addr, value) = msg.probe;
+        let peer_pid = direct::can_read(pid, addr, value).then_some(pid);
+        let link = Link {
+            side: 0,
+            sock: self.sock.take().expect("held until up"),
+            seg,
+            slot,
+            peer_board,
+            peer_pid,
+            peer_proc: pid,
+        };
+        let (conn, engine) = engine::start(setup, self.cq.clone(), &self.opts, link, msg.data)?;
+        Ok(Step::Up(Box::new(conn), engine))
+    }
+
+    /// Connects and sends the hello.
+    fn hello(&mut self, setup: &Setup) -> Result<Step> {
+        let (sa, len) = address(&self.name);
+        // SAFETY: `sa` is a valid sockaddr_un of `len` bytes.
+        let r = unsafe { libc::connect(self.sock(), (&raw const sa).cast(), len) };
+        if r != 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => {
+                    Err(Error::Refused(format!("shm://{}", self.name)))
+                }
+                // The listener's backlog is full: try again soon, until the deadline.
+                Some(libc::EAGAIN) | Some(libc::EINTR) => {
+                    self.wait(Some(Instant::now() + BACKLOG_RETRY))
+                }
+                _ => Err(Error::Connect(e)),
+            };
+        }
+        let pid = match peer_cred(self.sock()) {
+            Ok((uid, pid)) if uid == my_uid() || setup.context().opts.shm_allow_any_uid => pid,
+            Ok((uid, _)) => return Err(Error::Permission(format!("listener runs as uid {uid}"))),
+            Err(e) => return Err(Error::Connect(e)),
+        };
+        let slot = self.cq.reserve_slot();
+        let hello = encode(
+            HELLO,
+            self.opts.send_queue_depth,
+            self.opts.recv_queue_depth,
+            slot.as_ref().map_or(NO_SLOT, |s| s.slot()),
+            &self.opts.private_data,
+        );
+        let hello_fds: Vec<RawFd> = slot.as_ref().map(|s| s.board_fd()).into_iter().collect();
+        send_msg(self.sock(), &hello, &hello_fds).map_err(|e| {
+            if hung_up(&e) {
+                self.closed()
+            } else {
+                Error::Connect(e)
+            }
+        })?;
+        self.sent = Some((pid, slot));
+        self.wait(None)
+    }
 }
