@@ -30,10 +30,13 @@ async fn main() -> rdmabridge::Result<()> {
     let ctx = Context::new()?;
     let queue = Queue::new()?;
     let mut tasks = Vec::new();
+    // Every connection at once, each in its task from its connect on.
     for _ in 0..conns {
-        let conn = ctx.connect(&addr, queue.cq(), &ConnOptions::default())?;
-        let conn = AsyncConnection::new(conn, queue.router().clone());
-        tasks.push(tokio::spawn(talk(ctx.clone(), conn, count)));
+        let (ctx, queue, addr) = (ctx.clone(), queue.clone(), addr.clone());
+        tasks.push(tokio::spawn(async move {
+            let conn = queue.connect(&ctx, &addr, &ConnOptions::default()).await?;
+            talk(ctx, conn, count).await
+        }));
     }
     let mut open = Vec::new();
     for t in tasks {

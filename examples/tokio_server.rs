@@ -5,9 +5,9 @@
 //!
 //! (default shm://rdmabridge-tokio-example). Pair it with `--example tokio_client`.
 
-use rdmabridge::ops::{AsyncConnection, Buf, Op};
+use rdmabridge::ops::{Buf, Op};
 use rdmabridge::tokio::{Listener, Queue};
-use rdmabridge::{Completion, ConnOptions, Context, Opcode};
+use rdmabridge::{Completion, ConnOptions, ConnRequest, Context, Opcode};
 use std::collections::VecDeque;
 
 /// Largest message the server takes.
@@ -26,20 +26,21 @@ async fn main() -> rdmabridge::Result<()> {
     println!("listening on {addr}");
     loop {
         tokio::select! {
+            // Each client in a task of its own, from its accept on: a client slow to confirm
+            // holds up nobody.
             req = listener.accept() => {
-                let conn = req?.accept(queue.cq(), &ConnOptions::default())?;
-                let conn = AsyncConnection::new(conn, queue.router().clone());
-                println!("client {} connected", conn.id());
-                tokio::spawn(echo(ctx.clone(), conn));
+                tokio::spawn(serve(ctx.clone(), queue.clone(), req?));
             }
-            // Records no future waits for: here, connections ending.
+            // Records no future waits for: here, connection events.
             c = queue.next() => report(c),
         }
     }
 }
 
-/// Sends every message of `conn` back until the connection ends.
-async fn echo(ctx: Context, conn: AsyncConnection) -> rdmabridge::Result<()> {
+/// Accepts `req`, then sends every message of the connection back until it ends.
+async fn serve(ctx: Context, queue: Queue, req: ConnRequest) -> rdmabridge::Result<()> {
+    let conn = queue.accept(req, &ConnOptions::default()).await?;
+    println!("client {} connected", conn.id());
     let mut recvs: VecDeque<Op<_>> = Buf::alloc_many(&ctx, SLOTS, MAX)?
         .into_iter()
         .map(|b| conn.recv(b))

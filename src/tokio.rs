@@ -2,7 +2,36 @@
 //! of their own and no busy loop - one task per completion queue waits on the queue's
 //! descriptor with `AsyncFd` and routes the records, and a listener's `accept` waits on the
 //! listener's descriptor. RDMA then sits in `tokio::select!` beside sockets and timers.
-
+//! The guide is docs/async-rust.md.
+//!
+//! ```
+//! use rdmabridge::ops::Buf;
+//! use rdmabridge::tokio::{Listener, Queue};
+//! use rdmabridge::{ConnOptions, Context};
+//!
+//! # fn main() -> rdmabridge::Result<()> {
+//! let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+//! rt.block_on(async {
+//!     let ctx = Context::new()?;
+//!     let addr = format!("shm://doc-{}", std::process::id());
+//!     let listener = Listener::bind(&ctx, &addr, 16)?;
+//!     let queue = Queue::new()?;
+//!     let opts = ConnOptions::default();
+//!     // Both ends in one task: neither call blocks, so the two make progress together.
+//!     let (client, server) = tokio::join!(queue.connect(&ctx, &addr, &opts), async {
+//!         queue.accept(listener.accept().await?, &opts).await
+//!     });
+//!     let (client, server) = (client?, server?);
+//!     // A receive owns its buffer until the message is in it; no wr_id, no unsafe.
+//!     let request = server.recv(Buf::alloc(&ctx, 64)?);
+//!     client.send_copy(b"ping").await?;
+//!     let (r, buf) = request.await;
+//!     r?;
+//!     assert_eq!(&buf[..], b"ping");
+//!     Ok(())
+//! })
+//! # }
+//! ```
 use std::future::poll_fn;
 use std::sync::{Arc, Weak};
 use std::task::{Context as TaskContext, Poll};
@@ -12,12 +41,12 @@ use ::tokio::io::unix::AsyncFd;
 use ::tokio::runtime::Handle;
 use ::tokio::task::AbortHandle;
 
-use crate::conn::{ConnRequest, Listener as PlainListener};
+use crate::conn::{ConnOptions, ConnRequest, Listener as PlainListener};
 use crate::cq::{Completion, CompletionQueue, CqOptions};
 use crate::ctx::Context;
 use crate::error::{Error, Result};
 use crate::log::log;
-use crate::ops::Router;
+use crate::ops::{AsyncConnection, Router};
 
 /// A completion queue driven by a tokio task: made inside a runtime, it routes the queue's
 /// records to the futures of the operations posted on its connections, and queues the rest
@@ -72,6 +101,22 @@ impl Queue {
     /// The completion queue, for connections made with the plain API.
     pub fn cq(&self) -> &Arc<CompletionQueue> {
         self.router.queue()
+    }
+
+    /// Connects to `addr` with this queue, without blocking:
+    /// [`AsyncConnection::connect`].
+    pub async fn connect(
+        &self,
+        ctx: &Context,
+        addr: &str,
+        opts: &ConnOptions,
+    ) -> Result<AsyncConnection> {
+        AsyncConnection::connect(ctx, addr, &self.router, opts).await
+    }
+
+    /// Accepts `req` with this queue, without blocking: [`AsyncConnection::accept`].
+    pub async fn accept(&self, req: ConnRequest, opts: &ConnOptions) -> Result<AsyncConnection> {
+        AsyncConnection::accept(req, &self.router, opts).await
     }
 
     /// The next record no operation's future claims (connection events, and the records of

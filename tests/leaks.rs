@@ -202,6 +202,7 @@ fn futures_dropped_mid_operation_leak_nothing() {
     use rdmabridge::ops::{AsyncConnection, Buf, FetchAdd, Remote};
     use rdmabridge::tokio::Queue;
     use rdmabridge::{Access, ConnOptions, Context, Opcode};
+    use std::time::Duration;
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -234,6 +235,22 @@ fn futures_dropped_mid_operation_leak_nothing() {
                 while q.next().await.opcode != Opcode::Disconnected {}
                 assert_eq!(q.router().in_flight(), 0, "every operation is over");
             }
+            // A connect dropped while it waits for a listener that takes no request, and an
+            // accept dropped after its first poll.
+            let deaf = Net::Shm.addr("dropped-connect");
+            let _deaf = ctx.listen(&deaf, 4).unwrap();
+            let wait = Duration::from_millis(20);
+            let mid = tokio::time::timeout(wait, cq.connect(ctx, &deaf, &o)).await;
+            assert!(mid.is_err(), "the connect still waits");
+            let addr = Net::Shm.addr("dropped-accept");
+            let l = rdmabridge::tokio::Listener::bind(ctx, &addr, 4).unwrap();
+            let dial = tokio::spawn({
+                let (ctx, cq, addr) = (ctx.clone(), cq.clone(), addr.clone());
+                async move { cq.connect(&ctx, &addr, &ConnOptions::default()).await }
+            });
+            let req = l.accept().await.unwrap();
+            let _ = tokio::time::timeout(Duration::ZERO, sq.accept(req, &o)).await;
+            let _ = dial.await.unwrap();
         });
     };
     cycles_leave_nothing(|| cycle(&ctx));

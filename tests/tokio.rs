@@ -201,3 +201,68 @@ fn a_listener_accepts_as_a_future() {
         assert_eq!(dialer.join().unwrap().len(), clients);
     });
 }
+
+/// `connect` and `accept` are futures that never block the thread: many connect at once to
+/// one listener, and a failed set-up is the blocking call's error, the listener's private
+/// data included.
+#[test]
+fn connect_and_accept_are_futures_with_the_blocking_calls_errors() {
+    runtime().block_on(async {
+        let ctx = Context::new().unwrap();
+        let o = ConnOptions::default();
+        let q = Queue::new().unwrap();
+        let nobody = Net::Shm.addr("tokio-nobody");
+        let r = q.connect(&ctx, &nobody, &o).await;
+        assert!(matches!(r, Err(Error::Refused(_))), "{r:?}");
+
+        let addr = Net::Shm.addr("tokio-connect");
+        let l = Listener::bind(&ctx, &addr, 64).unwrap();
+        let clients = 32;
+        let dials: Vec<_> = (0..clients)
+            .map(|i| {
+                let (ctx, q, addr) = (ctx.clone(), q.clone(), addr.clone());
+                tokio::spawn(async move {
+                    let o = ConnOptions {
+                        private_data: vec![i as u8],
+                        ..Default::default()
+                    };
+                    q.connect(&ctx, &addr, &o).await
+                })
+            })
+            .collect();
+        // The odd ones are turned away with a word; the even ones accepted and greeted.
+        let sq = Queue::new().unwrap();
+        let mut accepted = Vec::new();
+        for _ in 0..clients {
+            let req = l.accept().await.unwrap();
+            let i = req.private_data()[0];
+            if i % 2 == 1 {
+                req.reject(&[b'n', i]).unwrap();
+            } else {
+                let c = sq.accept(req, &o).await.unwrap();
+                // Not awaited here: a send waits for the client's receive.
+                let greeting = c.send_copy(&[i]);
+                accepted.push((c, greeting));
+            }
+        }
+        for (i, d) in dials.into_iter().enumerate() {
+            match d.await.unwrap() {
+                Ok(c) => {
+                    assert_eq!(i % 2, 0);
+                    let (r, b) = c.recv(Buf::alloc(&ctx, 8).unwrap()).await;
+                    r.unwrap();
+                    assert_eq!(&b[..], &[i as u8]);
+                }
+                Err(Error::Rejected(data)) => {
+                    assert_eq!(i % 2, 1);
+                    assert_eq!(&data[..2], &[b'n', i as u8]);
+                }
+                Err(e) => panic!("connection {i}: {e}"),
+            }
+        }
+        assert_eq!(accepted.len(), clients / 2);
+        for (_, greeting) in accepted {
+            greeting.await.unwrap();
+        }
+    });
+}

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::conn::{Connection, RemoteRegion, SendFlags, Sge};
+use crate::conn::{ConnOptions, ConnRequest, Connection, RemoteRegion, SendFlags, Sge};
 use crate::cq::Completion;
 use crate::ctx::Context;
 use crate::error::Result;
@@ -84,6 +84,43 @@ impl AsyncConnection {
             ctx,
             words: Arc::default(),
         }
+    }
+
+    /// Connects to a listener at `addr` without blocking the caller: starts the connection
+    /// ([`Context::connect_start`]) when first polled, its completions going to `router`'s
+    /// queue, and resolves once it is established, or to the error the blocking
+    /// [`Context::connect`] would return ([`crate::Error::Refused`],
+    /// [`crate::Error::Rejected`] with the listener's private data, [`crate::Error::Timeout`]
+    /// after `opts.timeout`, ...). Dropping the future before then drops the connection,
+    /// which releases everything it had.
+    pub async fn connect(
+        ctx: &Context,
+        addr: &str,
+        router: &Arc<Router>,
+        opts: &ConnOptions,
+    ) -> Result<AsyncConnection> {
+        let conn = ctx.connect_start(addr, router.queue(), opts)?;
+        Self::established(conn, router).await
+    }
+
+    /// Accepts `req` without blocking the caller ([`ConnRequest::accept_start`]), its
+    /// completions going to `router`'s queue; resolves once the connection is established
+    /// (over verbs: the peer confirmed), or to the error the blocking
+    /// [`ConnRequest::accept`] would return. Dropping the future before then drops the
+    /// connection.
+    pub async fn accept(
+        req: ConnRequest,
+        router: &Arc<Router>,
+        opts: &ConnOptions,
+    ) -> Result<AsyncConnection> {
+        let conn = req.accept_start(router.queue(), opts)?;
+        Self::established(conn, router).await
+    }
+
+    /// `conn` once [`Connection::poll_established`] says it is established.
+    async fn established(conn: Connection, router: &Arc<Router>) -> Result<AsyncConnection> {
+        std::future::poll_fn(|cx| conn.poll_established(cx)).await?;
+        Ok(AsyncConnection::new(conn, router.clone()))
     }
 
     /// The router of its queue.
