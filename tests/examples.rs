@@ -1,20 +1,12 @@
 //! The crate's examples run as a user runs them: the echo server, and two clients one after
-//! the other against it, every echo verified by the client.
+//! the other against it, every echo verified by the client; and the tokio pair.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Where cargo put the example binaries: `examples/` next to this test's `deps/` (a plain
-/// `cargo test` builds them; with `--test examples` alone, build them first: `--examples`).
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    exe.parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>/deps")
-        .join("examples")
-        .join(name)
-}
+use common::example;
 
 #[test]
 fn server_echoes_to_clients_one_after_another() {
@@ -130,68 +122,14 @@ fn rbr_log_tells_connection_events_and_is_silent_by_default() {
     );
 }
 
-/// Idle CPU time (user + system) of process `pid` so far, in clock ticks.
-#[cfg(feature = "tokio")]
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the process's stat");
-    // After the command's closing parenthesis: state is field 3, utime 14 and stime 15.
-    let rest = &stat[stat.rfind(')').expect("stat's command") + 2..];
-    let f: Vec<&str> = rest.split(' ').collect();
-    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
-}
-
-/// The tokio echo server serves 64 clients at once (one client process, a connection and a
-/// task each), every echo verified, then sits on the open, idle connections using no CPU to
-/// speak of (measured over 10 s).
+/// The tokio echo server serves 64 clients at once over shm (one client process, a connection
+/// and a task each), every echo verified, then sits on the open, idle connections using no CPU
+/// to speak of: less than 1% of a core over 10 s, as its client.
 #[cfg(feature = "tokio")]
 #[test]
 fn tokio_server_serves_64_clients_at_once_and_idles_without_cpu() {
     let addr = format!("shm://rbr-examples-tokio-{}", std::process::id());
-    let mut server = Command::new(example("tokio_server"))
-        .arg(&addr)
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("examples/tokio_server runs (cargo test --features tokio builds it)");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let idle = 10;
-    let mut client = loop {
-        let mut c = Command::new(example("tokio_client"))
-            .args([&addr, "200", "64", &(idle + 2).to_string()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("examples/tokio_client runs");
-        // Gone at once: the server was not up yet.
-        std::thread::sleep(Duration::from_millis(200));
-        match c.try_wait().unwrap() {
-            Some(_) if Instant::now() < deadline => continue,
-            Some(s) => panic!("client failed: {s}"),
-            None => break c,
-        }
-    };
-    // Wait for the verdict, then measure both processes while the connections idle.
-    use std::io::BufRead;
-    let mut line = String::new();
-    std::io::BufReader::new(client.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(
-        line.starts_with("12800 echoes verified over 64 connections"),
-        "{line}"
-    );
-    let (s0, c0) = (cpu_ticks(server.id()), cpu_ticks(client.id()));
-    std::thread::sleep(Duration::from_secs(idle));
-    let (s1, c1) = (cpu_ticks(server.id()), cpu_ticks(client.id()));
-    assert!(client.wait().unwrap().success());
-    let _ = server.kill();
-    let _ = server.wait();
-    let tick_ms = 1000 / 100; // USER_HZ is 100 on Linux
-    println!(
-        "CPU time over {idle} idle seconds with 64 connections open: server {} ms, client {} ms",
-        (s1 - s0) * tick_ms,
-        (c1 - c0) * tick_ms
-    );
-    // Less than 1% of a core.
-    assert!((s1 - s0) * tick_ms < idle * 10, "server busy while idle");
-    assert!((c1 - c0) * tick_ms < idle * 10, "client busy while idle");
+    let (server_ms, client_ms) = common::asyncs::examples_serve_many(&addr, 64, 10);
+    assert!(server_ms < 100, "server busy while idle");
+    assert!(client_ms < 100, "client busy while idle");
 }
