@@ -6,7 +6,7 @@
 //! them (the runtime calls [`Router::route`] when the queue's descriptor turns readable);
 //! [`AsyncConnection`] posts operations and returns their futures ([`Op`]); [`Buf`] is a
 //! buffer an operation owns while it runs. The `tokio` feature adds the task that waits on
-//! the descriptor ([`crate::tokio::Queue`]) and a listener whose `accept` is a future.
+//! the descriptor (`rdmabridge::tokio::Queue`) and a listener whose `accept` is a future.
 //!
 //! # Dropping a future
 //! An operation is posted when its method is called, not when its future is first polled,

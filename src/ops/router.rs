@@ -21,7 +21,7 @@ pub(crate) const TOKEN_BIT: u64 = 1 << 63;
 ///
 /// Runtime-neutral: something must call [`route`](Self::route) whenever the queue's
 /// descriptor ([`CompletionQueue::fd`]) turns readable - a task of the program's runtime
-/// waiting on it (the `tokio` feature's [`Queue`](crate::tokio::Queue) is one), or a thread in
+/// waiting on it (the `tokio` feature's `rdmabridge::tokio::Queue` is one), or a thread in
 /// [`CompletionQueue::wait`]. `route` takes records until the queue is empty, which is what
 /// the descriptor's edge-triggered contract asks before the next wait.
 ///
