@@ -37,7 +37,7 @@ use std::sync::{Arc, Weak};
 use std::task::{Context as TaskContext, Poll};
 
 use ::tokio::io::Interest;
-use ::tokio::io::unix::AsyncFd;
+use ::tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use ::tokio::runtime::Handle;
 use ::tokio::task::AbortHandle;
 
@@ -174,9 +174,15 @@ impl Listener {
         Ok(Listener { fd })
     }
 
-    /// The next connection request. Cancel-safe: dropping the future loses no request.
+    /// The next connection request. Cancel-safe: dropping the future loses no request. Any
+    /// number of tasks may wait in it at once.
     pub async fn accept(&self) -> Result<ConnRequest> {
-        poll_fn(|cx| self.poll_accept(cx)).await
+        loop {
+            let mut ready = self.fd.readable().await.map_err(Error::Listen)?;
+            if let Some(req) = Self::take(&mut ready)? {
+                return Ok(req);
+            }
+        }
     }
 
     /// The next connection request, or `Pending` with `cx`'s waker kept for the listener's
@@ -188,13 +194,20 @@ impl Listener {
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(Error::Listen(e))),
                 Poll::Pending => return Poll::Pending,
             };
-            // Until `Ok(None)`: the listener's edge-triggered contract.
-            match ready.get_inner().try_get_request() {
-                Ok(Some(req)) => return Poll::Ready(Ok(req)),
-                Ok(None) => ready.clear_ready(),
-                Err(e) => return Poll::Ready(Err(e)),
+            if let Some(req) = Self::take(&mut ready).transpose() {
+                return Poll::Ready(req);
             }
         }
+    }
+
+    /// A request if one is complete; `None` having cleared the readiness, for the next edge
+    /// (the listener's edge-triggered contract: take until `Ok(None)`, then wait).
+    fn take(ready: &mut AsyncFdReadyGuard<'_, PlainListener>) -> Result<Option<ConnRequest>> {
+        let r = ready.get_inner().try_get_request();
+        if let Ok(None) = r {
+            ready.clear_ready();
+        }
+        r
     }
 
     /// The plain listener.

@@ -184,30 +184,50 @@ pub fn operations_sit_in_select_beside_timers(net: &Net) {
 }
 
 pub fn a_listener_accepts_as_a_future(net: &Net) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     runtime().block_on(async {
         let ctx = Context::new().unwrap();
         let addr = net.addr("tokio-accept");
-        let l = Listener::bind(&ctx, &addr, 16).unwrap();
+        let l = Arc::new(Listener::bind(&ctx, &addr, 16).unwrap());
         let q = Queue::new().unwrap();
         let clients = 8;
-        let dialer = {
-            let (ctx, addr) = (ctx.clone(), addr.clone());
-            std::thread::spawn(move || {
-                let cq = rdmabridge::CompletionQueue::new().unwrap();
-                (0..clients)
-                    .map(|_| ctx.connect(&addr, &cq, &ConnOptions::default()).unwrap())
-                    .collect::<Vec<_>>()
+        // Plain blocking clients, each on a thread of its own.
+        let dialers: Vec<_> = (0..clients)
+            .map(|_| {
+                let (ctx, addr) = (ctx.clone(), addr.clone());
+                std::thread::spawn(move || {
+                    let cq = rdmabridge::CompletionQueue::new().unwrap();
+                    ctx.connect(&addr, &cq, &ConnOptions::default()).unwrap()
+                })
             })
-        };
-        let mut conns = Vec::new();
-        while conns.len() < clients {
-            let req = tokio::time::timeout(Duration::from_secs(10), l.accept())
-                .await
-                .expect("a request within 10 s")
-                .unwrap();
-            conns.push(req.accept(q.cq(), &ConnOptions::default()).unwrap());
+            .collect();
+        // Two tasks wait in `accept` at once; between them they take every request.
+        let claimed = Arc::new(AtomicUsize::new(0));
+        let acceptors: Vec<_> = (0..2)
+            .map(|_| {
+                let (l, q, claimed) = (l.clone(), q.clone(), claimed.clone());
+                tokio::spawn(async move {
+                    let mut mine = Vec::new();
+                    while claimed.fetch_add(1, Ordering::Relaxed) < clients {
+                        let req = tokio::time::timeout(Duration::from_secs(10), l.accept())
+                            .await
+                            .expect("a request within 10 s")
+                            .unwrap();
+                        mine.push(q.accept(req, &ConnOptions::default()).await.unwrap());
+                    }
+                    mine
+                })
+            })
+            .collect();
+        let mut accepted = 0;
+        for a in acceptors {
+            accepted += a.await.unwrap().len();
         }
-        assert_eq!(dialer.join().unwrap().len(), clients);
+        assert_eq!(accepted, clients);
+        for d in dialers {
+            d.join().unwrap();
+        }
     });
 }
 
