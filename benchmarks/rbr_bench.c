@@ -20,8 +20,11 @@
  * Like the stock tools (ucx_perftest, fi_pingpong, perftest), both sides
  * busy-poll the completion queue with rbr_cq_poll; with -W they wait for
  * completions as a program would, with rbr_cq_poll_wait (which polls for a
- * while, then sleeps), and with -Y with rbr_cq_poll and, when it finds
- * nothing, rbr_cq_wait (the two-call form).  Both send from one
+ * while, then sleeps), with -Y with rbr_cq_poll and, when it finds
+ * nothing, rbr_cq_wait (the two-call form), and with -E as an event loop
+ * does: rbr_cq_poll until RBR_EMPTY, then epoll_wait on the queue's
+ * descriptor (rbr_cq_fd), as ucx_perftest -E sleep and ib_send_lat -e sleep
+ * on theirs.  Both send from one
  * buffer and receive into one buffer, and do not touch the payload.
  *
  * Before each test the client sends a small control message (inline) naming
@@ -35,7 +38,7 @@
  *   RESULT rate SIZE msgs_s=X mb_s=X count=N window=W
  *
  * Usage: rbr_bench -r server|client [-a ADDR] [-t TESTS] [-s SIZES]
- *                  [-n ITERS] [-m MSGS] [-b BYTES] [-w WINDOW] [-T SECS] [-W|-Y]
+ *                  [-n ITERS] [-m MSGS] [-b BYTES] [-w WINDOW] [-T SECS] [-W|-Y|-E]
  *   -r ROLE    server or client
  *   -a ADDR    address (default shm://rbr-bench)
  *   -t TESTS   comma list of lat, bw, rate (default lat,bw,rate)
@@ -52,6 +55,7 @@
  *   -W         wait for completions with rbr_cq_poll_wait instead of
  *              busy-polling (each side has its own: give it to both)
  *   -Y         the same with rbr_cq_poll, then rbr_cq_wait
+ *   -E         the same with rbr_cq_poll, then epoll_wait on rbr_cq_fd
  *   -p MODE, -S US: completion-queue options as in the C examples
  *
  * Exit status 0 only if every test ran to the end and the connection closed
@@ -64,9 +68,11 @@
 #include "clock.h"
 #include "common.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <unistd.h>
 
 #define DEFAULT_ADDR "shm://rbr-bench"
@@ -104,7 +110,8 @@ struct bench_opts {
     uint64_t bytes;
     uint32_t window;
     int timeout_s;
-    int wait; /* 0: busy-poll; 'W': rbr_cq_poll_wait; 'Y': poll, then wait */
+    int wait; /* 0: busy-poll; 'W': rbr_cq_poll_wait; 'Y': poll, then wait;
+                 'E': poll, then epoll_wait */
     struct ex_cq_opts cq;
 };
 
@@ -122,6 +129,7 @@ struct peer {
     uint32_t signal_every; /* a signaled send every this many */
     int64_t timeout_ns;
     int wait;              /* as bench_opts.wait */
+    int ep;                /* -E: an epoll set holding the queue's descriptor */
 };
 
 static void usage(const char *argv0)
@@ -129,7 +137,7 @@ static void usage(const char *argv0)
     fprintf(stderr,
             "usage: %s -r server|client [-a ADDR] [-t TESTS] [-s SIZES] "
             "[-n ITERS] [-m MSGS]\n"
-            "          [-b BYTES] [-w WINDOW] [-T SECS] [-W|-Y] [-p MODE] [-S US]\n"
+            "          [-b BYTES] [-w WINDOW] [-T SECS] [-W|-Y|-E] [-p MODE] [-S US]\n"
             "  -r ROLE    server or client\n"
             "  -a ADDR    address (default %s)\n"
             "  -t TESTS   comma list of lat, bw, rate (default all)\n"
@@ -141,6 +149,7 @@ static void usage(const char *argv0)
             "  -T SECS    longest wait for one completion (30)\n"
             "  -W         wait with rbr_cq_poll_wait (else busy-poll)\n"
             "  -Y         wait with rbr_cq_poll, then rbr_cq_wait\n"
+            "  -E         wait with rbr_cq_poll, then epoll_wait on rbr_cq_fd\n"
             EX_CQ_OPTS_USAGE,
             argv0, DEFAULT_ADDR);
 }
@@ -222,7 +231,7 @@ static int parse_opts(int argc, char **argv, struct bench_opts *o)
     o->timeout_s = 30;
     ex_cq_opts_init(&o->cq);
     parse_sizes("2,64,4096,65536,1048576", o);
-    while ((ch = getopt(argc, argv, "r:a:t:s:n:m:b:w:T:WYp:S:h")) != -1) {
+    while ((ch = getopt(argc, argv, "r:a:t:s:n:m:b:w:T:WYEp:S:h")) != -1) {
         switch (ch) {
         case 'r':
             if (strcmp(optarg, "server") == 0) {
@@ -278,6 +287,7 @@ static int parse_opts(int argc, char **argv, struct bench_opts *o)
             break;
         case 'W':
         case 'Y':
+        case 'E':
             o->wait = ch;
             break;
         case 'p':
@@ -298,6 +308,53 @@ static int parse_opts(int argc, char **argv, struct bench_opts *o)
 }
 
 /*
+ * An event loop's wait: rbr_cq_poll until it finds something; on RBR_EMPTY,
+ * sleep in epoll_wait on the queue's descriptor (at most timeout_ms).
+ */
+static rbr_status poll_then_epoll(struct peer *p, rbr_completion *out,
+                                  size_t max, size_t *n, int32_t timeout_ms)
+{
+    for (;;) {
+        struct epoll_event ev;
+        size_t got = 0;
+        rbr_status st = rbr_cq_poll(p->cq, out, max, &got);
+        int r;
+
+        if (st == RBR_OK) {
+            *n = got;
+            return RBR_OK;
+        }
+        if (st != RBR_EMPTY)
+            return st;
+        r = epoll_wait(p->ep, &ev, 1, timeout_ms);
+        if (r == 0)
+            return RBR_ERR_TIMEOUT;
+        if (r < 0 && errno != EINTR) {
+            ex_error("epoll_wait: %s", strerror(errno));
+            return RBR_ERR_OS;
+        }
+    }
+}
+
+/* -E: the epoll set, holding the queue's descriptor level-triggered. */
+static int open_epoll(struct peer *p)
+{
+    struct epoll_event ev;
+    int fd;
+
+    if (EX_CHECK(rbr_cq_fd(p->cq, &fd)))
+        return -1;
+    p->ep = epoll_create1(EPOLL_CLOEXEC);
+    memset(&ev, 0, sizeof ev);
+    ev.events = EPOLLIN;
+    if (p->ep < 0 || epoll_ctl(p->ep, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        ex_error("epoll: %s", strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+/*
  * Busy-polls until at least one completion is there; fails on an error
  * completion or an RBR_OP_DISCONNECTED, or after the time limit.  With disc
  * non-NULL the connection may close: flushed work is let through (callers
@@ -309,6 +366,7 @@ static int poll_some(struct peer *p, rbr_completion *wc, size_t *n, int *disc)
     rbr_status st =
         p->wait == 'W'   ? ex_wait_completions(p->cq, wc, POLL_BATCH, n, ms)
         : p->wait == 'Y' ? ex_poll_then_wait(p->cq, wc, POLL_BATCH, n, ms)
+        : p->wait == 'E' ? poll_then_epoll(p, wc, POLL_BATCH, n, ms)
                          : ex_busy_poll(p->cq, wc, POLL_BATCH, n, p->timeout_ns);
     size_t i;
 
@@ -732,6 +790,7 @@ int main(int argc, char **argv)
     memset(&p, 0, sizeof p);
     p.timeout_ns = (int64_t)o.timeout_s * 1000000000;
     p.wait = o.wait;
+    p.ep = -1;
     memset(&h, 0, sizeof h);
     h.magic = PDATA_MAGIC;
     h.window = o.window;
@@ -752,6 +811,8 @@ int main(int argc, char **argv)
         goto out_rtt;
     if (EX_CHECK(ex_cq_create(&o.cq, &p.cq)))
         goto out_ctx;
+    if (o.wait == 'E' && open_epoll(&p))
+        goto out_cq;
     if (o.server) {
         if (server_accept(ctx, &o, p.cq, &h, &copts, &p.conn))
             goto out_cq;
@@ -795,6 +856,8 @@ out_send_mr:
 out_conn:
     rbr_conn_destroy(p.conn);
 out_cq:
+    if (p.ep >= 0)
+        close(p.ep);
     rbr_cq_destroy(p.cq);
 out_ctx:
     rbr_ctx_destroy(ctx);

@@ -6,13 +6,19 @@
 #   ucx:     UCX_TLS=posix,self ucx_perftest tag_lat, tag_bw (bandwidth and message rate),
 #            ucp_put_bw (one-sided puts, at the large sizes)
 #   fi:      fi_pingpong -p shm -e rdm (mean one-way latency)
+#   event:   both sides sleeping between messages, at 2 B, 64 B and 4 KiB: rbr_bench -E (an event
+#            loop: rbr_cq_poll until RBR_EMPTY, then epoll_wait on rbr_cq_fd), rbr_bench -W -S 0
+#            (rbr_cq_poll_wait with spin_us 0, which sleeps at once) and UCX's event mode
+#            (ucx_perftest tag_lat -E sleep): p50 and mean one-way latency
 #   limits:  rbr_limits (memcpy at 1 and 64 MiB on cpu1, cache-line round trip cpu0 <-> cpu1)
 #   scaling: rbr_scaling (benchmarks/scaling.c) in each progress mode: the cost of an empty
 #            rbr_cq_poll and the 64 B ping-pong latency with N = 1, 16, 256, 1024 connections
 #            on one completion queue per side (all but one idle), each N against N = 1 of the
 #            same run (target: the empty poll at 1,024 costs at most 2x the one at 1)
 #   setup:   rbr_setup (benchmarks/setup.c): connections one after another, each connected,
-#            accepted, carrying a 64 B message each way and closed; connections per second
+#            accepted, carrying a 64 B message each way and closed; and the same with 64
+#            connections in flight from one client thread (rbr_connect_start), the server
+#            accepting without blocking; connections per second (target in flight: 20,000)
 #            (no stock tool measures this over shared memory: ours alone)
 #   first:   rbr_first (benchmarks/first.c), both sides busy-polling and both in
 #            rbr_cq_poll_wait: the slowest of the first 200 round trips of each new connection
@@ -25,9 +31,10 @@
 # take the median over rounds. Absolute numbers depend on what else the machine does (other
 # builds, VMs): read the ratios.
 #
-# Usage: benchmarks/shm.sh [--quick] [--out DIR] [ROUNDS]
+# Usage: benchmarks/shm.sh [--quick] [--event] [--out DIR] [ROUNDS]
 #   --quick   two sizes per test, tiny counts, scaling at N = 1 and 16 only (for CI: proves the
 #             pipeline, well under a minute once built); 1 round unless ROUNDS says otherwise
+#   --event   the latency with both sides sleeping (event) alone
 #   --out DIR results directory (default benchmarks/results, ignored by git)
 #   ROUNDS    rounds (default 3)
 # Writes into DIR: table.txt (printed at the end), results.csv (medians and ratios),
@@ -38,10 +45,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 
-quick=0 rounds="" out="$root/benchmarks/results"
+quick=0 event_only=0 rounds="" out="$root/benchmarks/results"
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) quick=1 ;;
+    --event) event_only=1 ;;
     --out) out=${2:?--out needs a directory}; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *[!0-9]*|"") echo "shm.sh: bad argument '$1'" >&2; exit 2 ;;
@@ -71,17 +79,21 @@ setup_bin=$build/rbr_setup first_bin=$build/rbr_first
 # ------------------------------------------------------------------ plan
 if [ "$quick" = 1 ]; then
   lat_sizes=(2 4096) bw_sizes=(4096 65536) rate_sizes=(2) put_sizes=(65536) rma_sizes=(8 65536)
+  event_sizes=(64)
   lat_n=300 ucx_lat_warm=30 bw_bytes=$((8 << 20)) max_msgs=20000 fi_n=300
   limits_args=(-n 20000 -r 1) tmo=30
   scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60 setup_n=50 first_n=10
+  setup_inflight=16 setup_inflight_n=200
 else
   lat_sizes=(2 64 1024 4096 65536 1048576)
+  event_sizes=(2 64 4096)
   bw_sizes=(64 1024 4096 16384 65536 262144 1048576)
   rate_sizes=(2 64) put_sizes=(65536 1048576) rma_sizes=(8 4096 65536 1048576)
   lat_n=10000 ucx_lat_warm=1000 bw_bytes=$((1 << 30)) max_msgs=1000000 fi_n=10000
   limits_args=(-n 1000000 -r 5) tmo=180
   # With progress threads a round trip takes ~0.1-5 ms at 1,024 connections: minutes.
   scaling_args=(-N 1,16,256,1024 -n 10000 -b 11) scaling_tmo=900 setup_n=2000 first_n=50
+  setup_inflight=64 setup_inflight_n=20000
 fi
 join() { local IFS=,; echo "$*"; }
 # Messages per streaming run, as rbr_bench counts them: BYTES / SIZE, at most MAX, at least 100.
@@ -99,7 +111,7 @@ port=$((30000 + ($$ % 2000) * 10))
 # ------------------------------------------------------------------ process control
 # Servers and the client run in the background and are waited for, so that a signal is acted on
 # at once (bash runs a trap only after a foreground command ends).
-servers=() cpid=""
+servers=() cpid="" ucx_extra=()
 cleanup() {
   local p
   for p in $cpid "${servers[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -152,7 +164,9 @@ fail() { echo "shm.sh: round $round: $*" >&2; }
 # ------------------------------------------------------------------ the runs
 # serve_and_run LOG WHAT PROGRAM ADDR SERVER_ARGS... -- CLIENT_ARGS...: PROGRAM's server on
 # cpu0 (once it says it listens) and its client on cpu1, at ADDR; the client's RESULT lines go
-# into raw.txt as ours, a failure is reported as WHAT's.
+# into raw.txt as ours (their test named $result_test when that is set), a failure is reported
+# as WHAT's.
+result_test=""
 serve_and_run() {
   local log=$1 what=$2 prog=$3 addr=$4 sargs=() i
   shift 4
@@ -165,7 +179,8 @@ serve_and_run() {
     sleep 0.05
   done
   if client "$prog" -r client -a "$addr" "$@" >"$log" 2>&1 && end_server; then
-    awk -v r="$round" '$1 == "RESULT" { $1 = r " ours"; print }' "$log" >>"$raw"
+    awk -v r="$round" -v t="$result_test" '$1 == "RESULT" { $1 = r " ours"; if (t != "") $2 = t
+        print }' "$log" >>"$raw"
   else
     kill "$spid" 2>/dev/null || true
     end_server || true
@@ -183,6 +198,17 @@ run_ours() {
     -b "$bw_bytes" -T 30
 }
 
+# run_event MODE SIZE: the latency test with both sides sleeping between messages, recorded as
+# lat_MODE: fd (-E, an event loop on rbr_cq_fd) or wait0 (-W -S 0, rbr_cq_poll_wait that sleeps
+# at once).
+run_event() {
+  local mode=$1 size=$2 w
+  case $mode in fd) w=(-E) ;; wait0) w=(-W -S 0) ;; esac
+  result_test=lat_$mode serve_and_run "$out/logs/r$round-ours-lat-$mode-$size.log" \
+    "rbr_bench lat $mode" "$bench" "shm://$shm_name" -T 30 "${w[@]}" -- -t lat -s "$size" \
+    -n "$lat_n" -T 30 "${w[@]}"
+}
+
 # run_rma TESTS SIZE: rbr_rma_bench (one-sided writes), our side of ucp_put_lat / ucp_put_bw.
 run_rma() {
   local tests=$1 size=$2 c
@@ -193,7 +219,8 @@ run_rma() {
 
 # ucx TEST SIZE N WARMUP: one server and client; records p50/mean latency or bandwidth and rate.
 # ucx_perftest prints MB/s with MB = 2^20 bytes: converted here to 10^6 bytes.
-# run_ucx TEST SIZE N WARMUP [NAME]: NAME (default TEST) is what raw.txt calls the result.
+# run_ucx TEST SIZE N WARMUP [NAME]: NAME (default TEST) is what raw.txt calls the result;
+# ucx_extra (an array, when set) holds more options for the client (which the server follows).
 run_ucx() {
   local test=$1 size=$2 n=$3 warm=$4 name=${5:-$1} log=$out/logs/r$round-ucx-${5:-$1}-$2.log try line
   for try in 1 2; do
@@ -201,7 +228,7 @@ run_ucx() {
     start_server "$log.server" env UCX_TLS=posix,self ucx_perftest -p "$port" -c 0
     if wait_listen "$port" "$spid" &&
         client env UCX_TLS=posix,self ucx_perftest 127.0.0.1 -p "$port" -c 1 -t "$test" \
-          -s "$size" -n "$n" -w "$warm" -f -v >"$log" 2>&1 && end_server; then
+          -s "$size" -n "$n" -w "$warm" "${ucx_extra[@]}" -f -v >"$log" 2>&1 && end_server; then
       line=$(awk -F, '/^iterations,/ { for (i = 1; i <= NF; i++) h[$i] = i; getline;
           printf "p50_us=%s avg_us=%s mb_s=%.1f msgs_s=%s\n", $h["50.0_percentile_lat"],
             $h["overall_lat"], $h["overall_bw"] * 1.048576, $h["overall_mr"]; exit }' "$log")
@@ -219,6 +246,12 @@ run_ucx() {
     fi
     fail "ucx_perftest $test $size try $try failed: $(tail -n 2 "$log" | tr '\n' ' ')"
   done
+}
+
+# run_ucx_sleep SIZE: tag_lat in UCX's event mode (-E sleep), recorded as tag_lat_sleep.
+run_ucx_sleep() {
+  local ucx_extra=(-E sleep)
+  run_ucx tag_lat "$1" "$lat_n" "$ucx_lat_warm" tag_lat_sleep
 }
 
 # fi_pingpong SIZE: one server and client; its usec/xfer is the mean one-way latency.
@@ -244,10 +277,14 @@ run_fi() {
   done
 }
 
-# run_setup: rbr_setup's server on cpu0, its client on cpu1.
+# run_setup in_turn|in_flight: rbr_setup's server on cpu0, its client on cpu1, opening its
+# connections one after another (test "setup") or setup_inflight at once ("setup_inflight").
 run_setup() {
-  serve_and_run "$out/logs/r$round-setup.log" rbr_setup "$setup_bin" "shm://$shm_name-setup" \
-    -T 30 -- -n "$setup_n" -T 30
+  local n=$setup_n c=1
+  [ "$1" = in_turn ] || { n=$setup_inflight_n c=$setup_inflight result_test=setup_inflight; }
+  serve_and_run "$out/logs/r$round-setup-$1.log" "rbr_setup -c $c" "$setup_bin" \
+    "shm://$shm_name-setup" -T 30 -- -n "$n" -c "$c" -T 30
+  result_test=""
 }
 
 # run_first busy|wait: rbr_first's server on cpu0, its client on cpu1, both busy-polling or both
@@ -314,6 +351,9 @@ pair_all() {
     c=$(stream_count "$s")
     case $kind in
       lat) cmds=("run_ours lat $s" "run_ucx tag_lat $s $lat_n $ucx_lat_warm" "run_fi $s") ;;
+      # both sides sleeping: ours as an event loop and in rbr_cq_poll_wait, UCX's event mode
+      event) cmds=("run_event fd $s" "run_event wait0 $s"
+                   "run_ucx_sleep $s") ;;
       bw) cmds=("run_ours bw $s" "run_ucx tag_bw $s $c $((c / 10 + 1))")
           if [[ " ${put_sizes[*]} " == *" $s "* ]]; then
             cmds+=("run_ucx ucp_put_bw $s $c $((c / 10 + 1))")
@@ -336,22 +376,26 @@ echo "shm.sh: $rounds round(s)$([ "$quick" = 1 ] && echo ", quick"); results in 
 for round in $(seq "$rounds"); do
   vm=0
   if vm_running; then vm=1; echo "shm.sh: round $round/$rounds: a qemu VM is running"; fi
-  echo "shm.sh: round $round/$rounds: latency"
-  pair_all lat "${lat_sizes[@]}"
-  echo "shm.sh: round $round/$rounds: bandwidth"
-  pair_all bw "${bw_sizes[@]}"
-  echo "shm.sh: round $round/$rounds: message rate"
-  pair_all rate "${rate_sizes[@]}"
-  echo "shm.sh: round $round/$rounds: one-sided writes"
-  pair_all rma "${rma_sizes[@]}"
-  echo "shm.sh: round $round/$rounds: limits"
-  run_limits
-  echo "shm.sh: round $round/$rounds: scaling (1 to ${scaling_args[1]##*,} connections)"
-  in_turn $round "run_scaling caller" "run_scaling thread"
-  echo "shm.sh: round $round/$rounds: connection setup"
-  run_setup
-  echo "shm.sh: round $round/$rounds: first round trips and a message that waits for its receive"
-  in_turn $round "run_first busy" "run_first wait"
+  echo "shm.sh: round $round/$rounds: latency with both sides sleeping between messages"
+  pair_all event "${event_sizes[@]}"
+  if [ "$event_only" = 0 ]; then
+    echo "shm.sh: round $round/$rounds: latency"
+    pair_all lat "${lat_sizes[@]}"
+    echo "shm.sh: round $round/$rounds: bandwidth"
+    pair_all bw "${bw_sizes[@]}"
+    echo "shm.sh: round $round/$rounds: message rate"
+    pair_all rate "${rate_sizes[@]}"
+    echo "shm.sh: round $round/$rounds: one-sided writes"
+    pair_all rma "${rma_sizes[@]}"
+    echo "shm.sh: round $round/$rounds: limits"
+    run_limits
+    echo "shm.sh: round $round/$rounds: scaling (1 to ${scaling_args[1]##*,} connections)"
+    in_turn $round "run_scaling caller" "run_scaling thread"
+    echo "shm.sh: round $round/$rounds: connection setup"
+    in_turn $round "run_setup in_turn" "run_setup in_flight"
+    echo "shm.sh: round $round/$rounds: first round trips and a message that waits for its receive"
+    in_turn $round "run_first busy" "run_first wait"
+  fi
   if vm_running; then vm=1; echo "shm.sh: round $round/$rounds: a qemu VM is running"; fi
   vm_rounds=$((vm_rounds + vm))
 done

@@ -7,7 +7,8 @@ Reads RESULTS_DIR/raw.txt, lines of "ROUND TOOL TEST SIZE key=value ...", for ex
     2 ours lat 64 p50_us=0.28 p99_us=0.39 avg_us=0.30
     2 ucx tag_bw 65536 mb_s=13000.0 msgs_s=198000
     2 ours scaling_caller 1024 poll_ns=9.1 p50_us=0.31 p99_us=0.52 avg_us=0.33 threads=3 fds=12
-(for scaling_MODE lines, SIZE is the number of connections on one completion queue)
+(for scaling_MODE lines, SIZE is the number of connections on one completion queue; setup and
+setup_inflight are rbr_setup's connections one after another and in flight)
 and writes into RESULTS_DIR:
     table.txt    the table (also printed on stdout)
     results.csv  one row per comparison: medians, ratio, which direction is better
@@ -91,6 +92,14 @@ def main():
             "ucx tag_lat p50", "us", True)
         add("lat", s, "avg_us", "ours", "lat", "avg_us", "fi", "pingpong",
             "fi_pingpong avg", "us", True)
+    # Both sides sleeping between messages: our event loop on rbr_cq_fd against UCX's event
+    # mode, and against rbr_cq_poll_wait with spin_us 0 (a wait that sleeps at once).
+    for s in sizes("ours", "lat_fd"):
+        for key, stat in (("p50_us", "p50"), ("avg_us", "avg")):
+            add("evlat", s, key, "ours", "lat_fd", key, "ucx", "tag_lat_sleep",
+                "ucx -E sleep " + stat, "us", True, olabel="ours fd " + stat)
+            add("evlat", s, key, "ours", "lat_fd", key, "ours", "lat_wait0",
+                "poll_wait spin 0 " + stat, "us", True, olabel="ours fd " + stat)
     for s in sizes("ours", "bw"):
         add("bw", s, "mb_s", "ours", "bw", "mb_s", "ucx", "tag_bw", "ucx tag_bw", "MB/s", False)
         if ("ucx", "ucp_put_bw", s, "mb_s") in vals:
@@ -215,6 +224,23 @@ def main():
                          fmt(med("ours", "setup", s, "first_p50_us")[0]),
                          fmt(med("ours", "setup", s, "first_p99_us")[0]),
                          fmt(med("ours", "setup", s, "cycle_p50_us")[0])))
+    for s in sizes("ours", "setup_inflight"):
+        rate = med("ours", "setup_inflight", s, "rate_per_s")[0]
+        # Against the one-after-another run of the same round.
+        ib = byr.get(("ours", "setup_inflight", s, "rate_per_s"), {})
+        tb = byr.get(("ours", "setup", s, "rate_per_s"), {})
+        pairs = [ib[r] / tb[r] for r in ib if r in tb and tb[r] > 0]
+        lines.append("connection setup in flight (rbr_setup -c %s: that many connections at once "
+                     "from one client thread with rbr_connect_start, the server accepting "
+                     "without blocking, each given a %s message each way and closed): %s conn/s "
+                     "(target 20,000: %s), %s the rate one after another; to the first answer "
+                     "p50 %s us, p99 %s us" % (
+                         "%.0f" % (med("ours", "setup_inflight", s, "inflight")[0] or 0),
+                         human(s), fmt(rate), "n/a" if rate is None else
+                         "met" if rate >= 20000 else "missed",
+                         "%.2fx" % statistics.median(pairs) if pairs else "n/a x",
+                         fmt(med("ours", "setup_inflight", s, "first_p50_us")[0]),
+                         fmt(med("ours", "setup_inflight", s, "first_p99_us")[0])))
     for mode, how, rtt_bound, late_bound in (("busy", "both busy-polling", 1000, 10),
                                              ("wait", "both in rbr_cq_poll_wait", 200, 50)):
         for s in sizes("ours", "first_" + mode):

@@ -2,6 +2,9 @@
 # Runs inside the soft-RoCE VM (benchmarks/verbs-progress.sh boots it). Measures, side by side in
 # one boot, the stock tools against the C examples over verbs in both progress modes:
 #   latency:    ib_send_lat -R at 2 B and 4 KiB  vs  rbr_client ping-pong (one-way: p50, p99)
+#   event:      ib_send_lat -R -e (perftest's completion-channel mode) at 2 B and 4 KiB  vs
+#               rbr_bench -E (an event loop: rbr_cq_poll until RBR_EMPTY, then epoll_wait on
+#               rbr_cq_fd) and rbr_bench -W -S 0 (rbr_cq_poll_wait sleeping at once)
 #   throughput: ib_send_bw -R from 64 KiB up     vs  rbr_client streaming, window 32
 #   one-sided:  ib_write_lat / ib_read_lat -R at 2 B and 4 KiB, ib_write_bw / ib_read_bw -R from
 #               64 KiB up  vs  rbr_rma_bench (write ping-pong polling memory, read round
@@ -14,6 +17,9 @@
 #               each connected, accepted, carrying a 64 B message each way and closed; server
 #               and client in two processes, as cmtime's); connections per second of the
 #               client's whole run, for both
+#   in flight:  cmtime -c C (it sets up all C at once) vs rbr_setup -n C -c C (all C started at
+#               once with rbr_connect_start from one thread, each carrying its message each way
+#               and closed; the server accepts them without blocking); the same measure
 #   first:      rbr_first (benchmarks/first.c), both sides busy-polling and both in
 #               rbr_cq_poll_wait: per connection the slowest of the first 200 round trips from
 #               the connect (median over connections, against the busy run's steady round trip),
@@ -32,6 +38,8 @@
 # Usage (in the guest): benchmarks/verbs-progress-guest.sh C_BUILD_DIR [ROUNDS] [--quick|-] [OUT]
 #   --quick: one round at tiny counts, caller progress only (proves the pipeline works)
 #   OUT: a directory writable from the guest; raw.txt (every figure) and table.md go there
+#   RBR_BENCH_MEASURES=setup (environment): only the two setup pairs, each round (minutes, for
+#   setup's spread over many rounds)
 set -u
 build=$1 rounds=${2:-3} quick=${3:-} outdir=${4:-}
 ip=${RBR_TEST_ADDR:?RBR_TEST_ADDR is unset: run me through benchmarks/verbs-progress.sh}
@@ -39,12 +47,12 @@ port=18000 results=/tmp/bench-results
 : >"$results"
 
 # Sizes and counts. Streaming moves about 64 MiB per run (at least 64 messages).
-lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100 first_n=10
+lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100 inflight=64 first_n=10
 lat_n() { [ "$1" -ge 4096 ] && echo 300 || echo 1000; } # ib_send_lat hangs on rxe at 4 KiB x 1000
 bw_n() { local n=$((64 * 1048576 / $1)); [ "$n" -ge 64 ] && echo "$n" || echo 64; }
 variants=${RBR_BENCH_VARIANTS:-"caller/- thread/- caller/1000000"}
 if [ "$quick" = --quick ]; then
-  rounds=1 bw_sizes=65536 conns=10 first_n=2
+  rounds=1 bw_sizes=65536 conns=10 inflight=10 first_n=2
   lat_n() { echo 100; }
   bw_n() { echo 50; }
   variants=${RBR_BENCH_VARIANTS:-"caller/-"}
@@ -134,17 +142,19 @@ cmtime_rate() { # N
   return 1
 }
 
-# rbr_setup: N connections one after another, each connected, accepted, carrying a 64 B
-# message each way and closed; prints connections per second of the client's whole run.
-rbr_conn_rate() { # N
-  local n=$1 i
+# rbr_setup: N connections, C in flight (1: one after another, with the blocking connect), each
+# connected, accepted, carrying a 64 B message each way and closed; prints connections per
+# second of the client's whole run.
+rbr_conn_rate() { # N [C]
+  local n=$1 c=${2:-1} i
   next_port
   : >/tmp/setup-server.log
   timeout 300 "$build/rbr_setup" -r server -a "rdma://$ip:$port" -T 60 >/tmp/setup-server.log 2>&1 &
   local s=$!
   for i in $(seq 600); do grep -q '^listening' /tmp/setup-server.log && break; kill -0 "$s" 2>/dev/null || break; sleep 0.1; done
   local t0; t0=$(now_ns)
-  if ! timeout 300 "$build/rbr_setup" -r client -a "rdma://$ip:$port" -n "$n" -T 60 >/tmp/setup-client.log 2>&1; then
+  if ! timeout 300 "$build/rbr_setup" -r client -a "rdma://$ip:$port" -n "$n" -c "$c" -T 60 \
+    >/tmp/setup-client.log 2>&1; then
     echo "rbr_setup failed:" >&2; cat /tmp/setup-client.log /tmp/setup-server.log >&2
     kill "$s" 2>/dev/null; wait "$s" 2>/dev/null
     return 1
@@ -235,9 +245,22 @@ record_split() { # SIZE TOOL SPLIT-LINE
 
 name() { case $1 in */-) echo "rbr-${1%/*}" ;; */1000000) echo "rbr-${1%/*}-busy" ;; *) echo "rbr-${1%/*}-spin${1#*/}" ;; esac; }
 
+measures=${RBR_BENCH_MEASURES:-all}
+case $measures in all|setup) ;; *) echo "RBR_BENCH_MEASURES: all or setup, not '$measures'" >&2; exit 2 ;; esac
+# setup_pairs: connections one after another and in flight, each against cmtime with the same
+# count (cmtime sets its connections up all at once).
+setup_pairs() {
+  local v
+  if v=$(cmtime_rate "$conns"); then record conn cmtime cps "$v"; fi
+  if v=$(rbr_conn_rate "$conns"); then record conn rbr-setup cps "$v"; fi
+  if v=$(cmtime_rate "$inflight"); then record "inflight$inflight" cmtime cps "$v"; fi
+  if v=$(rbr_conn_rate "$inflight" "$inflight"); then record "inflight$inflight" rbr-setup cps "$v"; fi
+}
+
 echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource), $(nproc) CPUs"
 for round in $(seq "$rounds"); do
   echo "== round $round"
+  if [ "$measures" = setup ]; then setup_pairs; continue; fi
   for size in $lat_sizes; do
     n=$(lat_n "$size")
     # ib_send_lat columns: bytes iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%.
@@ -257,6 +280,20 @@ for round in $(seq "$rounds"); do
       if out=$(bench lat "$size" "$n" "${f[@]}"); then
         record "lat$size" $t p50 "$(echo "$out" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
         record "lat$size" $t p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
+      fi
+    done
+    # Both sides asleep between messages: perftest on its completion channel, ours as an event
+    # loop on the queue's descriptor and in a wait that sleeps at once.
+    if row=$(perftest ib_send_lat -e -s "$size" -n "$n"); then
+      record "elat$size" ib_send_lat-e p50 "$(echo "$row" | awk '{ print $5 }')"
+      record "elat$size" ib_send_lat-e p99 "$(echo "$row" | awk '{ print $8 }')"
+    fi
+    for w in E W0; do
+      f=(-E) t=rbr-bench-fd
+      [ $w = W0 ] && f=(-W -S 0) t=rbr-bench-wait0
+      if out=$(bench lat "$size" "$n" "${f[@]}"); then
+        record "elat$size" $t p50 "$(echo "$out" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
+        record "elat$size" $t p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
       fi
     done
   done
@@ -306,8 +343,7 @@ for round in $(seq "$rounds"); do
       fi
     done
   done
-  if v=$(cmtime_rate "$conns"); then record conn cmtime cps "$v"; fi
-  if v=$(rbr_conn_rate "$conns"); then record conn rbr-setup cps "$v"; fi
+  setup_pairs
   # The late message against this round's one-way ib_send_lat at the smallest size; the first
   # round trips against the busy run's steady round trip.
   sl=$(awk -v m="lat${lat_sizes%% *}" '$2 == m && $3 == "ib_send_lat" && $4 == "p50" { v = $5 } END { print v }' "$results")
@@ -349,8 +385,10 @@ awk '
     if (m ~ /^[wr]bw/) { s = substr(m, 4) + 0; return (m ~ /^w/ ? "write" : "read") " bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
     if (m ~ /^late/) return "message waiting for its receive, " substr(m, 5) " B: post to completion"
     if (m ~ /^lat/) { s = substr(m, 4) + 0; return "latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
+    if (m ~ /^elat/) { s = substr(m, 5) + 0; return "latency asleep between messages " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^bw/) { s = substr(m, 3) + 0; return "bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
     if (m ~ /^first/) return "slowest of the first round trips, " substr(m, 6) " B"
+    if (m ~ /^inflight/) return "connection setup, " substr(m, 9) " in flight"
     return "connection setup"
   }
   function ratio(a, b) { return (b > 0 && a != "") ? sprintf("%.2fx", a / b) : "-" }
@@ -368,8 +406,8 @@ awk '
     printf "| --- | --- | --- | --- | --- | --- | --- |\n"
     for (i = 1; i <= nm; i++) {
       m = order[i]; split(substr(tools[m], 2), ts, " ")
-      field = m ~ /^([wr]?lat|rkern|ruser|late|first)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
-      unit = m ~ /^([wr]?lat|rkern|ruser|late|first)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : " conn/s")
+      field = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
+      unit = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : " conn/s")
       ref = ts[1]; r50 = med(m SUBSEP ref SUBSEP field); r99 = med(m SUBSEP ref SUBSEP "p99")
       for (j = 1; (j in ts); j++) {
         t = ts[j]; k = m SUBSEP t SUBSEP field
@@ -389,7 +427,12 @@ fi
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
 # size, 2 x 2 bandwidth figures per size; the read's split: 2 figures of each tool; rbr_first:
-# 3 figures of the late message and 3 of the first round trips)
-want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 2 + nl * 8 + nb * 4 + 4 + 6)))
+# 3 figures of the late message and 3 of the first round trips; setup: 2 pairs; asleep between
+# messages: 2 figures of each of 3 tools per size)
+if [ "$measures" = setup ]; then
+  want=$((rounds * 4))
+else
+  want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 4 + nl * 8 + nb * 4 + 4 + 6 + nl * 6)))
+fi
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }

@@ -6,10 +6,12 @@ Usage: verbs_report.py RESULTS_DIR
 Reads RESULTS_DIR/raw.txt, lines of "RESULT MEASURE TOOL FIELD VALUE" written in the VM, e.g.
     RESULT lat2 ib_send_lat p50 21.3
     RESULT wbw65536 rbr-rma mbs 412.0
-(MEASURE: lat, bw = send/receive; wlat, rlat, wbw, rbw = RDMA write and read; rkern, ruser =
+(MEASURE: lat, bw = send/receive; elat = send/receive with both sides asleep between
+messages; wlat, rlat, wbw, rbw = RDMA write and read; rkern, ruser =
 a read's round trip inside and outside the client's write() to the device; then the size;
-conn = connection setup; late, first = rbr_first's message that waits for its receive and its
-slowest first round trips). Writes into RESULTS_DIR:
+conn = connection setup one after another, inflight = connections in flight, the count after
+it, both against cmtime with the same count; late, first = rbr_first's message that waits for
+its receive and its slowest first round trips). Writes into RESULTS_DIR:
     results.csv  per measure, tool and field: median, min, max over rounds, the ratio of
                  the median to the stock tool's median for the same measure and field, and
                  the median over rounds of each round's ratio (ours and the stock tool ran
@@ -24,8 +26,8 @@ import sys
 from collections import defaultdict
 
 STOCK = {
-    "lat": "ib_send_lat", "bw": "ib_send_bw", "wlat": "ib_write_lat", "rlat": "ib_read_lat",
-    "wbw": "ib_write_bw", "rbw": "ib_read_bw", "conn": "cmtime",
+    "lat": "ib_send_lat", "elat": "ib_send_lat-e", "bw": "ib_send_bw", "wlat": "ib_write_lat", "rlat": "ib_read_lat",
+    "wbw": "ib_write_bw", "rbw": "ib_read_bw", "conn": "cmtime", "inflight": "cmtime",
     "rkern": "ib_read_lat", "ruser": "ib_read_lat",
     # A message that waits for its receive, against the one-way latency of a message that
     # does not; the slowest of the first round trips against a steady round trip.

@@ -102,7 +102,7 @@ step "rust suite over verbs" "$verbs_bin" --ignored --test-threads=1 --exact \
 # themselves ran in both above).
 step "rust suite over verbs, RBR_PROGRESS=thread" env RBR_PROGRESS=thread "$verbs_bin" --ignored \
   --test-threads=1 --exact bad_posts_return_clear_errors_and_post_nothing \
-  completion_fd_is_readable_exactly_while_completions_are_queued \
+  completion_fd_is_readable_while_a_poll_finds_completions \
   disconnect_flushes_and_reports_on_both_sides idle_connection_stays_up_and_reports_nothing \
   peer_killed_mid_stream_is_reported_at_once \
   receive_too_small_fails_both_sides_with_length_errors slot_is_free_once_its_completion_is_seen \

@@ -10,7 +10,7 @@
 
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crossbeam_queue::SegQueue;
@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::sync::SpinLock;
 use crate::sys::EventFd;
 
+mod bell;
 pub(crate) mod notice;
 mod options;
 mod ready;
@@ -28,6 +29,7 @@ mod sink;
 mod sources;
 mod wait;
 
+use bell::QueueFd;
 use notice::Board;
 pub use options::{CqOptions, DEFAULT_SPIN, Progress, SPIN_ADAPT_MAX, SPIN_MAX};
 use ready::Readiness;
@@ -71,6 +73,15 @@ pub struct CompletionQueue {
     /// Where shm peers mark the connections that have news, so that a poll looks only at
     /// those; made with the first slot.
     board: OnceLock<Board>,
+    /// The descriptor handed out with [`Progress::Caller`] (see `bell.rs`), made by the first
+    /// call of [`fd`](Self::fd); `None` inside when it could not be made, or with progress
+    /// threads, which hand out the eventfd itself.
+    handed_out: OnceLock<Option<QueueFd>>,
+    /// The bell's name is on the board.
+    bell_named: AtomicBool,
+    /// The bell may have been rung since it was last drained other than through the board's
+    /// sleep announcement: a connection's own announcement, or this side itself.
+    bell_maybe_rung: AtomicBool,
     /// Calls of `poll_with`: a sign of life of the pollers, which the shm transport samples
     /// to tell when they have stopped driving its connections.
     polls: AtomicU64,
@@ -120,6 +131,9 @@ impl CompletionQueue {
             nsources: AtomicUsize::new(0),
             nscan: AtomicUsize::new(0),
             board: OnceLock::new(),
+            handed_out: OnceLock::new(),
+            bell_named: AtomicBool::new(false),
+            bell_maybe_rung: AtomicBool::new(false),
             next_source: AtomicUsize::new(0),
             polls: AtomicU64::new(0),
             recent_wait: AtomicU64::new(0),
@@ -228,15 +242,90 @@ impl CompletionQueue {
             if out.room() > 0 && !self.ready.none_pending() {
                 self.pop_into(&mut out);
             }
-            // No arming here for a sleeper on the descriptor: once it has been asked for, the
-            // library's threads keep the devices' completion events armed (see `fd`).
         }
         // Room left: the poll found the queue empty, which is where an edge-triggered waiter
         // goes to sleep; the next completion queued must make a new edge for it.
         if out.room() > 0 && self.ready.starve() {
             self.pop_into(&mut out);
         }
+        // And the next news of a connection that the pollers move must ring the bell.
+        if out.room() > 0
+            && let Some(q) = self.bell()
+        {
+            self.arm_or_poll(q, &mut out);
+        }
         out.filled()
+    }
+
+    /// The descriptor handed out with caller progress, once it has been.
+    #[inline]
+    fn bell(&self) -> Option<&QueueFd> {
+        self.handed_out.get().and_then(Option::as_ref)
+    }
+
+    /// After a poll with room left (the queue found empty): asks the connections that the
+    /// pollers move to ring the bell with their next news, polling them again when news came
+    /// meanwhile. When news keeps coming as it tries, it rings the bell itself, so a waiter
+    /// wakes and polls again: the descriptor never sleeps through news.
+    #[inline(never)]
+    fn arm_or_poll(&self, q: &QueueFd, out: &mut Sink<'_>) {
+        self.arm_or(q, || {
+            self.each_ready(|s| s.poll(out));
+            if out.room() > 0 && !self.ready.none_pending() {
+                self.pop_into(out);
+            }
+            // Full: the caller polls again before it sleeps.
+            out.room() == 0
+        });
+    }
+
+    /// Arms the bell (see [`arm_bell`](Self::arm_bell)), calling `poll` when news came
+    /// meanwhile (it returns true when the caller got what it asked for and need not arm),
+    /// twice; then rings the bell instead.
+    fn arm_or(&self, q: &QueueFd, mut poll: impl FnMut() -> bool) {
+        for _ in 0..2 {
+            if self.arm_bell(q) || poll() {
+                return;
+            }
+        }
+        // Relaxed: drained by the next arming poll, whichever thread it runs on; a ring is
+        // only ever one more wake-up.
+        self.bell_maybe_rung.store(true, Ordering::Relaxed);
+        q.ring();
+    }
+
+    /// Drains the bell and asks for a ring with the next news: on the board for connections
+    /// that are marked there, on their own for those polled every time. Returns false when a
+    /// connection had news already (or its lock was held): the caller polls again.
+    fn arm_bell(&self, q: &QueueFd) -> bool {
+        let Some(board) = self.board.get() else {
+            // No connection that marks the board: nothing rings the bell but this side.
+            return true;
+        };
+        // Relaxed, here and below: only this queue's pollers read them, and a stale look
+        // costs one drain more or less (the drain comes before the announcement either way).
+        if !self.bell_named.load(Ordering::Relaxed) {
+            board.set_bell_name(q.name());
+            self.bell_named.store(true, Ordering::Relaxed);
+        }
+        let rung = self.bell_maybe_rung.swap(false, Ordering::Relaxed);
+        if rung || !board.sleep_announced() {
+            // Rung since the last arming: the news is found by the looks below (or was taken
+            // by a poll), so the rings need not wake a level-triggered waiter again.
+            q.drain();
+        }
+        if board.announce_sleep() {
+            return false;
+        }
+        match self.arm_polled_sources() {
+            Some(armed) => {
+                if armed > 0 {
+                    self.bell_maybe_rung.store(true, Ordering::Relaxed);
+                }
+                true
+            }
+            None => false,
+        }
     }
 
     /// Takes queued completions into `out`'s free slots. Its callers look at the queue's count
@@ -257,8 +346,44 @@ impl CompletionQueue {
 
     /// Whether a thread sleeps on, or somebody watches, the descriptor: then the devices must
     /// announce every completion, since nobody may be polling.
+    #[cfg(feature = "verbs")]
     pub(crate) fn watched(&self) -> bool {
-        self.ready.watched()
+        self.ready.slept_on().is_some()
+    }
+
+    /// Whether the library's threads must move a connection's data now (with
+    /// [`Progress::Caller`]): while a thread sleeps in [`wait`](Self::wait), and once the
+    /// descriptor has been handed out - unless the connection rings the bell (`on_board`)
+    /// and there is one, in which case the pollers go on moving it. One load while nobody
+    /// watches.
+    #[inline]
+    pub(crate) fn library_moves(&self, on_board: bool) -> bool {
+        match self.ready.slept_on() {
+            None => false,
+            Some(true) => true,
+            Some(false) => !(on_board && self.bell().is_some()),
+        }
+    }
+
+    /// Whether the descriptor has been handed out with a bell in it.
+    #[inline]
+    pub(crate) fn has_bell(&self) -> bool {
+        self.bell().is_some()
+    }
+
+    /// A connection asked its peer to ring the bell: the next arming drains it.
+    pub(crate) fn ring_asked(&self) {
+        // Relaxed: see `arm_bell`.
+        self.bell_maybe_rung.store(true, Ordering::Relaxed);
+    }
+
+    /// News reached a connection some other way than the bell (a doorbell on its socket)
+    /// while its pollers may sleep on the descriptor: rings the bell for them.
+    pub(crate) fn ring_bell(&self) {
+        if let Some(q) = self.bell() {
+            self.bell_maybe_rung.store(true, Ordering::Relaxed);
+            q.ring();
+        }
     }
 
     /// Number of completions queued right now (not counting any still in a device).
@@ -283,29 +408,47 @@ impl CompletionQueue {
     /// [`AsFd`] and [`AsRawFd`]). Owned by the queue; do not read, write or close it.
     ///
     /// Readiness, for both kinds of waiter:
-    /// - level-triggered (`poll`, `select`, plain `epoll`): readable exactly while completions
-    ///   are queued, once the calls that queue and take them have returned;
+    /// - level-triggered (`poll`, `select`, plain `epoll`): readable while a poll would find a
+    ///   completion - one queued, or one a poll would take from a connection; unreadable once
+    ///   a poll has found nothing and nothing has come since;
     /// - edge-triggered (`EPOLLET`, mio, tokio): after a [`poll`](Self::poll) (or any of the
     ///   polling calls) finds the queue empty, the next completion makes a new edge. So the
     ///   usual loop is safe: poll until `None` (for the batch forms, until a call returns
     ///   fewer than it asked for), then wait for the next edge (tokio: `clear_ready`, then
     ///   `readable().await`).
     ///
-    /// Either way it may also wake with nothing to take (another thread took it first): poll,
-    /// and wait again when the poll finds nothing.
+    /// Either way it may also wake with nothing to take (another thread took it first, or
+    /// what woke it is not a completion yet): poll, and wait again when the poll finds
+    /// nothing. Nothing need be polled before the first wait: handing it out counts as a poll
+    /// that found the queue empty.
     ///
-    /// With [`Progress::Caller`], asking for it makes the devices announce every completion
-    /// from then on, and the library's threads queue them as they come (as with
-    /// [`Progress::Thread`]), which costs latency; a program that only polls should not ask
-    /// for it.
+    /// With [`Progress::Caller`] the pollers go on moving the data of shm connections: the
+    /// poll that finds the queue empty asks their peers to make the descriptor readable with
+    /// their next message (as `ucp_worker_arm` or `fi_trywait` do before a sleep), and the
+    /// descriptor holds, beside the queue's own readiness, the socket those peers ring. A
+    /// message that comes while the program polls never crosses a library thread. Verbs
+    /// connections are still moved by the library's threads once it has been asked for (the
+    /// devices announce every completion from then on, as with [`Progress::Thread`]).
     pub fn fd(&self) -> RawFd {
+        let set = self.handed_out.get_or_init(|| {
+            (self.opts.progress == Progress::Caller)
+                .then(|| QueueFd::new(self.ready.signal().raw()).ok())
+                .flatten()
+        });
         if self.ready.export() {
             // From now on the devices announce every completion: ask for the next one, then
             // queue whatever came before the request.
             self.arm_sources();
             self.fill_from_sources(true);
+            // As after a poll that found the queue empty: nobody need poll before sleeping.
+            if let Some(q) = set {
+                self.arm_or(q, || {
+                    self.fill_from_sources(false);
+                    false
+                });
+            }
         }
-        self.ready.signal().raw()
+        set.as_ref().map_or(self.ready.signal().raw(), QueueFd::raw)
     }
 }
 

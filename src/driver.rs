@@ -173,17 +173,23 @@ impl Driver {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         let id = reg.slot.id;
-        for (i, &fd) in fds.iter().enumerate() {
-            if let Err(e) = self.core.ctl(libc::EPOLL_CTL_ADD, fd, id << 2 | i as u64) {
-                for &added in &fds[..i] {
-                    let _ = self.core.ctl(libc::EPOLL_CTL_DEL, added, 0);
-                }
-                return Err(e);
-            }
-        }
         let mut list = [-1; MAX_FDS];
         list[..fds.len()].copy_from_slice(fds);
+        let mut failed = None;
+        // The descriptors join the set under the inbox's lock, with the entry posted in the
+        // same hold: a descriptor ready at once (a socket not yet connected polls as hung up)
+        // names an entry the thread does not have yet, and the thread then reads its mail,
+        // which waits for this post, rather than spinning on the event meanwhile.
         self.core.post(|inbox| {
+            for (i, &fd) in fds.iter().enumerate() {
+                if let Err(e) = self.core.ctl(libc::EPOLL_CTL_ADD, fd, id << 2 | i as u64) {
+                    for &added in &fds[..i] {
+                        let _ = self.core.ctl(libc::EPOLL_CTL_DEL, added, 0);
+                    }
+                    failed = Some(e);
+                    return;
+                }
+            }
             inbox.new.push(Entry {
                 handler,
                 slot: reg.slot.clone(),
@@ -194,7 +200,10 @@ impl Driver {
                 round: 0,
             })
         });
-        Ok(())
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 
@@ -454,6 +463,7 @@ impl Thread {
         if sleeps {
             self.core.sleeping.store(false, Ordering::SeqCst);
         }
+        let mut unknown = false;
         // An interruption (or any failure) is a look that found nothing.
         for ev in events.iter().take(n.max(0) as usize) {
             let (key, what) = (ev.u64, ev.events);
@@ -465,7 +475,13 @@ impl Thread {
             if let Some(e) = self.entries.get_mut(&id) {
                 e.ready.events[i] |= what;
                 self.mark(id);
+            } else {
+                unknown = true;
             }
+        }
+        if unknown {
+            // A registration being posted (see `Driver::register`): its entry is in the mail.
+            self.read_mail();
         }
     }
 

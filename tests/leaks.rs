@@ -1,4 +1,4 @@
-//! Resource-leak tests over shm, alone in their own test binary so no other test opens
+//! Resource-leak and resource-count tests over shm, alone in their own test binary so no other test opens
 //! descriptors or mappings while they count them. They run one after another in one test:
 //! the test harness starts a thread for each test as another ends, and a thread that starts
 //! between two counts of another test adds its stack to the process's mappings (once, on a
@@ -10,6 +10,7 @@ mod common;
 fn leak_checks_one_after_another() {
     connect_close_cycles_leak_nothing();
     common::suite::connects_dropped_midway_leak_nothing(&common::Net::Shm);
+    common::suite::connects_in_flight_cost_one_descriptor_and_no_thread(&common::Net::Shm);
     expose_and_close_cycles_leak_nothing();
     a_dropped_region_is_unmapped_by_the_peer_while_the_connection_lives();
     large_messages_through_mappings_leak_nothing();

@@ -47,10 +47,11 @@ mod asyncs {
         assert!(client_ms < 500, "client busy while idle");
     }
 }
-// Over shm this one runs in tests/leaks.rs, alone in its binary while it counts descriptors.
+// Over shm these run in tests/leaks.rs, alone in their binary while they count descriptors.
 suite_over_verbs!(
     connect_close_cycles_leak_nothing,
-    connects_dropped_midway_leak_nothing
+    connects_dropped_midway_leak_nothing,
+    connects_in_flight_cost_one_descriptor_and_no_thread
 );
 
 /// A connect to an address no route reaches fails with its own status, within the timeout.

@@ -162,6 +162,7 @@ impl Setup {
             setup: self.clone(),
             handshake: started.handshake,
             next: None,
+            ran: false,
         });
         driver
             .register(&self.reg, &[started.fd], turns)
@@ -376,10 +377,14 @@ struct Turns {
     setup: Arc<Setup>,
     handshake: Box<dyn Handshake>,
     next: Option<Box<dyn Handler>>,
+    /// It had a turn: a registration that failed reports nothing (its caller returns the
+    /// error, and there is no connection to report on).
+    ran: bool,
 }
 
 impl Handler for Turns {
     fn run(&mut self, ready: &Ready) -> Next {
+        self.ran = true;
         if let Some(e) = self.setup.ending() {
             self.setup.fail(e);
             return Next::Done;
@@ -420,7 +425,9 @@ impl Drop for Turns {
     fn drop(&mut self) {
         // Only a driver that stops drops a handshake that is still running; its waiters must
         // not wait forever.
-        self.setup
-            .fail(Error::ConnectFailed("the progress driver stopped".into()));
+        if self.ran {
+            self.setup
+                .fail(Error::ConnectFailed("the progress driver stopped".into()));
+        }
     }
 }

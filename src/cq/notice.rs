@@ -10,13 +10,21 @@
 //! connections. A SeqCst fence on both sides between the data and the mark makes sure that
 //! either the poller sees the data or the writer sees the cleared bit and sets it again.
 //!
+//! The page also carries the queue's sleep announcement (at [`SLEEPER_AT`]) and, from when
+//! its descriptor is handed out, the name of its bell (`bell.rs`, at [`BELL_AT`]): a poll
+//! that finds the queue empty sets the word and looks at the summary once more, a peer that
+//! marks a slot looks at the word after the mark and rings the bell if it takes the word
+//! down (Dekker again: either the poll sees the mark or the peer sees the word).
+//!
 //! The page is a sealed memfd that each peer maps. A peer may write anything into it: a wrong
-//! bit only makes a poll look at a connection with nothing new.
+//! bit only makes a poll look at a connection with nothing new, a wrong word a bell rung for
+//! nothing, and a wrong name is checked before it is rung.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
+use super::bell;
 use crate::error::{Error, Result};
 use crate::sys::cvt;
 
@@ -29,6 +37,10 @@ pub(crate) const NO_SLOT: u32 = u32::MAX;
 /// Right after the summary, so that the first slots share its cache line: with few
 /// connections a mark and a take each move one line between the cores.
 const WORDS_AT: usize = 8;
+/// The sleep announcement: 1 while a poller of the queue sleeps or is about to.
+const SLEEPER_AT: usize = 1024;
+/// The bell's name: its length, then its bytes, in words.
+const BELL_AT: usize = 1088;
 const LEN: usize = 4096;
 
 /// A mapped notice board: the queue's own, or a peer's.
@@ -133,6 +145,60 @@ impl Board {
         }
     }
 
+    /// Writes the name of the queue's bell, for peers to ring (the queue's own board only).
+    pub(crate) fn set_bell_name(&self, name: &[u8]) {
+        let name = &name[..name.len().min(bell::NAME_MAX)];
+        for (i, chunk) in name.chunks(8).enumerate() {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            // Relaxed: published by the SeqCst store of the length below.
+            self.word(BELL_AT + 8 + 8 * i)
+                .store(u64::from_ne_bytes(w), Ordering::Relaxed);
+        }
+        self.word(BELL_AT)
+            .store(name.len() as u64, Ordering::SeqCst);
+    }
+
+    /// The bell's name as the page says (a peer's page: checked by whoever rings it).
+    fn bell_name(&self, out: &mut [u8; bell::NAME_MAX]) -> usize {
+        // SeqCst: pairs with the store in `set_bell_name`.
+        let len = (self.word(BELL_AT).load(Ordering::SeqCst) as usize).min(bell::NAME_MAX);
+        for (i, chunk) in out[..len].chunks_mut(8).enumerate() {
+            let w = self
+                .word(BELL_AT + 8 + 8 * i)
+                .load(Ordering::Relaxed)
+                .to_ne_bytes();
+            chunk.copy_from_slice(&w[..chunk.len()]);
+        }
+        len
+    }
+
+    /// Announces that a poller goes to sleep, then tells whether any slot is marked: if so,
+    /// the poller must poll again rather than sleep. Otherwise a peer that marks a slot from
+    /// now on rings the bell (see the module's docs).
+    pub(crate) fn announce_sleep(&self) -> bool {
+        bell::announce_sleep(self.word(SLEEPER_AT), self.summary())
+    }
+
+    /// Whether the sleep announcement is still up (no peer has rung since it was made).
+    pub(crate) fn sleep_announced(&self) -> bool {
+        self.word(SLEEPER_AT).load(Ordering::Relaxed) == 1
+    }
+
+    /// The marker's side, after [`mark`](Self::mark): rings the queue's bell if a poller
+    /// announced its sleep, taking the announcement down so that one ring serves it. Returns
+    /// false when the bell could not be rung (the caller wakes the peer another way).
+    pub(crate) fn ring_sleeper(&self) -> bool {
+        !bell::take_sleeper(self.word(SLEEPER_AT)) || self.ring_bell()
+    }
+
+    /// Rings the queue's bell as named on the page.
+    pub(crate) fn ring_bell(&self) -> bool {
+        let mut name = [0u8; bell::NAME_MAX];
+        let len = self.bell_name(&mut name);
+        bell::ring(&name[..len])
+    }
+
     /// Marks `slot` again (news seen but not fully taken).
     pub(crate) fn remark(&self, slot: u32) {
         fence(Ordering::SeqCst);
@@ -172,6 +238,28 @@ mod tests {
         assert!(taken(&b).is_empty());
         b.remark(7);
         assert_eq!(taken(&b), vec![7]);
+    }
+
+    #[test]
+    fn a_mark_after_an_announced_sleep_rings_the_bell_once() {
+        let ev = crate::sys::EventFd::new().unwrap();
+        let q = bell::QueueFd::new(ev.raw()).unwrap();
+        let own = Board::create().unwrap();
+        own.set_bell_name(q.name());
+        let peer = Board::open(own.fd.as_ref().unwrap()).unwrap();
+        let readable = || crate::sys::poll_one(q.raw(), libc::POLLIN, Some(Default::default()));
+        assert!(peer.ring_sleeper(), "nobody sleeps: nothing to ring");
+        assert!(!readable().unwrap());
+        assert!(!own.announce_sleep(), "nothing marked");
+        peer.mark(3);
+        assert!(peer.ring_sleeper());
+        assert!(readable().unwrap());
+        q.drain();
+        assert!(!own.sleep_announced());
+        peer.mark(4);
+        assert!(peer.ring_sleeper());
+        assert!(!readable().unwrap(), "one ring for one sleep");
+        assert!(own.announce_sleep(), "marks are waiting: no sleep");
     }
 
     #[test]

@@ -138,9 +138,16 @@ impl<S: Signal> Readiness<S> {
         &self.signal
     }
 
-    /// Whether anybody watches `signal`.
-    pub(crate) fn watched(&self) -> bool {
-        self.watchers.load(Ordering::SeqCst) > 0
+    /// Whether a thread sleeps on `signal` (or is about to), as opposed to its having been
+    /// handed out; `None` while nobody watches it at all (one load).
+    #[inline]
+    pub(crate) fn slept_on(&self) -> Option<bool> {
+        let w = self.watchers.load(Ordering::SeqCst);
+        if w == 0 {
+            return None;
+        }
+        // SeqCst: as the watchers' count.
+        Some(w > usize::from(self.exported.load(Ordering::SeqCst)))
     }
 
     /// Runs `sleep` as a watcher: it brings `signal` up to date with [`update`] and sleeps
@@ -205,6 +212,9 @@ mod loom_model {
     struct FdState {
         readable: bool,
         edges: usize,
+        /// Rings waiting on the queue's bell (`bell.rs`), which shares the handed-out
+        /// descriptor (an epoll set) with the eventfd: each ring is an edge of that set too.
+        rings: usize,
     }
 
     impl Signal for Fd {
@@ -223,6 +233,19 @@ mod loom_model {
     impl Fd {
         fn is_readable(&self) -> bool {
             self.state.lock().unwrap().readable
+        }
+
+        /// A peer rings the queue's bell.
+        fn ring(&self) {
+            let mut st = self.state.lock().unwrap();
+            st.rings += 1;
+            st.edges += 1;
+            self.changed.notify_all();
+        }
+
+        /// The arming poll takes the rings waiting on the bell.
+        fn drain(&self) {
+            self.state.lock().unwrap().rings = 0;
         }
 
         /// `epoll_wait` on an `EPOLLET` registration without a timeout: returns once a write
@@ -356,7 +379,7 @@ mod loom_model {
             q.pop();
             pusher.join().unwrap();
             waiter.join().unwrap();
-            assert!(!q.ready.watched());
+            assert!(q.ready.slept_on().is_none());
         });
     }
 
@@ -413,5 +436,140 @@ mod loom_model {
     #[test]
     fn loom_cq_edge_triggered_waiter_sees_pushes_above_zero() {
         edge_triggered_consumer_takes_all(1, 2);
+    }
+
+    /// The new arming: a connection that the pollers move (its peer writes `ring`, marks the
+    /// board's summary `marks`, and rings the bell if a poller announced its sleep in
+    /// `sleeper`), beside the queue the library pushes to, both behind one descriptor.
+    /// `announce_sleep` and `take_sleeper` are the real ones (`bell.rs`), over loom's atomics.
+    struct Armed {
+        q: Arc<Q>,
+        ring: Count,
+        marks: loom::sync::atomic::AtomicU64,
+        sleeper: loom::sync::atomic::AtomicU64,
+    }
+
+    impl crate::cq::bell::Word for loom::sync::atomic::AtomicU64 {
+        fn load(&self, order: Ordering) -> u64 {
+            loom::sync::atomic::AtomicU64::load(self, order)
+        }
+
+        fn store(&self, v: u64, order: Ordering) {
+            loom::sync::atomic::AtomicU64::store(self, v, order)
+        }
+
+        fn cas(&self, current: u64, new: u64) -> bool {
+            self.compare_exchange(current, new, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        }
+
+        fn fence(order: Ordering) {
+            loom::sync::atomic::fence(order)
+        }
+    }
+
+    impl Armed {
+        fn new() -> Arc<Armed> {
+            let a = Armed {
+                q: Q::new(),
+                ring: Count::new(0),
+                marks: loom::sync::atomic::AtomicU64::new(0),
+                sleeper: loom::sync::atomic::AtomicU64::new(0),
+            };
+            // See `Q::new`.
+            a.marks.store(0, Ordering::SeqCst);
+            a.sleeper.store(0, Ordering::SeqCst);
+            assert!(a.q.ready.export());
+            Arc::new(a)
+        }
+
+        /// The peer's `Flow::notify_peer` after writing a message: the record, the fence, the
+        /// mark, then the look at the announcement.
+        fn peer_writes(&self) {
+            self.ring.fetch_add(1, Ordering::Release);
+            loom::sync::atomic::fence(Ordering::SeqCst);
+            self.marks.fetch_or(1, Ordering::SeqCst);
+            if crate::cq::bell::take_sleeper(&self.sleeper) {
+                self.q.ready.signal().ring();
+            }
+        }
+
+        /// `poll_sink`: the queue, then the marked connection (the board's `take`: clear,
+        /// fence, read the ring; a poll takes all its messages), then, finding nothing,
+        /// starve. Returns how many it took.
+        fn poll(&self) -> usize {
+            if self.q.pop() {
+                return 1;
+            }
+            if self.marks.swap(0, Ordering::SeqCst) != 0 {
+                loom::sync::atomic::fence(Ordering::SeqCst);
+                let n = self.ring.swap(0, Ordering::AcqRel);
+                if n > 0 {
+                    return n;
+                }
+            }
+            usize::from(self.q.ready.starve() && self.q.pop())
+        }
+
+        /// `arm_bell`: drain, then announce; false when marks are waiting (poll again).
+        fn arm(&self) -> bool {
+            self.q.ready.signal().drain();
+            !crate::cq::bell::announce_sleep(&self.sleeper, &self.marks)
+        }
+    }
+
+    /// An edge-triggered event loop on the handed-out descriptor (poll until nothing, arm,
+    /// sleep until the next edge of the set) while a peer writes `writes` messages and the
+    /// library pushes `pushes` completions: it takes every one, and never sleeps with one
+    /// waiting and no edge to come (which loom reports as a deadlock).
+    fn event_loop_takes_all(writes: usize, pushes: usize) {
+        model(move || {
+            let a = Armed::new();
+            let a1 = a.clone();
+            let peer = thread::spawn(move || {
+                for _ in 0..writes {
+                    a1.peer_writes();
+                }
+            });
+            let a2 = a.clone();
+            let library = thread::spawn(move || {
+                for _ in 0..pushes {
+                    a2.q.push();
+                }
+            });
+            let (mut taken, mut seen) = (0, 0);
+            loop {
+                loop {
+                    match a.poll() {
+                        0 => break,
+                        n => taken += n,
+                    }
+                }
+                if taken == writes + pushes {
+                    break;
+                }
+                if !a.arm() {
+                    continue;
+                }
+                seen = a.q.ready.signal().sleep_until_edge_after(seen);
+            }
+            peer.join().unwrap();
+            library.join().unwrap();
+            assert!(a.q.is_empty());
+        });
+    }
+
+    /// A peer's message and a completion the library queues cross the loop's arming: both
+    /// are taken.
+    #[test]
+    fn loom_cq_armed_event_loop_takes_a_message_and_a_push_that_cross() {
+        event_loop_takes_all(1, 1);
+    }
+
+    /// Two messages of the peer, the second written while the loop polls or arms for the
+    /// first: one ring per announced sleep, and still nothing missed.
+    #[test]
+    fn loom_cq_armed_event_loop_takes_messages_written_as_it_arms() {
+        event_loop_takes_all(2, 0);
     }
 }

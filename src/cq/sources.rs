@@ -37,6 +37,13 @@ pub(crate) trait Source: Send + Sync {
     }
     /// Joins the list polled every time: the peer need not mark the board any more.
     fn activate(&self) {}
+    /// A poller of the queue is about to sleep on its descriptor: for a connection polled
+    /// every time, ask the peer to ring the queue's bell with its next news (see `bell.rs`).
+    /// Returns false when news is there already (or the connection is busy elsewhere): the
+    /// poller polls again.
+    fn arm_bell(&self) -> bool {
+        true
+    }
 }
 
 impl CompletionQueue {
@@ -143,6 +150,21 @@ impl CompletionQueue {
         guard.publish_scan_count(&self.nscan);
     }
 
+    /// [`Source::arm_bell`] for every connection on the board that is polled every time.
+    /// Returns how many it armed, or `None` when one had news or another poller holds the
+    /// lists (the caller polls again).
+    pub(super) fn arm_polled_sources(&self) -> Option<usize> {
+        let guard = self.sources.try_lock()?;
+        for &slot in &guard.active {
+            if let Some(s) = &guard.slots[slot as usize]
+                && !s.arm_bell()
+            {
+                return None;
+            }
+        }
+        Some(guard.active.len())
+    }
+
     /// Adds a connection that is looked at on every poll.
     pub(crate) fn add_source(&self, s: Arc<dyn Source>) {
         let mut sources = self.lock_sources();
@@ -192,9 +214,15 @@ impl CompletionQueue {
         sources.slots[r.slot as usize] = Some(s);
         r.used = true;
         self.nsources.fetch_add(1, Ordering::Relaxed);
+        drop(sources);
         if let Some(b) = self.board.get() {
             b.remark(r.slot);
         }
+        // A poller asleep on the descriptor announced its sleep before this connection came:
+        // it looks now. SeqCst fence: the mark comes before the look at the descriptor,
+        // pairing with the fence of its first arming (`Board::announce_sleep`).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.ring_bell();
     }
 
     /// Marks a connection's slot, so that the next poll looks at it.

@@ -181,7 +181,8 @@ pub(crate) fn finish(r: crate::Result<Connection>, out: *mut *mut rbr_conn) -> r
     }
 }
 
-/// `rbr_connect` and `rbr_connect_start`: checks the arguments and connects with `connect`.
+/// `rbr_connect` and `rbr_connect_start`: checks the arguments and connects with `connect`
+/// (inside their panic boundary).
 ///
 /// # Safety
 /// As theirs.
@@ -193,17 +194,15 @@ unsafe fn connect_with(
     out: *mut *mut rbr_conn,
     connect: fn(&Context, &str, &Arc<CompletionQueue>, &ConnOptions) -> crate::Result<Connection>,
 ) -> rbr_status {
-    ffi_body!({
-        let ctx = arg_ref!(ctx);
-        let addr = arg_str!(addr);
-        let cq = arg_ref!(cq);
-        let out = out_ptr!(out);
-        let opts = match options(opts) {
-            Ok(o) => o,
-            Err(s) => return s,
-        };
-        finish(connect(&ctx.inner, addr, &cq.inner, &opts), out)
-    })
+    let ctx = arg_ref!(ctx);
+    let addr = arg_str!(addr);
+    let cq = arg_ref!(cq);
+    let out = out_ptr!(out);
+    let opts = match options(opts) {
+        Ok(o) => o,
+        Err(s) => return s,
+    };
+    finish(connect(&ctx.inner, addr, &cq.inner, &opts), out)
 }
 
 /// Connects to the listener at `addr` and writes the connection into `*out`; its completions
@@ -221,8 +220,10 @@ pub unsafe extern "C" fn rbr_connect(
     opts: *const rbr_conn_options,
     out: *mut *mut rbr_conn,
 ) -> rbr_status {
-    // SAFETY: as this function's contract.
-    unsafe { connect_with(ctx, addr, cq, opts, out, Context::connect) }
+    ffi_body!({
+        // SAFETY: as this function's contract.
+        unsafe { connect_with(ctx, addr, cq, opts, out, Context::connect) }
+    })
 }
 
 /// Starts connecting to the listener at `addr` and returns at once, writing the connection
@@ -246,8 +247,10 @@ pub unsafe extern "C" fn rbr_connect_start(
     opts: *const rbr_conn_options,
     out: *mut *mut rbr_conn,
 ) -> rbr_status {
-    // SAFETY: as this function's contract.
-    unsafe { connect_with(ctx, addr, cq, opts, out, Context::connect_start) }
+    ffi_body!({
+        // SAFETY: as this function's contract.
+        unsafe { connect_with(ctx, addr, cq, opts, out, Context::connect_start) }
+    })
 }
 
 /// Where a connection made by `rbr_connect_start` or `rbr_request_accept_start` stands:

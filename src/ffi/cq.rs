@@ -410,15 +410,18 @@ pub unsafe extern "C" fn rbr_cq_poll_wait(
 }
 
 /// Writes into `*fd` a descriptor for epoll/poll/select that wakes a sleeper when completions
-/// (including connection events) are queued, with no lost wake-up. Level-triggered, it is
-/// readable exactly while completions are queued; edge-triggered (EPOLLET), a new edge comes
-/// with the first completion queued after a poll that found the queue empty (RBR_EMPTY, or a
-/// call that returned fewer records than asked for). The pattern for both: poll until
-/// RBR_EMPTY (or a short batch), then sleep on the descriptor; it may wake with nothing to take
-/// when another thread took it. (With RBR_PROGRESS_CALLER, asking for the descriptor makes the
-/// devices announce every completion from then on, and the library's threads queue them as they
-/// come: the queue then works as with RBR_PROGRESS_THREAD. A program that only polls should not
-/// ask for it.)
+/// (including connection events) are there to take, with no lost wake-up. Level-triggered, it
+/// is readable while a poll would find a completion, and unreadable once a poll found nothing
+/// and nothing has come since; edge-triggered (EPOLLET), a new edge comes with the first
+/// completion after a poll that found the queue empty (RBR_EMPTY, or a call that returned fewer
+/// records than asked for). The pattern for both: poll until RBR_EMPTY (or a short batch), then
+/// sleep on the descriptor; it may wake with nothing to take (another thread took it, or what
+/// woke it is not a completion yet). Handing it out counts as a poll that found nothing.
+/// With RBR_PROGRESS_CALLER the program's polls go on moving shm messages: the poll that finds
+/// the queue empty asks the peers to wake the descriptor with their next message, and no
+/// library thread stands between a message and the program. Over verbs, asking for the
+/// descriptor makes the devices announce every completion from then on, and the library's
+/// threads queue them as they come (as with RBR_PROGRESS_THREAD).
 /// The queue owns it: do not read, write or close it. Valid until the queue is destroyed.
 ///
 /// # Safety

@@ -185,8 +185,10 @@ pub unsafe extern "C" fn rbr_request_accept(
     opts: *const rbr_conn_options,
     out: *mut *mut rbr_conn,
 ) -> rbr_status {
-    // SAFETY: as this function's contract.
-    unsafe { accept_with(r, cq, opts, out, ConnRequest::accept) }
+    ffi_body!({
+        // SAFETY: as this function's contract.
+        unsafe { accept_with(r, cq, opts, out, ConnRequest::accept) }
+    })
 }
 
 /// Accepts the request without waiting and writes the connection into `*out`, connecting; its
@@ -204,12 +206,14 @@ pub unsafe extern "C" fn rbr_request_accept_start(
     opts: *const rbr_conn_options,
     out: *mut *mut rbr_conn,
 ) -> rbr_status {
-    // SAFETY: as this function's contract.
-    unsafe { accept_with(r, cq, opts, out, ConnRequest::accept_start) }
+    ffi_body!({
+        // SAFETY: as this function's contract.
+        unsafe { accept_with(r, cq, opts, out, ConnRequest::accept_start) }
+    })
 }
 
 /// `rbr_request_accept` and `rbr_request_accept_start`: checks the arguments and answers with
-/// `accept`.
+/// `accept` (inside their panic boundary).
 ///
 /// # Safety
 /// As theirs.
@@ -220,19 +224,17 @@ unsafe fn accept_with(
     out: *mut *mut rbr_conn,
     accept: fn(ConnRequest, &Arc<CompletionQueue>, &ConnOptions) -> crate::Result<Connection>,
 ) -> rbr_status {
-    ffi_body!({
-        let r = arg_mut!(r);
-        let cq = arg_ref!(cq);
-        let out = out_ptr!(out);
-        let opts = match options(opts) {
-            Ok(o) => o,
-            Err(s) => return s,
-        };
-        let Some(req) = r.inner.take() else {
-            return fail(Error::State("the request was already answered"));
-        };
-        finish(accept(req, &cq.inner, &opts), out)
-    })
+    let r = arg_mut!(r);
+    let cq = arg_ref!(cq);
+    let out = out_ptr!(out);
+    let opts = match options(opts) {
+        Ok(o) => o,
+        Err(s) => return s,
+    };
+    let Some(req) = r.inner.take() else {
+        return fail(Error::State("the request was already answered"));
+    };
+    finish(accept(req, &cq.inner, &opts), out)
 }
 
 /// Rejects the request, sending `data[0..len]` (at most RBR_PRIVATE_DATA_MAX bytes) to the

@@ -64,6 +64,9 @@ pub(crate) const RECORDS: u32 = 1;
 /// A sleeper's request, with [`RECORDS`]: ring also when you take my records (my sends
 /// complete, my ring has room).
 pub(crate) const TAKEN: u32 = 2;
+/// With the others: ring my completion queue's bell (named on my notice board), not the
+/// connection's socket - the sleeper is a poller of the queue, not the library's thread.
+pub(crate) const QUEUE: u32 = 4;
 
 /// Sets one of this side's request words for the peer to `value` (0: no request). The SeqCst
 /// fence orders the store before the caller's re-check of the rings, pairing with the peer's
@@ -76,25 +79,31 @@ pub(crate) fn announce<F: Flag>(flag: &F, value: u32) {
     F::fence(Ordering::SeqCst);
 }
 
-/// The writer's side, after its ring stores: whether to ring the peer's doorbell, which it
-/// must when the peer announced that it sleeps (`sleeping`) waiting for any of `news`
+/// The writer's side, after its ring stores: what the peer asked for if this writer must ring
+/// its doorbell (0: no ring), which it must when the peer announced that it sleeps
+/// (`sleeping`) waiting for any of `news`
 /// ([`RECORDS`]: records were written; [`TAKEN`]: the peer's records were taken); taking the
 /// announcement down makes this writer the one that rings. `between` runs after the fence
 /// that orders the writer's stores before its reads of the peer's words (it marks the
 /// peer's notice board). When the announcement changes under the look, the sleeper looks at
 /// the rings again after it (see [`announce`]), so no doorbell is owed.
 #[inline(always)]
-pub(crate) fn must_ring<F: Flag>(sleeping: &F, news: u32, between: impl FnOnce()) -> bool {
+pub(crate) fn must_ring<F: Flag>(sleeping: &F, news: u32, between: impl FnOnce()) -> u32 {
     // SeqCst fence: our ring stores are ordered before reading the peer's notice board and
     // `sleeping`, pairing with its clearing of the board, and its store of `sleeping`
     // (`announce`), before its re-check of the rings (Dekker).
     F::fence(Ordering::SeqCst);
     between();
     let asked = sleeping.load(Ordering::SeqCst);
-    asked & news != 0
+    if asked & news != 0
         && sleeping
             .compare_exchange(asked, 0, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok()
+    {
+        asked
+    } else {
+        0
+    }
 }
 
 /// Model check of the doorbell: the real [`announce`] and [`must_ring`] and the real ring
@@ -185,7 +194,7 @@ mod loom_model {
                     // SAFETY: `byte` is readable for its one byte.
                     let wrote = unsafe { tx.write(byte.as_ptr(), 1, true, true, None, 1) };
                     assert_eq!(wrote.unwrap(), Some(1), "three small records fit");
-                    if must_ring(&*flag, RECORDS, || {}) {
+                    if must_ring(&*flag, RECORDS, || {}) != 0 {
                         *count.lock().unwrap() += 1;
                         bell.send();
                     }

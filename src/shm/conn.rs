@@ -157,11 +157,43 @@ impl ConnState {
         }
     }
 
+    /// Whether the background work moves the connection's data now rather than the queue's
+    /// pollers: always with progress threads; with caller progress while a thread sleeps in
+    /// the queue's `wait`, or when the queue's descriptor was handed out and this connection
+    /// cannot ring its bell (it has no slot on the board).
+    #[inline]
+    pub(crate) fn library_moves(&self) -> bool {
+        !self.caller_polls || self.report.cq.library_moves(self.slot.is_some())
+    }
+
     /// After a post: the background work must see the new work if it is the one moving data
-    /// now (progress threads, or a sleeper on the queue).
-    fn posted(&self) {
-        if !self.caller_polls || self.report.cq.watched() {
+    /// now (progress threads, or a sleeper on the queue). Otherwise, when the queue's
+    /// descriptor has been handed out and the post has a completion to report, a poller may
+    /// sleep on it (this post came from another thread): the peer rings the queue's bell
+    /// when it takes the records.
+    fn posted(&self, signaled: bool) {
+        if self.library_moves() {
             self.kick();
+        } else if signaled && self.report.cq.has_bell() {
+            self.ask_for_ring();
+        }
+    }
+
+    /// See `posted`: announce, then look (Dekker with the peer's `notify_peer`), and ring
+    /// the bell here when the peer took the records already.
+    #[inline(never)]
+    fn ask_for_ring(&self) {
+        let flow = self.lock();
+        let want = flow.sleep_request();
+        if want & bell::TAKEN == 0 {
+            return;
+        }
+        self.report.cq.ring_asked();
+        flow.set_sleeping(want | flow.sleeping() | bell::QUEUE);
+        let work = flow.has_work();
+        drop(flow);
+        if work {
+            self.report.cq.ring_bell();
         }
     }
 }
@@ -213,6 +245,19 @@ impl Source for ConnState {
         // Somebody is about to sleep on the queue: the background work takes over moving data
         // and asks the peer for doorbells until the queue is no longer watched.
         self.wake.wake();
+    }
+
+    fn arm_bell(&self) -> bool {
+        let Some(flow) = self.try_lock() else {
+            return false;
+        };
+        if flow.closed || flow.failed.is_some() {
+            // The background work ends it, and queues the end.
+            return true;
+        }
+        // Announce, then look once more (Dekker with the peer's `notify_peer`).
+        flow.set_sleeping(flow.sleep_request() | bell::QUEUE);
+        !flow.has_work()
     }
 
     fn settle(&self) -> bool {
@@ -494,7 +539,7 @@ impl Conn {
             if !was_busy {
                 self.sh.watch_sends();
             }
-            self.sh.posted();
+            self.sh.posted(wr.signaled);
         }
         Ok(())
     }
@@ -544,7 +589,7 @@ impl ConnSeam for Conn {
         if !was_busy {
             self.sh.watch_sends();
         }
-        self.sh.posted();
+        self.sh.posted(wr.signaled);
         Ok(())
     }
 

@@ -106,7 +106,7 @@ impl Engine {
 
     /// Whether this connection's turns move data now (rather than the pollers of the queue).
     fn drives(&self) -> bool {
-        !self.sh.caller_polls || self.sh.report.cq.watched()
+        self.sh.library_moves()
     }
 
     /// One turn while the connection is up: `Err` when it must end.
@@ -119,6 +119,11 @@ impl Engine {
         }
         if ready.fd(0) {
             self.drain_socket()?;
+            if !self.drives() {
+                // Perhaps a doorbell the peer could not ring on the queue's bell: the pollers
+                // that may sleep on the queue's descriptor look.
+                self.sh.report.cq.ring_bell();
+            }
         }
         if self.sh.wake.stop_asked() {
             return Err(End::Local);
@@ -226,8 +231,13 @@ impl Engine {
             return Ok(Next::Again);
         }
         let help = assist || flow.blocked();
+        // A poller's request for the queue's bell stands until the peer rings it.
+        let queue = match flow.sleeping() & bell::QUEUE {
+            0 => 0,
+            q => q | flow.sleep_request(),
+        };
         // Everything, while it assists: posts do not kick it (see `ConnState::posted`).
-        flow.set_sleeping(if help { bell::RECORDS | bell::TAKEN } else { 0 });
+        flow.set_sleeping(queue | if help { bell::RECORDS | bell::TAKEN } else { 0 });
         let work = help && flow.has_work();
         Ok(if work {
             Next::Again

@@ -1070,9 +1070,14 @@ impl Flow {
 
     /// Rings the peer's doorbell if it sleeps waiting for any of `news` (see `bell`) - the one
     /// system call of the data path, made only when the peer asked for it - and for new
-    /// records ([`bell::RECORDS`]), marks its notice board.
+    /// records ([`bell::RECORDS`]), marks its notice board. A peer whose pollers sleep on its
+    /// queue's descriptor is rung on that queue's bell (named on its board): by its
+    /// announcement on the board for a marked connection, by the connection's own ([`bell::QUEUE`])
+    /// for one it polls every time. A bell that cannot be rung (a peer in another network
+    /// namespace) falls back to the socket, whose reader rings it.
     fn notify_peer(&mut self, news: u32) {
         let peer = self.seg.ctrl(1 - self.side);
+        let mut marked = false;
         // After the fence that orders our ring stores before it (see `bell`).
         let mark_board = || {
             if news & bell::RECORDS != 0
@@ -1080,11 +1085,26 @@ impl Flow {
                 && let Some((board, slot)) = &self.peer_board
             {
                 board.mark(*slot);
+                marked = true;
             }
         };
-        if bell::must_ring(peer.sleeping, news, mark_board) {
+        let asked = bell::must_ring(peer.sleeping, news, mark_board);
+        let board = self.peer_board.as_ref().map(|(b, _)| b);
+        let mut rung = true;
+        if marked && let Some(board) = board {
+            rung = board.ring_sleeper();
+        }
+        if asked != 0 {
+            rung &= asked & bell::QUEUE != 0 && board.is_some_and(Board::ring_bell);
+        }
+        if !rung {
             send_packet(self.sock, WAKE);
         }
+    }
+
+    /// What this side last asked the peer to ring for (0: nothing, or the peer has rung).
+    pub(crate) fn sleeping(&self) -> u32 {
+        self.seg.ctrl(self.side).sleeping.load(Ordering::SeqCst)
     }
 
     /// Announces (or withdraws) that this side wants its notice board marked when the peer

@@ -28,7 +28,9 @@ const MAGIC: u64 = 0x5242_5348_4d53_4547; // "RBSHMSEG"
 /// Version 3: export tables (one-sided operations) and write-with-immediate records.
 /// Version 4: messages go into the ring before the peer has a receive for them (no receive
 /// credits: the count of receives posted is gone).
-const VERSION: u32 = 4;
+/// Version 5: a side may ask to be rung on its queue's bell ([`crate::shm::bell::QUEUE`], and
+/// the sleep announcement on its notice board) rather than on the socket.
+const VERSION: u32 = 5;
 const CTRL: usize = 256;
 const CTRL_STRIDE: usize = 512;
 const RING: usize = CTRL + 2 * CTRL_STRIDE;

@@ -473,6 +473,7 @@ struct Accepting {
     request: Request,
     cq: Arc<CompletionQueue>,
     opts: ConnOptions,
+    /// For the peer's confirmation, once accepted.
     deadline: Option<Instant>,
     /// Once accepted.
     res: Option<Resources>,
@@ -482,6 +483,9 @@ impl Accepting {
     fn turn(&mut self) -> Result<Option<Established>> {
         let Some(res) = &self.res else {
             self.res = Some(self.request.answer(&self.cq, &self.opts)?);
+            // The peer has its timeout to confirm from the accept on, however long the turns
+            // of other handshakes kept this one waiting for its first.
+            self.deadline = self.opts.timeout.map(|t| Instant::now() + t);
             return Ok(None);
         };
         let peer = res.peer();
@@ -588,7 +592,7 @@ impl RequestSeam for Request {
                 request: *self,
                 cq,
                 opts: opts.clone(),
-                deadline: opts.timeout.map(|t| Instant::now() + t),
+                deadline: None,
                 res: None,
             }),
             fd,

@@ -163,7 +163,33 @@ fn slot_id(conn: usize, slot: usize) -> u64 {
 /// The client's side: `rounds` pings in all, one in flight per connection, each echo checked;
 /// polls and waits in the library (caller progress, no descriptor). Runs on its own thread.
 pub fn ping(mesh: &Mesh, rounds: u64) {
+    ping_with(mesh, rounds, || next(&mesh.ccq));
+}
+
+/// [`ping`] as an `EPOLLIN | EPOLLET` event loop on the client queue's descriptor: poll until
+/// `None`, then sleep in `epoll_wait`. Returns how often a wait timed out ([`STALL`]) with a
+/// completion there to take.
+pub fn ping_epoll(mesh: &Mesh, rounds: u64) -> u32 {
     let cq = &mesh.ccq;
+    let ep = EdgeWaiter::on(&**cq);
+    let mut stalls = 0;
+    let limit = Instant::now() + RUN_LIMIT;
+    ping_with(mesh, rounds, || {
+        loop {
+            if let Some(c) = cq.poll() {
+                return c;
+            }
+            assert!(Instant::now() < limit, "run not done within {RUN_LIMIT:?}");
+            if !ep.wait(STALL) && !cq.is_empty() {
+                stalls += 1;
+            }
+        }
+    });
+    stalls
+}
+
+/// [`ping`], taking each completion from `next`.
+fn ping_with(mesh: &Mesh, rounds: u64, mut next: impl FnMut() -> rdmabridge::Completion) {
     let mrs: Vec<_> = mesh
         .clients
         .iter()
@@ -192,7 +218,7 @@ pub fn ping(mesh: &Mesh, rounds: u64) {
         }
     }
     while done < rounds {
-        let c = next(cq);
+        let c = next();
         assert_eq!(c.status, WcStatus::Success, "client: {c:?}");
         let i = c.wr_id as usize;
         match c.opcode {
@@ -284,6 +310,30 @@ fn ping_pong_never_stalls(net: &Net, server: fn(&Mesh, u64) -> EdgeRun) {
         run.stalls, 0,
         "the server slept {} times for {STALL:?} with a completion queued",
         run.stalls
+    );
+}
+
+/// Both sides `EPOLLIN | EPOLLET` event loops, each polling its queue until `None` and then
+/// sleeping in `epoll_wait` on its descriptor (caller progress: the pollers move the data and
+/// the peers wake the descriptors), over [`CONNS`] connections with two busy loops beside
+/// them: every ping answered, and neither side ever sleeps with a completion to take.
+pub fn edge_triggered_loops_on_both_sides_never_stall(net: &Net) {
+    let rounds = rounds(match net {
+        Net::Shm => 40_000,
+        Net::Verbs(_) => 4_000,
+    });
+    let mesh = Mesh::new(net);
+    let _busy = BusyLoops::start(2);
+    let (run, client_stalls) = std::thread::scope(|s| {
+        let client = s.spawn(|| ping_epoll(&mesh, rounds));
+        let run = epoll_server(&mesh, rounds);
+        (run, client.join().unwrap())
+    });
+    assert_eq!(run.answered, rounds);
+    assert_eq!(
+        (run.stalls, client_stalls),
+        (0, 0),
+        "server and client slept that many times for {STALL:?} with a completion to take"
     );
 }
 

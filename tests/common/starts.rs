@@ -352,3 +352,57 @@ pub fn connects_dropped_midway_leak_nothing(net: &Net) {
     );
     assert_eq!(map_count(), maps, "mappings leaked");
 }
+
+/// Connections in flight cost one descriptor each (shm: the socket; verbs: the RDMA CM event
+/// channel - what an established connection keeps) and no thread: their handshakes are turns
+/// on the context's one library thread.
+pub fn connects_in_flight_cost_one_descriptor_and_no_thread(net: &Net) {
+    // The library's threads, by name (the test harness runs others meanwhile).
+    let threads = || {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter(|t| {
+                let comm = t.as_ref().unwrap().path().join("comm");
+                std::fs::read_to_string(comm).is_ok_and(|n| n.starts_with("rbr-"))
+            })
+            .count()
+    };
+    let ctx = Context::new().unwrap();
+    let cq = CompletionQueue::new().unwrap();
+    let addr = net.addr("in-flight");
+    let _l = ctx.listen(&addr, 1024).unwrap(); // never answers
+    let opts = ConnOptions {
+        timeout: Some(Duration::from_secs(60)),
+        ..Default::default()
+    };
+    let fds = fd_count();
+    let n = 100;
+    // Two batches: what the first connections bring once per context, queue and device (the
+    // library's thread, a notice board, a device CQ) is in the first, so the second shows
+    // the cost of a connection in flight.
+    let mut conns = Vec::new();
+    let mut counts = Vec::new();
+    for _ in 0..2 {
+        conns.extend((0..n).map(|_| ctx.connect_start(&addr, &cq, &opts).unwrap()));
+        // Let the handshakes get as far as they can without an answer.
+        std::thread::sleep(Duration::from_millis(1000));
+        counts.push((fd_count(), threads()));
+    }
+    assert!(conns.iter().all(|c| !c.established().unwrap()));
+    let per_batch = counts[1].0 - counts[0].0;
+    eprintln!(
+        "{} connections in flight: {} descriptors in all ({per_batch} for the second {n}), \
+         {} library threads",
+        2 * n,
+        counts[1].0 - fds,
+        counts[1].1
+    );
+    // Over verbs a device CQ holds a few hundred connections' work: the second batch may open
+    // the next one (its completion channel, one descriptor for hundreds of connections).
+    assert!(
+        per_batch <= n + 1,
+        "{per_batch} descriptors for {n} more connections in flight"
+    );
+    assert_eq!(counts[1].1, 1, "the context's one library thread");
+    drop(conns);
+}

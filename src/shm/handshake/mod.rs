@@ -165,15 +165,21 @@ pub(crate) fn start_connect(
 ) -> Result<Started> {
     let sock = socket().map_err(Error::Connect)?;
     let fd = sock.as_raw_fd();
+    let mut connecting = Connecting {
+        name: name.to_owned(),
+        deadline: opts.timeout.map(|t| Instant::now() + t),
+        cq,
+        opts: opts.clone(),
+        sock: Some(sock),
+        connected: None,
+        sent: None,
+    };
+    // Connecting a Unix socket never waits, and a socket not yet connected polls as hung up:
+    // connected here, it is quiet in the driver's set until the listener answers. Its outcome
+    // (a refusal too) is the first turn's.
+    connecting.connected = Some(connecting.connect());
     Ok(Started {
-        handshake: Box::new(Connecting {
-            name: name.to_owned(),
-            deadline: opts.timeout.map(|t| Instant::now() + t),
-            cq,
-            opts: opts.clone(),
-            sock: Some(sock),
-            sent: None,
-        }),
+        handshake: Box::new(connecting),
         fd,
     })
 }
@@ -188,6 +194,8 @@ struct Connecting {
     cq: Arc<CompletionQueue>,
     opts: ConnOptions,
     sock: Option<OwnedFd>,
+    /// What connecting said when the connection started, for the first turn.
+    connected: Option<Result<bool>>,
     /// Once the hello is out: the listener's process and this side's notice-board slot.
     sent: Option<(libc::pid_t, Option<SlotReservation>)>,
 }
@@ -272,23 +280,32 @@ impl Connecting {
         Ok(Step::Up(Box::new(conn), engine))
     }
 
-    /// Connects and sends the hello.
-    fn hello(&mut self, setup: &Setup) -> Result<Step> {
+    /// Connects the socket: `Ok(false)` while the listener's backlog is full.
+    fn connect(&self) -> Result<bool> {
         let (sa, len) = address(&self.name);
         // SAFETY: `sa` is a valid sockaddr_un of `len` bytes.
-        let r = unsafe { libc::connect(self.sock(), (&raw const sa).cast(), len) };
-        if r != 0 {
-            let e = io::Error::last_os_error();
-            return match e.raw_os_error() {
-                Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => {
-                    Err(Error::Refused(format!("shm://{}", self.name)))
-                }
-                // The listener's backlog is full: try again soon, until the deadline.
-                Some(libc::EAGAIN) | Some(libc::EINTR) => {
-                    self.wait(Some(Instant::now() + BACKLOG_RETRY))
-                }
-                _ => Err(Error::Connect(e)),
-            };
+        if unsafe { libc::connect(self.sock(), (&raw const sa).cast(), len) } == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => {
+                Err(Error::Refused(format!("shm://{}", self.name)))
+            }
+            Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(false),
+            _ => Err(Error::Connect(e)),
+        }
+    }
+
+    /// Connects (if not yet) and sends the hello.
+    fn hello(&mut self, setup: &Setup) -> Result<Step> {
+        let connected = match self.connected.take() {
+            Some(r) => r?,
+            None => self.connect()?,
+        };
+        if !connected {
+            // The listener's backlog is full: try again soon, until the deadline.
+            return self.wait(Some(Instant::now() + BACKLOG_RETRY));
         }
         let pid = match peer_cred(self.sock()) {
             Ok((uid, pid)) if uid == my_uid() || setup.context().opts.shm_allow_any_uid => pid,
