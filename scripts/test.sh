@@ -7,10 +7,12 @@ bash scripts/setup.sh
 
 echo "== cargo fmt --check"
 cargo fmt --check
-echo "== cargo clippy --all-targets -- -D warnings"
+echo "== cargo clippy --all-targets -- -D warnings (and with the tokio feature)"
 cargo clippy --all-targets --quiet -- -D warnings
-echo "== cargo doc --no-deps, warnings denied"
+cargo clippy --all-targets --features tokio --quiet -- -D warnings
+echo "== cargo doc --no-deps, warnings denied (and with the tokio feature)"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --features tokio --quiet
 echo "== header freshness"
 RDMABRIDGE_UPDATE_HEADER=1 cargo build --release --quiet
 git diff --exit-code -- include/rdmabridge.h || {
@@ -21,6 +23,8 @@ echo "== cargo test (release)"
 cargo test --release
 echo "== cargo test without the verbs feature (shm only: what a machine without rdma-core builds)"
 cargo test --release --no-default-features --quiet
+echo "== the tokio feature: the async API's tests, its examples and its leak checks"
+cargo test --release --features tokio --quiet
 echo "== the shm suite again with progress threads (RBR_PROGRESS=thread)"
 RBR_PROGRESS=thread cargo test --release --test shm
 echo "== model checks (loom): shm ring, completion-queue readiness, doorbells"

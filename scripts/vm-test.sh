@@ -12,8 +12,11 @@ cd "$(dirname "$0")/.."
 build=$(realpath "${1:-build}")
 bash scripts/setup-vm.sh
 cargo build --release --quiet
-# The test binary (not the rbr-echo binary built alongside it): target/release/deps/verbs-HASH.
-bin=$(cargo test --release --test verbs --no-run --message-format=json 2>/dev/null |
+# The tokio examples, which a test of the verbs binary runs over verbs.
+cargo build --release --features tokio --examples --quiet
+# The test binary (not the rbr-echo binary built alongside it): target/release/deps/verbs-HASH,
+# with the async API's tests (feature tokio).
+bin=$(cargo test --release --features tokio --test verbs --no-run --message-format=json 2>/dev/null |
   sed -n 's/.*"executable":"\([^"]*\/deps\/verbs-[^"]*\)".*/\1/p' | tail -n 1)
 [ -x "$bin" ] || { echo "vm-test: could not build the verbs test binary" >&2; exit 1; }
 scale_bin=$(cargo test --release --test scale --no-run --message-format=json 2>/dev/null |

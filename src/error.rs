@@ -111,6 +111,15 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// A work request completed with an error status (see [`crate::WcStatus`]); after any
+    /// but a flush the connection fails too, as a queue pair does.
+    #[error("{opcode:?} work request failed: {status:?}")]
+    WorkRequest {
+        /// What the request was.
+        opcode: crate::Opcode,
+        /// How it ended.
+        status: crate::WcStatus,
+    },
     /// Creating or waiting on a completion queue failed.
     #[error("completion queue failed: {0}")]
     CompletionQueue(#[source] io::Error),
@@ -174,6 +183,10 @@ impl Error {
             Error::QueueFull(s) => Error::QueueFull(s),
             Error::AddrInUse(s) => Error::AddrInUse(s.clone()),
             Error::State(s) => Error::State(s),
+            Error::WorkRequest { opcode, status } => Error::WorkRequest {
+                opcode: *opcode,
+                status: *status,
+            },
             Error::Listen(e) => Error::Listen(io(e)),
             Error::Connect(e) => Error::Connect(io(e)),
             Error::Accept(e) => Error::Accept(io(e)),

@@ -38,6 +38,12 @@
 //! completes with [`WcStatus::LocalLength`] and fails the connection. A send completes when the
 //! peer has taken the message.
 //!
+//! # Async
+//! [`ops`] makes every operation a future that resolves to its outcome (no `wr_id` kept by
+//! hand, buffers owned by the operation while it runs, no `unsafe`), for any runtime; with the
+//! `tokio` feature, `rdmabridge::tokio` drives them and adds `connect(...).await` and
+//! `accept().await`. A runnable example is in that module; the guide is docs/async-rust.md.
+//!
 //! # Thread safety
 //! [`Context`], [`CompletionQueue`], [`MemoryRegion`], [`Listener`] and [`Connection`] are
 //! `Send + Sync`: any thread may post, poll or wait at any time. A region's bytes are the
@@ -70,10 +76,13 @@ mod fifo;
 mod idmap;
 mod log;
 mod mr;
+pub mod ops;
 mod panic;
 mod shm;
 mod sync;
 mod sys;
+#[cfg(all(feature = "tokio", not(loom)))]
+pub mod tokio;
 mod transports;
 mod verbs;
 

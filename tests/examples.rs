@@ -1,20 +1,12 @@
 //! The crate's examples run as a user runs them: the echo server, and two clients one after
-//! the other against it, every echo verified by the client.
+//! the other against it, every echo verified by the client; and the tokio pair.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Where cargo put the example binaries: `examples/` next to this test's `deps/` (a plain
-/// `cargo test` builds them; with `--test examples` alone, build them first: `--examples`).
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    exe.parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>/deps")
-        .join("examples")
-        .join(name)
-}
+use common::example;
 
 #[test]
 fn server_echoes_to_clients_one_after_another() {
@@ -128,4 +120,16 @@ fn rbr_log_tells_connection_events_and_is_silent_by_default() {
         )),
         "{stderr}"
     );
+}
+
+/// The tokio echo server serves 64 clients at once over shm (one client process, a connection
+/// and a task each), every echo verified, then sits on the open, idle connections using no CPU
+/// to speak of: less than 1% of a core over 10 s, as its client.
+#[cfg(feature = "tokio")]
+#[test]
+fn tokio_server_serves_64_clients_at_once_and_idles_without_cpu() {
+    let addr = format!("shm://rbr-examples-tokio-{}", std::process::id());
+    let (server_ms, client_ms) = common::asyncs::examples_serve_many(&addr, 64, 10);
+    assert!(server_ms < 100, "server busy while idle");
+    assert!(client_ms < 100, "client busy while idle");
 }

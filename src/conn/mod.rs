@@ -770,6 +770,11 @@ impl Connection {
         up.imp.rdma(&wr)
     }
 
+    /// The context it belongs to.
+    pub(crate) fn context_inner(&self) -> &Arc<ContextInner> {
+        &self.ctx
+    }
+
     /// Starts an orderly disconnect. Outstanding work completes (flushed), then a
     /// [`crate::Opcode::Disconnected`] record arrives on the completion queue. Idempotent.
     pub fn disconnect(&self) {

@@ -79,3 +79,17 @@ pub struct Completion {
     /// Immediate data, when the message carried some.
     pub imm: Option<u32>,
 }
+
+impl Completion {
+    /// The record as a `Result`: itself when its status is [`WcStatus::Success`], otherwise
+    /// [`Error::WorkRequest`](crate::Error::WorkRequest) with its opcode and status.
+    pub fn into_result(self) -> crate::Result<Completion> {
+        match self.status {
+            WcStatus::Success => Ok(self),
+            status => Err(crate::Error::WorkRequest {
+                opcode: self.opcode,
+                status,
+            }),
+        }
+    }
+}

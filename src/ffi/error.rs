@@ -85,6 +85,9 @@ fn status_of(e: &Error) -> rbr_status {
         Error::QueueFull(_) => RBR_ERR_QUEUE_FULL,
         Error::AddrInUse(_) => RBR_ERR_ADDR_IN_USE,
         Error::State(_) => RBR_ERR_STATE,
+        // Made by the Rust API's results of completions only; a failed work request leaves
+        // its connection down.
+        Error::WorkRequest { .. } => RBR_ERR_DISCONNECTED,
         Error::Listen(io)
         | Error::Connect(io)
         | Error::Accept(io)

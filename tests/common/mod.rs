@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use rdmabridge::{Completion, CompletionQueue, ConnOptions, Connection, Context, CqOptions};
 
+#[cfg(feature = "tokio")]
+pub mod asyncs;
 pub mod edge;
 pub mod faults;
 pub mod onesided;
@@ -211,4 +213,15 @@ pub fn raw_shm_peer(addr: &str) -> std::os::fd::OwnedFd {
         assert_eq!(libc::connect(fd, (&raw const sa).cast(), len), 0);
         owned
     }
+}
+
+/// Where cargo put the example binaries: `examples/` next to this test's `deps/` (a plain
+/// `cargo test` builds them; with `--test examples` alone, build them first: `--examples`).
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps")
+        .join("examples")
+        .join(name)
 }

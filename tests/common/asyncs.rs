@@ -1,0 +1,357 @@
+//! The async API's tests (feature `tokio`), for both transports: operations as futures
+//! resolve to their outcomes, failures are errors with their status, records nobody awaits come
+//! out of the queue's stream, `connect` and `accept` are futures with the blocking calls'
+//! errors. tests/tokio.rs runs them over shm, tests/verbs.rs over verbs.
+
+use std::time::Duration;
+
+use super::{Net, pair};
+use rdmabridge::ops::{AsyncConnection, Buf, CmpSwap, FetchAdd, Remote};
+use rdmabridge::tokio::{Listener, Queue};
+use rdmabridge::{Access, ConnOptions, Context, Error, Opcode, SendFlags, WcStatus};
+
+/// Every test here, listed once for both transports (as `for_each_suite_test!`).
+#[allow(unused_macros)]
+macro_rules! for_each_async_test {
+    ($each:ident) => {
+        $each!(
+            operations_resolve_to_their_outcomes,
+            a_failed_operation_is_an_error_with_its_status,
+            operations_sit_in_select_beside_timers,
+            a_listener_accepts_as_a_future,
+            connect_and_accept_are_futures_with_the_blocking_calls_errors,
+        );
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use for_each_async_test;
+
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A connected pair, each side on a queue driven by the current runtime.
+pub fn async_pair(net: &Net, ctx: &Context) -> (AsyncConnection, Queue, AsyncConnection, Queue) {
+    let o = ConnOptions::default();
+    let (c, ccq, s, scq) = pair(net, ctx, &o, &o);
+    let (cq, sq) = (Queue::drive(ccq).unwrap(), Queue::drive(scq).unwrap());
+    let c = AsyncConnection::new(c, cq.router().clone());
+    let s = AsyncConnection::new(s, sq.router().clone());
+    (c, cq, s, sq)
+}
+
+pub fn operations_resolve_to_their_outcomes(net: &Net) {
+    runtime().block_on(async {
+        let ctx = Context::new().unwrap();
+        let (c, cq, s, _sq) = async_pair(net, &ctx);
+        // The server lets the client reach a region and tells it where.
+        let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let target = ctx.alloc_mr(4096, all | Access::REMOTE_ATOMIC).unwrap();
+        let desc = s.pack_region(&target).unwrap();
+        let got = c.recv(Buf::alloc(&ctx, 64).unwrap());
+        s.send_copy(&desc).await.unwrap();
+        let (r, buf) = got.await;
+        assert_eq!(r.unwrap().opcode, Opcode::Recv);
+        let region = c.unpack_remote(&buf).unwrap();
+
+        // A write, read back.
+        let mut out = Buf::alloc(&ctx, 5).unwrap();
+        out.copy_from_slice(b"hello");
+        let at = Remote {
+            region,
+            offset: 100,
+        };
+        let (r, out) = c.write(out, at).await;
+        r.unwrap();
+        let (r, back) = c.read(Buf::alloc(&ctx, 5).unwrap(), at).await;
+        r.unwrap();
+        assert_eq!(&back[..], &out[..]);
+
+        // Atomics give the word as it was.
+        let add = FetchAdd {
+            region,
+            offset: 8,
+            add: 5,
+        };
+        assert_eq!(c.fetch_add(add).await.unwrap(), 0);
+        assert_eq!(c.fetch_add(add).await.unwrap(), 5);
+        let swap = CmpSwap {
+            region,
+            offset: 8,
+            compare: 10,
+            swap: 7,
+        };
+        assert_eq!(c.cmp_swap(swap).await.unwrap(), 10);
+        assert_eq!(c.cmp_swap(swap).await.unwrap(), 7, "no swap: the word is 7");
+
+        // Messages, many in flight, each back with its buffer.
+        let recvs: Vec<_> = Buf::alloc_many(&ctx, 8, 4096)
+            .unwrap()
+            .into_iter()
+            .map(|b| s.recv(b))
+            .collect();
+        let sends: Vec<_> = (0..8u64)
+            .map(|k| {
+                let mut b = Buf::alloc(&ctx, 4096).unwrap();
+                b.fill(&super::pattern(k, 1000 + k as usize)).unwrap();
+                c.send(b)
+            })
+            .collect();
+        for (k, r) in recvs.into_iter().enumerate() {
+            let (r, b) = r.await;
+            assert_eq!(r.unwrap().byte_len as usize, b.len());
+            assert_eq!(&b[..], &super::pattern(k as u64, 1000 + k)[..]);
+        }
+        for s in sends {
+            s.await.0.unwrap();
+        }
+
+        // A plain post's record is nobody's future's: it comes out of the queue's stream.
+        c.post_send_inline(b"plain", 7, SendFlags::SIGNALED)
+            .unwrap();
+        let (r, b) = s.recv(Buf::alloc(&ctx, 64).unwrap()).await;
+        r.unwrap();
+        assert_eq!(&b[..], b"plain");
+        let plain = cq.next().await;
+        assert_eq!((plain.wr_id, plain.opcode), (7, Opcode::Send));
+        assert_eq!(cq.router().in_flight(), 0);
+    });
+}
+
+pub fn a_failed_operation_is_an_error_with_its_status(net: &Net) {
+    runtime().block_on(async {
+        let ctx = Context::new().unwrap();
+        let (c, cq, s, _sq) = async_pair(net, &ctx);
+        let small = s.recv(Buf::alloc(&ctx, 16).unwrap());
+        let mut big = Buf::alloc(&ctx, 100).unwrap();
+        big.fill(&[1; 100]).unwrap();
+        let sent = c.send(big);
+        let (r, _) = small.await;
+        assert!(matches!(
+            r,
+            Err(Error::WorkRequest {
+                opcode: Opcode::Recv,
+                status: WcStatus::LocalLength
+            })
+        ));
+        // The connection fails; the send ends with an error too, and the client hears of
+        // the end on its stream.
+        assert!(sent.await.0.is_err());
+        let end = cq.next().await;
+        assert_eq!(end.opcode, Opcode::Disconnected);
+        // A post on a connection that is down fails at once, through its future.
+        let (r, _) = c.send(Buf::alloc(&ctx, 8).unwrap()).await;
+        assert!(matches!(r, Err(Error::Disconnected)), "{r:?}");
+    });
+}
+
+/// A future dropped before its operation completed (here in a `select!` a timer won)
+/// changes nothing for the others: its buffer stays with the router until the record comes.
+pub fn operations_sit_in_select_beside_timers(net: &Net) {
+    runtime().block_on(async {
+        let ctx = Context::new().unwrap();
+        let (c, _cq, s, sq) = async_pair(net, &ctx);
+        let mut recv = s.recv(Buf::alloc(&ctx, 64).unwrap());
+        let mut ticks = 0;
+        let (r, b) = loop {
+            tokio::select! {
+                r = &mut recv => break r,
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {
+                    ticks += 1;
+                    if ticks == 3 {
+                        c.send_copy(b"late").await.unwrap();
+                    }
+                }
+            }
+        };
+        r.unwrap();
+        assert_eq!((&b[..], ticks), (&b"late"[..], 3));
+        // Dropped while waiting: the message it would have taken is taken and dropped.
+        let dropped = s.recv(b);
+        tokio::select! {
+            _ = dropped => unreachable!("nothing was sent"),
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+        assert_eq!(sq.router().in_flight(), 1);
+        c.send_copy(b"lost").await.unwrap();
+        while sq.router().in_flight() > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+}
+
+pub fn a_listener_accepts_as_a_future(net: &Net) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    runtime().block_on(async {
+        let ctx = Context::new().unwrap();
+        let addr = net.addr("tokio-accept");
+        let l = Arc::new(Listener::bind(&ctx, &addr, 16).unwrap());
+        let q = Queue::new().unwrap();
+        let clients = 8;
+        // Plain blocking clients, each on a thread of its own.
+        let dialers: Vec<_> = (0..clients)
+            .map(|_| {
+                let (ctx, addr) = (ctx.clone(), addr.clone());
+                std::thread::spawn(move || {
+                    let cq = rdmabridge::CompletionQueue::new().unwrap();
+                    ctx.connect(&addr, &cq, &ConnOptions::default()).unwrap()
+                })
+            })
+            .collect();
+        // Two tasks wait in `accept` at once; between them they take every request.
+        let claimed = Arc::new(AtomicUsize::new(0));
+        let acceptors: Vec<_> = (0..2)
+            .map(|_| {
+                let (l, q, claimed) = (l.clone(), q.clone(), claimed.clone());
+                tokio::spawn(async move {
+                    let mut mine = Vec::new();
+                    while claimed.fetch_add(1, Ordering::Relaxed) < clients {
+                        let req = tokio::time::timeout(Duration::from_secs(10), l.accept())
+                            .await
+                            .expect("a request within 10 s")
+                            .unwrap();
+                        mine.push(q.accept(req, &ConnOptions::default()).await.unwrap());
+                    }
+                    mine
+                })
+            })
+            .collect();
+        let mut accepted = 0;
+        for a in acceptors {
+            accepted += a.await.unwrap().len();
+        }
+        assert_eq!(accepted, clients);
+        for d in dialers {
+            d.join().unwrap();
+        }
+    });
+}
+
+/// `connect` and `accept` are futures that never block the thread: many connect at once to
+/// one listener, and a failed set-up is the blocking call's error, the listener's private
+/// data included.
+pub fn connect_and_accept_are_futures_with_the_blocking_calls_errors(net: &Net) {
+    runtime().block_on(async {
+        let ctx = Context::new().unwrap();
+        let o = ConnOptions::default();
+        let q = Queue::new().unwrap();
+        let nobody = net.addr("tokio-nobody");
+        let r = q.connect(&ctx, &nobody, &o).await;
+        assert!(matches!(r, Err(Error::Refused(_))), "{r:?}");
+
+        let addr = net.addr("tokio-connect");
+        let l = Listener::bind(&ctx, &addr, 64).unwrap();
+        let clients = 32;
+        let dials: Vec<_> = (0..clients)
+            .map(|i| {
+                let (ctx, q, addr) = (ctx.clone(), q.clone(), addr.clone());
+                tokio::spawn(async move {
+                    let o = ConnOptions {
+                        private_data: vec![i as u8],
+                        ..Default::default()
+                    };
+                    q.connect(&ctx, &addr, &o).await
+                })
+            })
+            .collect();
+        // The odd ones are turned away with a word; the even ones accepted and greeted.
+        let sq = Queue::new().unwrap();
+        let mut accepted = Vec::new();
+        for _ in 0..clients {
+            let req = l.accept().await.unwrap();
+            let i = req.private_data()[0];
+            if i % 2 == 1 {
+                req.reject(&[b'n', i]).unwrap();
+            } else {
+                let c = sq.accept(req, &o).await.unwrap();
+                // Not awaited here: a send waits for the client's receive.
+                let greeting = c.send_copy(&[i]);
+                accepted.push((c, greeting));
+            }
+        }
+        for (i, d) in dials.into_iter().enumerate() {
+            match d.await.unwrap() {
+                Ok(c) => {
+                    assert_eq!(i % 2, 0);
+                    let (r, b) = c.recv(Buf::alloc(&ctx, 8).unwrap()).await;
+                    r.unwrap();
+                    assert_eq!(&b[..], &[i as u8]);
+                }
+                Err(Error::Rejected(data)) => {
+                    assert_eq!(i % 2, 1);
+                    assert_eq!(&data[..2], &[b'n', i as u8]);
+                }
+                Err(e) => panic!("connection {i}: {e}"),
+            }
+        }
+        assert_eq!(accepted.len(), clients / 2);
+        for (_, greeting) in accepted {
+            greeting.await.unwrap();
+        }
+    });
+}
+
+/// Idle CPU time (user + system) of process `pid` so far, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the process's stat");
+    // After the command's closing parenthesis: state is field 3, utime 14 and stime 15.
+    let rest = &stat[stat.rfind(')').expect("stat's command") + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// The tokio echo server (examples/tokio_server.rs) at `addr`, and one client process
+/// (examples/tokio_client.rs) with `clients` connections at once, 200 echoes each, every one
+/// verified; then both processes' CPU time, in milliseconds, over `idle` seconds with all the
+/// connections open and idle.
+pub fn examples_serve_many(addr: &str, clients: usize, idle: u64) -> (u64, u64) {
+    use std::process::{Command, Stdio};
+    use std::time::Instant;
+    let mut server = Command::new(super::example("tokio_server"))
+        .arg(addr)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("examples/tokio_server runs (cargo test --features tokio builds it)");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut client = loop {
+        let mut c = Command::new(super::example("tokio_client"))
+            .args([addr, "200", &clients.to_string(), &(idle + 2).to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("examples/tokio_client runs");
+        // Gone at once: the server was not up yet.
+        std::thread::sleep(Duration::from_millis(500));
+        match c.try_wait().unwrap() {
+            Some(_) if Instant::now() < deadline => continue,
+            Some(s) => panic!("client failed: {s}"),
+            None => break c,
+        }
+    };
+    // Wait for the verdict, then measure both processes while the connections idle.
+    use std::io::BufRead;
+    let mut line = String::new();
+    std::io::BufReader::new(client.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let want = format!(
+        "{} echoes verified over {clients} connections",
+        200 * clients
+    );
+    assert!(line.starts_with(&want), "{line}");
+    let (s0, c0) = (cpu_ticks(server.id()), cpu_ticks(client.id()));
+    std::thread::sleep(Duration::from_secs(idle));
+    let (s1, c1) = (cpu_ticks(server.id()), cpu_ticks(client.id()));
+    assert!(client.wait().unwrap().success());
+    let _ = server.kill();
+    let _ = server.wait();
+    let tick_ms = 1000 / 100; // USER_HZ is 100 on Linux
+    let (server_ms, client_ms) = ((s1 - s0) * tick_ms, (c1 - c0) * tick_ms);
+    println!(
+        "CPU time over {idle} idle seconds with {clients} connections open: server {server_ms} ms, client {client_ms} ms"
+    );
+    (server_ms, client_ms)
+}
