@@ -186,6 +186,27 @@ fn sockaddr(name: &[u8]) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
     Some((addr, len as libc::socklen_t))
 }
 
+/// The process's one socket for ringing bells (unbound: ringing needs no address of its own),
+/// made with the first peer's board this process opens ([`super::notice::Board::open`]), so
+/// that it is there before the first ring rather than made in the middle of traffic.
+pub(crate) fn sender() -> Option<&'static OwnedFd> {
+    static SENDER: OnceLock<Option<OwnedFd>> = OnceLock::new();
+    SENDER
+        .get_or_init(|| {
+            // SAFETY: plain syscall; a non-negative return is a new descriptor we own.
+            let fd = unsafe {
+                libc::socket(
+                    libc::AF_UNIX,
+                    libc::SOCK_DGRAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                    0,
+                )
+            };
+            // SAFETY: as above.
+            (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+        })
+        .as_ref()
+}
+
 /// Rings the bell named `name` (as a board gives it: checked here). Returns false when it could
 /// not be rung (another network namespace, the bell closed): the caller rings another way.
 /// A full bell counts as rung: it is readable already.
@@ -196,21 +217,7 @@ pub(crate) fn ring(name: &[u8]) -> bool {
     let Some((addr, len)) = sockaddr(name) else {
         return false;
     };
-    // One unbound socket for the process: ringing needs no address of its own.
-    static SENDER: OnceLock<Option<OwnedFd>> = OnceLock::new();
-    let sender = SENDER.get_or_init(|| {
-        // SAFETY: plain syscall; a non-negative return is a new descriptor we own.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_UNIX,
-                libc::SOCK_DGRAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
-                0,
-            )
-        };
-        // SAFETY: as above.
-        (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
-    });
-    let Some(sender) = sender else {
+    let Some(sender) = sender() else {
         return false;
     };
     let byte = 1u8;

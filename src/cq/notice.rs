@@ -66,6 +66,8 @@ impl Board {
 
     /// Maps a peer's board, checking that it cannot shrink under the mapping.
     pub(crate) fn open(fd: &OwnedFd) -> Result<Board> {
+        // The bell of the board's queue may be rung from now on.
+        let _ = bell::sender();
         let proto = |m: &str| Error::Protocol(format!("notice board: {m}"));
         // SAFETY: plain syscall on a descriptor we own.
         let seals = cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) })
