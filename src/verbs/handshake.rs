@@ -514,8 +514,8 @@ impl Accepting {
 
 impl Handshake for Accepting {
     fn step(&mut self, _: &Ready, setup: &Setup) -> Step {
-        let opts = self.opts.clone();
-        step(self.turn(), setup, &opts, self.deadline)
+        let turn = self.turn();
+        step(turn, setup, &self.opts, self.deadline)
     }
 }
 
