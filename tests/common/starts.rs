@@ -17,7 +17,7 @@ use rdmabridge::{
 const MSG: usize = 64;
 /// A call that returned at once: generous for a loaded 2-core machine, far below a round trip
 /// that waited (a silent listener's answer never comes).
-const AT_ONCE: Duration = Duration::from_millis(500);
+const AT_ONCE: Duration = Duration::from_secs(2);
 
 /// An event-loop server on its own thread: takes every request without blocking, accepts it
 /// with `accept_start` (the receive posted at once, while the connection connects), and echoes
@@ -222,7 +222,13 @@ pub fn failed_starts_arrive_as_records_with_their_reasons(net: &Net) {
         .unwrap();
     let timed_out = ctx.connect_start(&silent, &cq, &opts(b"", 300)).unwrap();
     for (k, c) in [&refused, &rejected, &timed_out].into_iter().enumerate() {
-        c.post_recv(&mr, 64 * k, 64, 100 + k as u64).unwrap();
+        // A refusal can come back before the receive is posted (over shm the driver learns
+        // it from the socket at once); then the post says so and holds nothing.
+        match c.post_recv(&mr, 64 * k, 64, 100 + k as u64) {
+            Ok(()) => {}
+            Err(Error::Disconnected) => assert!(c.established().is_err()),
+            Err(e) => panic!("posting a receive while connecting: {e:?}"),
+        }
     }
     assert!(t.elapsed() < AT_ONCE, "starting took {:?}", t.elapsed());
     let mut outcomes = HashMap::new();
