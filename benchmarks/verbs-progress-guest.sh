@@ -39,7 +39,7 @@
 #   --quick: one round at tiny counts, caller progress only (proves the pipeline works)
 #   OUT: a directory writable from the guest; raw.txt (every figure) and table.md go there
 #   RBR_BENCH_MEASURES=setup (environment): only the two setup pairs, each round (minutes, for
-#   setup's spread over many rounds)
+#   setup's spread over many rounds); =event: only the pairs asleep between messages
 set -u
 build=$1 rounds=${2:-3} quick=${3:-} outdir=${4:-}
 ip=${RBR_TEST_ADDR:?RBR_TEST_ADDR is unset: run me through benchmarks/verbs-progress.sh}
@@ -246,7 +246,7 @@ record_split() { # SIZE TOOL SPLIT-LINE
 name() { case $1 in */-) echo "rbr-${1%/*}" ;; */1000000) echo "rbr-${1%/*}-busy" ;; *) echo "rbr-${1%/*}-spin${1#*/}" ;; esac; }
 
 measures=${RBR_BENCH_MEASURES:-all}
-case $measures in all|setup) ;; *) echo "RBR_BENCH_MEASURES: all or setup, not '$measures'" >&2; exit 2 ;; esac
+case $measures in all|setup|event) ;; *) echo "RBR_BENCH_MEASURES: all, setup or event, not '$measures'" >&2; exit 2 ;; esac
 # setup_pairs: connections one after another and in flight, each against cmtime with the same
 # count (cmtime sets its connections up all at once).
 setup_pairs() {
@@ -257,10 +257,32 @@ setup_pairs() {
   if v=$(rbr_conn_rate "$inflight" "$inflight"); then record "inflight$inflight" rbr-setup cps "$v"; fi
 }
 
+# event_pairs SIZE N: both sides asleep between messages: perftest on its completion channel,
+# ours as an event loop on the queue's descriptor and in a wait that sleeps at once.
+event_pairs() {
+  local row out w f t
+  if row=$(perftest ib_send_lat -e -s "$1" -n "$2"); then
+    record "elat$1" ib_send_lat-e p50 "$(echo "$row" | awk '{ print $5 }')"
+    record "elat$1" ib_send_lat-e p99 "$(echo "$row" | awk '{ print $8 }')"
+  fi
+  for w in E W0; do
+    f=(-E) t=rbr-bench-fd
+    [ $w = W0 ] && f=(-W -S 0) t=rbr-bench-wait0
+    if out=$(bench lat "$1" "$2" "${f[@]}"); then
+      record "elat$1" $t p50 "$(echo "$out" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
+      record "elat$1" $t p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
+    fi
+  done
+}
+
 echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource), $(nproc) CPUs"
 for round in $(seq "$rounds"); do
   echo "== round $round"
   if [ "$measures" = setup ]; then setup_pairs; continue; fi
+  if [ "$measures" = event ]; then
+    for size in $lat_sizes; do event_pairs "$size" "$(lat_n "$size")"; done
+    continue
+  fi
   for size in $lat_sizes; do
     n=$(lat_n "$size")
     # ib_send_lat columns: bytes iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%.
@@ -282,20 +304,7 @@ for round in $(seq "$rounds"); do
         record "lat$size" $t p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
       fi
     done
-    # Both sides asleep between messages: perftest on its completion channel, ours as an event
-    # loop on the queue's descriptor and in a wait that sleeps at once.
-    if row=$(perftest ib_send_lat -e -s "$size" -n "$n"); then
-      record "elat$size" ib_send_lat-e p50 "$(echo "$row" | awk '{ print $5 }')"
-      record "elat$size" ib_send_lat-e p99 "$(echo "$row" | awk '{ print $8 }')"
-    fi
-    for w in E W0; do
-      f=(-E) t=rbr-bench-fd
-      [ $w = W0 ] && f=(-W -S 0) t=rbr-bench-wait0
-      if out=$(bench lat "$size" "$n" "${f[@]}"); then
-        record "elat$size" $t p50 "$(echo "$out" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
-        record "elat$size" $t p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
-      fi
-    done
+    event_pairs "$size" "$n"
   done
   for size in $bw_sizes; do
     n=$(bw_n "$size")
@@ -431,6 +440,8 @@ nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes |
 # messages: 2 figures of each of 3 tools per size)
 if [ "$measures" = setup ]; then
   want=$((rounds * 4))
+elif [ "$measures" = event ]; then
+  want=$((rounds * nl * 6))
 else
   want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 4 + nl * 8 + nb * 4 + 4 + 6 + nl * 6)))
 fi

@@ -958,11 +958,11 @@ rbr_status rbr_cq_poll_wait(struct rbr_cq *cq,
  * records than asked for). The pattern for both: poll until RBR_EMPTY (or a short batch), then
  * sleep on the descriptor; it may wake with nothing to take (another thread took it, or what
  * woke it is not a completion yet). Handing it out counts as a poll that found nothing.
- * With RBR_PROGRESS_CALLER the program's polls go on moving shm messages: the poll that finds
- * the queue empty asks the peers to wake the descriptor with their next message, and no
- * library thread stands between a message and the program. Over verbs, asking for the
- * descriptor makes the devices announce every completion from then on, and the library's
- * threads queue them as they come (as with RBR_PROGRESS_THREAD).
+ * With RBR_PROGRESS_CALLER the program's polls go on moving the messages: the poll that finds
+ * the queue empty asks for the descriptor to wake with the next one (shm peers ring a socket
+ * in it; verbs devices announce the next completion on a completion channel in it), and no
+ * library thread stands between a message and the program. While a thread sleeps in
+ * rbr_cq_wait on the same queue, the library's threads move verbs completions instead.
  * The queue owns it: do not read, write or close it. Valid until the queue is destroyed.
  *
  * # Safety

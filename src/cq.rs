@@ -299,8 +299,10 @@ impl CompletionQueue {
     /// connection had news already (or its lock was held): the caller polls again.
     fn arm_bell(&self, q: &QueueFd) -> bool {
         let Some(board) = self.board.get() else {
-            // No connection that marks the board: nothing rings the bell but this side.
-            return true;
+            // No connection that marks the board: nothing rings the bell but this side; the
+            // connections looked at on every poll arm what they have (a device's channel).
+            return self.nsources.load(Ordering::Relaxed) == 0
+                || self.arm_polled_sources().is_some();
         };
         // Relaxed, here and below: only this queue's pollers read them, and a stale look
         // costs one drain more or less (the drain comes before the announcement either way).
@@ -344,18 +346,19 @@ impl CompletionQueue {
         self.polls.load(Ordering::Relaxed)
     }
 
-    /// Whether a thread sleeps on, or somebody watches, the descriptor: then the devices must
-    /// announce every completion, since nobody may be polling.
+    /// The descriptor handed out with caller progress, once it has been (a verbs device CQ
+    /// adds its completion channel to it).
     #[cfg(feature = "verbs")]
-    pub(crate) fn watched(&self) -> bool {
-        self.ready.slept_on().is_some()
+    pub(crate) fn queue_fd(&self) -> Option<&QueueFd> {
+        self.bell()
     }
 
     /// Whether the library's threads must move a connection's data now (with
     /// [`Progress::Caller`]): while a thread sleeps in [`wait`](Self::wait), and once the
-    /// descriptor has been handed out - unless the connection rings the bell (`on_board`)
-    /// and there is one, in which case the pollers go on moving it. One load while nobody
-    /// watches.
+    /// descriptor has been handed out - unless the connection wakes the descriptor itself
+    /// (`on_board`: an shm connection that rings the bell, a verbs device CQ whose channel
+    /// joins the set) and there is one, in which case the pollers go on moving it. One load
+    /// while nobody watches.
     #[inline]
     pub(crate) fn library_moves(&self, on_board: bool) -> bool {
         match self.ready.slept_on() {
@@ -422,13 +425,14 @@ impl CompletionQueue {
     /// nothing. Nothing need be polled before the first wait: handing it out counts as a poll
     /// that found the queue empty.
     ///
-    /// With [`Progress::Caller`] the pollers go on moving the data of shm connections: the
-    /// poll that finds the queue empty asks their peers to make the descriptor readable with
-    /// their next message (as `ucp_worker_arm` or `fi_trywait` do before a sleep), and the
-    /// descriptor holds, beside the queue's own readiness, the socket those peers ring. A
-    /// message that comes while the program polls never crosses a library thread. Verbs
-    /// connections are still moved by the library's threads once it has been asked for (the
-    /// devices announce every completion from then on, as with [`Progress::Thread`]).
+    /// With [`Progress::Caller`] the pollers go on moving the data: the poll that finds the
+    /// queue empty asks for the descriptor to become readable with the next news (as
+    /// `ibv_req_notify_cq`, `ucp_worker_arm` or `fi_trywait` are called before a sleep) - shm
+    /// peers ring a socket, verbs devices announce the next completion on their completion
+    /// channel - and the descriptor holds those beside the queue's own readiness. A
+    /// completion that comes while the program polls, or wakes it, never crosses a library
+    /// thread. (While a thread sleeps in [`wait`](Self::wait), the library's threads move
+    /// the completions, as with [`Progress::Thread`].)
     pub fn fd(&self) -> RawFd {
         let set = self.handed_out.get_or_init(|| {
             (self.opts.progress == Progress::Caller)

@@ -249,6 +249,21 @@ impl Registration {
         self.wake();
     }
 
+    /// Has the driver listen to the registration's `i`-th descriptor `fd` again (`on`), or
+    /// not (its events then wait for whoever else takes them, as a queue's pollers take a
+    /// device's completion events while they sleep on the queue's descriptor). The
+    /// registration must be running (not yet ended).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn listen(&self, i: usize, fd: RawFd, on: bool) -> io::Result<()> {
+        let events = if on { libc::EPOLLIN as u32 } else { 0 };
+        self.core.ctl_events(
+            libc::EPOLL_CTL_MOD,
+            fd,
+            self.slot.id << 2 | i as u64,
+            events,
+        )
+    }
+
     /// Whether [`stop`](Self::stop) was called.
     pub(crate) fn stop_asked(&self) -> bool {
         self.slot.stop.load(Ordering::SeqCst)
@@ -315,10 +330,11 @@ impl Core {
     }
 
     fn ctl(&self, op: libc::c_int, fd: RawFd, key: u64) -> io::Result<()> {
-        let mut ev = libc::epoll_event {
-            events: libc::EPOLLIN as u32,
-            u64: key,
-        };
+        self.ctl_events(op, fd, key, libc::EPOLLIN as u32)
+    }
+
+    fn ctl_events(&self, op: libc::c_int, fd: RawFd, key: u64, events: u32) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events, u64: key };
         // SAFETY: `ev` is a live epoll_event (ignored for EPOLL_CTL_DEL); the epoll descriptor
         // is ours; a bad `fd` is reported as an error, not undefined behaviour.
         sys::cvt(unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), op, fd, &mut ev) }).map(drop)

@@ -120,6 +120,29 @@ impl QueueFd {
         Ok(QueueFd { epoll, bell, name })
     }
 
+    /// Adds a transport's own wake-up descriptor to the set (a verbs device CQ's completion
+    /// channel). Already there is no error.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn watch(&self, fd: RawFd) -> std::io::Result<()> {
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: fd as u64,
+        };
+        // SAFETY: `ev` is a live local; a bad `fd` is an error, not undefined behaviour.
+        match cvt(unsafe { libc::epoll_ctl(self.raw(), libc::EPOLL_CTL_ADD, fd, &mut ev) }) {
+            Err(e) if e.raw_os_error() != Some(libc::EEXIST) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Takes a descriptor added by [`watch`](Self::watch) out of the set, before it closes.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn unwatch(&self, fd: RawFd) {
+        // SAFETY: no event is read for EPOLL_CTL_DEL; an fd not in the set is an error, ignored.
+        let _ =
+            unsafe { libc::epoll_ctl(self.raw(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+    }
+
     /// The epoll set: what the queue hands out.
     pub(crate) fn raw(&self) -> RawFd {
         self.epoll.as_raw_fd()

@@ -44,6 +44,12 @@ pub(crate) trait Source: Send + Sync {
     fn arm_bell(&self) -> bool {
         true
     }
+    /// As [`arm_bell`](Self::arm_bell), for a source looked at on every poll that has a
+    /// descriptor of its own to join the queue's (a verbs device CQ: its completion
+    /// channel, on which the device announces the next completion).
+    fn arm_descriptor(&self) -> bool {
+        true
+    }
 }
 
 impl CompletionQueue {
@@ -150,11 +156,14 @@ impl CompletionQueue {
         guard.publish_scan_count(&self.nscan);
     }
 
-    /// [`Source::arm_bell`] for every connection on the board that is polled every time.
-    /// Returns how many it armed, or `None` when one had news or another poller holds the
-    /// lists (the caller polls again).
+    /// [`Source::arm_bell`] for every connection looked at on every poll. Returns how many
+    /// of those on the board it armed, or `None` when one had news or another poller holds
+    /// the lists (the caller polls again).
     pub(super) fn arm_polled_sources(&self) -> Option<usize> {
         let guard = self.sources.try_lock()?;
+        if guard.scan.iter().any(|s| !s.arm_descriptor()) {
+            return None;
+        }
         for &slot in &guard.active {
             if let Some(s) = &guard.slots[slot as usize]
                 && !s.arm_bell()

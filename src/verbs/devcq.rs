@@ -19,13 +19,19 @@
 //! completion whose connection's lock is held is parked, in order, and delivered before any
 //! later one of that connection.
 //!
-//! The completion channel and its notification belong to this CQ: its driver turn takes the
-//! channel's events and moves completions into the queue - always with
-//! [`Progress::Thread`], and with [`Progress::Caller`] while somebody sleeps on or watches
-//! the queue - re-arming, then polling once more, so no completion is missed.
+//! The completion channel and its notification belong to this CQ. Its driver turn takes the
+//! channel's events and moves completions into the queue - always with [`Progress::Thread`],
+//! and with [`Progress::Caller`] while a thread sleeps in the queue's `wait` - re-arming,
+//! then polling once more, so no completion is missed. With [`Progress::Caller`] and the
+//! queue's descriptor handed out, the queue's pollers take the channel instead: it joins the
+//! descriptor's epoll set, the driver stops listening to it, and the poll that finds the queue
+//! empty takes its events, asks for the next one and polls once more (as a program around
+//! `ibv_req_notify_cq` would, see [`Source::arm_descriptor`]): a completion that comes while the
+//! program polls, or wakes it, never crosses the library's thread.
 
 use std::collections::VecDeque;
 use std::io;
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
@@ -38,7 +44,7 @@ use crate::error::{Error, Result};
 use crate::idmap::IdMap;
 use crate::verbs::cm::set_nonblocking;
 use crate::verbs::conn::{ConnState, PostState, TAG_SHIFT, try_lock};
-use crate::verbs::dispatch::{Member, PollState, Wc, complete, deliver, unpark};
+use crate::verbs::dispatch::{Channel, Member, PollState, Wc, complete, deliver, unpark};
 
 /// Smallest device CQ made: room for a few connections before the first resize.
 const MIN_CQE: u32 = 1024;
@@ -54,6 +60,9 @@ pub(crate) struct DevCq {
     cq: Arc<CompletionQueue>,
     device: *mut sys::ibv_context,
     pub(super) raw: *mut sys::ibv_cq,
+    /// The completion channel (owned by the CQ's turns, see [`Owner`]) and its descriptor.
+    comp: *mut sys::ibv_comp_channel,
+    comp_fd: RawFd,
     caller_polls: bool,
     max_cqe: u32,
     /// Whether the device will announce the next completion on the completion channel.
@@ -66,9 +75,9 @@ pub(crate) struct DevCq {
     reg: Registration,
 }
 
-// SAFETY: the raw CQ is polled, armed and resized only under the poll lock while not retired
-// (or by its own driver turn, which owns and destroys it); libibverbs calls on it are
-// thread-safe. The device context lives as long as the process (librdmacm keeps it open).
+// SAFETY: the raw CQ is polled, armed and resized, and its channel read by the pollers, only
+// under the poll lock while not retired (or by its own driver turn, which owns and destroys
+// them); libibverbs calls on them are thread-safe. The device context lives as long as the process (librdmacm keeps it open).
 unsafe impl Send for DevCq {}
 // SAFETY: as above.
 unsafe impl Sync for DevCq {}
@@ -205,6 +214,8 @@ impl DevCq {
             cq: cq.clone(),
             device,
             raw,
+            comp,
+            comp_fd,
             caller_polls: cq.options().progress == Progress::Caller,
             max_cqe,
             notify_armed: AtomicBool::new(false),
@@ -218,6 +229,7 @@ impl DevCq {
                 need,
                 next_tag: 1,
                 retired: false,
+                channel: Channel::default(),
             }),
             reg: driver.registration(),
         });
@@ -326,6 +338,7 @@ impl DevCq {
             if got <= 0 {
                 break;
             }
+            ps.channel.polled = true;
             for i in 0..got as usize {
                 // SAFETY: ibv_poll_cq filled the first `got` entries.
                 let wc = Wc::new(unsafe { &*wcs.as_ptr().cast::<sys::ibv_wc>().add(i) });
@@ -396,6 +409,12 @@ impl DevCq {
         let retire = ps.users == 0;
         if retire {
             ps.retired = true;
+            if ps.channel.in_set
+                && let Some(q) = self.cq.queue_fd()
+            {
+                q.unwatch(self.comp_fd);
+            }
+            self.ack(&mut ps.channel);
         }
         drop(ps);
         if retire {
@@ -405,6 +424,38 @@ impl DevCq {
             self.reg.wake();
         }
         Some(retire)
+    }
+
+    /// Acknowledges the channel's events the pollers took (all of them before the CQ goes).
+    fn ack(&self, ch: &mut Channel) {
+        if ch.unacked > 0 {
+            // SAFETY: live CQ (under the poll lock, not yet destroyed); acknowledges exactly
+            // the events the pollers took from its channel.
+            unsafe { sys::ibv_ack_cq_events(self.raw, ch.unacked) };
+            ch.unacked = 0;
+        }
+    }
+
+    /// Hands the channel to the queue's pollers (see [`Source::arm_descriptor`]): into the queue's
+    /// descriptor, the driver no longer listening. False when it cannot be (no descriptor
+    /// handed out, or a system call failed): the driver goes on taking it.
+    fn give_pollers_channel(&self, ch: &mut Channel) -> bool {
+        let Some(q) = self.cq.queue_fd() else {
+            return false;
+        };
+        if !ch.in_set {
+            if q.watch(self.comp_fd).is_err() {
+                return false;
+            }
+            ch.in_set = true;
+        }
+        if self.reg.listen(0, self.comp_fd, false).is_err() {
+            return false;
+        }
+        ch.to_pollers = true;
+        // The driver may have left events unread.
+        ch.polled = true;
+        true
     }
 
     /// Whether the retired CQ is destroyed (its turn ended).
@@ -442,10 +493,64 @@ impl Source for DevCq {
     }
 
     fn arm(&self) {
-        let ps = self.lock();
-        if !ps.retired {
-            self.arm_notify();
+        let mut ps = self.lock();
+        if ps.retired {
+            return;
         }
+        // A thread sleeps in `wait`: the driver takes the channel's events again.
+        if ps.channel.to_pollers
+            && self.cq.library_moves(true)
+            && self.reg.listen(0, self.comp_fd, true).is_ok()
+        {
+            ps.channel.to_pollers = false;
+        }
+        self.arm_notify();
+    }
+
+    /// A poller found the queue empty and is about to sleep on the queue's descriptor: takes
+    /// the channel's waiting events (so that a level-triggered waiter does not wake for what
+    /// was polled already), asks the device for an event on the next completion, and polls
+    /// once more, since one may have come before the request. False when that poll moved
+    /// something into the queue: the poller polls again.
+    fn arm_descriptor(&self) -> bool {
+        let mut ps = self.lock();
+        if ps.retired || self.cq.library_moves(true) {
+            return true;
+        }
+        if !ps.channel.to_pollers && !self.give_pollers_channel(&mut ps.channel) {
+            // The driver takes the events and moves what they announce into the queue.
+            self.arm_notify();
+            return true;
+        }
+        let armed = self.notify_armed.load(Ordering::SeqCst);
+        // Armed, and nothing polled since: no event can be waiting, and the next completion
+        // makes one. The usual case for a poller that polls on after finding nothing.
+        if armed && !ps.channel.polled {
+            return true;
+        }
+        let mut took = 0;
+        loop {
+            let mut cq = std::ptr::null_mut();
+            let mut ctx = std::ptr::null_mut();
+            // SAFETY: live non-blocking channel (not retired, under the poll lock); fails
+            // with EAGAIN when empty.
+            if unsafe { sys::ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } != 0 {
+                break;
+            }
+            took += 1;
+        }
+        ps.channel.polled = false;
+        ps.channel.unacked += took;
+        if ps.channel.unacked >= ACK_EVERY {
+            self.ack(&mut ps.channel);
+        }
+        if took > 0 {
+            // The event consumed the request.
+            self.notify_armed.store(false, Ordering::SeqCst);
+        }
+        self.arm_notify();
+        let cq = &self.cq;
+        self.drain(&mut ps, TURN_BUDGET, true, &mut Sink::queue(cq)) == 0
     }
 }
 
@@ -562,7 +667,9 @@ impl Handler for CqTurns {
                 // With progress threads, or while somebody sleeps on the queue, the device must
                 // announce the next completion: ask, then look once more, so that nothing that
                 // came in between is missed.
-                if (!d.caller_polls || cq.watched()) && !d.notify_armed.load(Ordering::SeqCst) {
+                if (!d.caller_polls || cq.library_moves(true))
+                    && !d.notify_armed.load(Ordering::SeqCst)
+                {
                     d.arm_notify();
                     continue;
                 }
@@ -581,13 +688,13 @@ impl Handler for CqTurns {
 impl CqTurns {
     /// What a turn that found a thread of the program in its way (holding the poll lock, or a
     /// connection's lock so that completions stayed parked) does next. With caller progress
-    /// and nobody asleep on or watching the queue, nothing: the program's next poll takes
+    /// and nobody asleep in the queue's `wait`, nothing: the program's next poll takes
     /// what the device has and delivers the parked completions first, and a thread that
     /// goes to sleep arms the device and polls once more itself. Otherwise the turn must
     /// finish the work (queue what came, re-arm the device for the sleeper): it comes back
     /// soon, letting the holder run meanwhile.
     fn busy(&self) -> Next {
-        if self.d.caller_polls && !self.d.cq.watched() {
+        if self.d.caller_polls && !self.d.cq.library_moves(true) {
             Next::Wait(None)
         } else {
             Next::Yield

@@ -102,6 +102,24 @@ pub(super) struct PollState {
     pub(super) next_tag: u16,
     /// No user is left: the CQ is being destroyed, and must not be touched.
     pub(super) retired: bool,
+    /// Who takes the completion channel's events (see `DevCq::arm_descriptor`).
+    pub(super) channel: Channel,
+}
+
+/// The completion channel, as the queue's pollers see it.
+#[derive(Default)]
+pub(super) struct Channel {
+    /// The pollers take its events (the driver does not listen): they sleep on the queue's
+    /// descriptor, which holds the channel's.
+    pub(super) to_pollers: bool,
+    /// It is in the queue's descriptor (an epoll set).
+    pub(super) in_set: bool,
+    /// The device gave completions since the pollers last took the channel's events: an
+    /// event may wait there, which the next arming must take (else it would keep a
+    /// level-triggered waiter awake).
+    pub(super) polled: bool,
+    /// Events the pollers took and have not acknowledged.
+    pub(super) unacked: u32,
 }
 
 /// Delivers `wc` to its connection, or parks it (see [`DevCq::drain`](crate::verbs::devcq::DevCq::drain)). Returns how many
