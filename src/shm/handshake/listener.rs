@@ -222,7 +222,7 @@ impl Listener {
             else {
                 continue;
             };
-            match recv_msg(pending[i].sock.as_raw_fd(), Some(Duration::ZERO)) {
+            match recv_msg(pending[i].sock.as_raw_fd()) {
                 // Readable but nothing to read (a spurious wake-up): keep waiting for it.
                 Ok(None) => {}
                 Ok(Some((buf, fds))) => {
