@@ -17,8 +17,7 @@ pub struct ContextOptions {
 pub(crate) struct ContextInner {
     pub(crate) opts: ContextOptions,
     /// What each transport keeps per context (verbs: its protection domains and shared device
-    /// CQs), made on its first use. Dropped before the driver, which may still run their turns.
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only verbs keeps any yet
+    /// CQs; shm: what it knows of its peers), made on its first use. Dropped before the driver, which may still run their turns.
     pub(crate) transports: TransportStates,
     /// The thread that runs the background work of the context's connections, started with
     /// the first one that needs it; stopped when the context goes (no connection is left then).
@@ -44,7 +43,6 @@ pub(crate) struct TransportStates(Mutex<Vec<Arc<dyn Any + Send + Sync>>>);
 impl TransportStates {
     /// The context's `T`, made with `T::default()` on first use. Only connection setup asks,
     /// never a post or a poll.
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn get<T: Any + Send + Sync + Default>(&self) -> Arc<T> {
         let mut states = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = states.iter().find_map(|s| s.clone().downcast::<T>().ok()) {

@@ -41,6 +41,15 @@ pub(crate) fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<Owne
     Ok(fd)
 }
 
+/// What `fstat` says of `fd`.
+pub(crate) fn fstat(fd: &OwnedFd) -> io::Result<libc::stat> {
+    // SAFETY: stat is plain data; fstat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: plain syscall on a descriptor the caller owns, into a live local.
+    cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
+    Ok(st)
+}
+
 /// Maps the first `len` bytes of `fd` shared and read-write. The caller unmaps them.
 pub(crate) fn map_shared(fd: &OwnedFd, len: usize) -> io::Result<std::ptr::NonNull<u8>> {
     // SAFETY: a fresh mapping chosen by the kernel; nothing is overwritten, and the result is

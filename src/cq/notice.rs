@@ -64,8 +64,9 @@ impl Board {
         Ok(Board { base, fd: Some(fd) })
     }
 
-    /// Maps a peer's board, checking that it cannot shrink under the mapping.
-    pub(crate) fn open(fd: &OwnedFd) -> Result<Board> {
+    /// Maps a peer's board, checking that it cannot shrink under the mapping; `st` is what
+    /// `fstat` says of `fd`.
+    pub(crate) fn open(fd: &OwnedFd, st: &libc::stat) -> Result<Board> {
         // The bell of the board's queue may be rung from now on.
         let _ = bell::sender();
         let proto = |m: &str| Error::Protocol(format!("notice board: {m}"));
@@ -75,10 +76,6 @@ impl Board {
         if seals & libc::F_SEAL_SHRINK == 0 {
             return Err(proto("not sealed against shrinking"));
         }
-        // SAFETY: `st` is a live local that fstat fills.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }).map_err(Error::SharedMemory)?;
         if st.st_size < LEN as libc::off_t {
             return Err(proto("too small"));
         }
@@ -242,13 +239,17 @@ mod tests {
         assert_eq!(taken(&b), vec![7]);
     }
 
+    fn open(fd: &OwnedFd) -> Board {
+        Board::open(fd, &crate::sys::fstat(fd).unwrap()).unwrap()
+    }
+
     #[test]
     fn a_mark_after_an_announced_sleep_rings_the_bell_once() {
         let ev = crate::sys::EventFd::new().unwrap();
         let q = bell::QueueFd::new(ev.raw()).unwrap();
         let own = Board::create().unwrap();
         own.set_bell_name(q.name());
-        let peer = Board::open(own.fd.as_ref().unwrap()).unwrap();
+        let peer = open(own.fd.as_ref().unwrap());
         let readable = || crate::sys::poll_one(q.raw(), libc::POLLIN, Some(Default::default()));
         assert!(peer.ring_sleeper(), "nobody sleeps: nothing to ring");
         assert!(!readable().unwrap());
@@ -268,7 +269,7 @@ mod tests {
     fn a_peer_sees_the_same_page() {
         let own = Board::create().unwrap();
         let fd = own.fd.as_ref().unwrap().try_clone().unwrap();
-        let peer = Board::open(&fd).unwrap();
+        let peer = open(&fd);
         peer.mark(100);
         assert_eq!(taken(&own), vec![100]);
         assert!(!peer.any());

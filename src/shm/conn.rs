@@ -306,7 +306,7 @@ pub(crate) struct Link {
     /// This connection's slot on its queue's notice board, which the peer marks.
     pub(crate) slot: Option<SlotReservation>,
     /// The peer's notice board and its slot there, which this side marks.
-    pub(crate) peer_board: Option<(Board, u32)>,
+    pub(crate) peer_board: Option<(Arc<Board>, u32)>,
     /// The peer's process, when this side can copy from its memory.
     pub(crate) peer_pid: Option<libc::pid_t>,
     /// The peer's process, as the socket's credentials name it.

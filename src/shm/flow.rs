@@ -164,7 +164,7 @@ pub(crate) struct Flow {
     /// The ring's head when the sender last tried to write.
     seen_head: u64,
     /// The peer's notice board and our slot there: marked whenever the peer has news.
-    peer_board: Option<(Board, u32)>,
+    peer_board: Option<(Arc<Board>, u32)>,
     /// The peer's process, when this side can copy from its memory (direct records).
     peer_pid: Option<libc::pid_t>,
     /// The peer can copy from ours, so large sends may go direct (known once it says so).
@@ -190,7 +190,7 @@ impl Flow {
         sock: RawFd,
         send_depth: u32,
         recv_depth: u32,
-        peer_board: Option<(Board, u32)>,
+        peer_board: Option<(Arc<Board>, u32)>,
         peer_pid: Option<libc::pid_t>,
         regions: SharedRegions,
     ) -> Flow {
@@ -1089,7 +1089,7 @@ impl Flow {
             }
         };
         let asked = bell::must_ring(peer.sleeping, news, mark_board);
-        let board = self.peer_board.as_ref().map(|(b, _)| b);
+        let board = self.peer_board.as_ref().map(|(b, _)| &**b);
         let mut rung = true;
         if marked && let Some(board) = board {
             rung = board.ring_sleeper();

@@ -20,6 +20,7 @@ mod flow;
 pub(crate) mod fuzz;
 mod handshake;
 mod onesided;
+mod peers;
 mod ring;
 mod segment;
 mod socket;

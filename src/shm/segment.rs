@@ -141,10 +141,7 @@ impl Segment {
         if seals & need != need {
             return Err(proto("not sealed against resizing"));
         }
-        // SAFETY: `st` is a live local that fstat fills.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }).map_err(Error::SharedMemory)?;
+        let st = crate::sys::fstat(fd).map_err(Error::SharedMemory)?;
         let len = usize::try_from(st.st_size).map_err(|_| proto("negative size"))?;
         if len < DATA + 2 * MIN_CAP {
             return Err(proto("too small"));

@@ -4,11 +4,10 @@
 
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
-use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::shm::wire::{FDS_MAX, MSG_MAX};
-use crate::sys::{self, cvt};
+use crate::sys::cvt;
 
 pub(crate) fn socket() -> io::Result<OwnedFd> {
     // SAFETY: plain syscall; a non-negative result is a new descriptor we own.
@@ -190,14 +189,9 @@ pub(crate) fn send_msg(sock: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()>
     Ok(())
 }
 
-/// Receives one message within `timeout`, with the descriptors attached to it.
-pub(crate) fn recv_msg(
-    sock: RawFd,
-    timeout: Option<Duration>,
-) -> Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
-    if !sys::poll_one(sock, libc::POLLIN, timeout).map_err(Error::Connect)? {
-        return Ok(None);
-    }
+/// Receives one message if one is there, with the descriptors attached to it: `None` when
+/// none is (the socket is non-blocking and the receive never waits, so no poll comes first).
+pub(crate) fn recv_msg(sock: RawFd) -> Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
     let mut buf = [0u8; MSG_MAX + 1];
     let mut cbuf = [0u64; 8];
     let Received { len: n, fds, flags } = match recv_with_fds(sock, &mut buf, &mut cbuf) {
@@ -238,7 +232,7 @@ mod tests {
         let (tx, rx) = pair();
         for len in [MSG_MAX + 1, MSG_MAX + 2, 4 * MSG_MAX] {
             send_msg(tx.as_raw_fd(), &vec![0x10; len], &[]).unwrap();
-            match recv_msg(rx.as_raw_fd(), Some(Duration::ZERO)) {
+            match recv_msg(rx.as_raw_fd()) {
                 Err(Error::Protocol(m)) => assert!(m.contains("oversized"), "{m}"),
                 other => panic!("{len} bytes: {other:?}"),
             }
@@ -246,9 +240,7 @@ mod tests {
         let longest = encode(HELLO, 1, 1, NO_SLOT, &[7; PRIVATE_DATA_MAX]);
         assert_eq!(longest.len(), MSG_MAX);
         send_msg(tx.as_raw_fd(), &longest, &[]).unwrap();
-        let (got, fds) = recv_msg(rx.as_raw_fd(), Some(Duration::ZERO))
-            .unwrap()
-            .expect("a message");
+        let (got, fds) = recv_msg(rx.as_raw_fd()).unwrap().expect("a message");
         assert_eq!((got, fds.len()), (longest, 0));
     }
 }

@@ -2,7 +2,6 @@
 //! real receiver, and shared segments through the real opener.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::time::Duration;
 
 use crate::conn::PRIVATE_DATA_MAX;
 use crate::cq::notice::{NO_SLOT, SLOTS};
@@ -101,7 +100,7 @@ fn through_socket(buf: &[u8], nfds: usize) -> Option<(Vec<u8>, usize)> {
             return None;
         };
         assert_eq!(n, buf.len());
-        match recv_msg(rx.as_raw_fd(), Some(Duration::ZERO)) {
+        match recv_msg(rx.as_raw_fd()) {
             Ok(Some((got, fds))) => {
                 assert!(buf.len() <= MSG_MAX && !buf.is_empty() && nfds <= FDS_MAX);
                 assert_eq!(got, buf);

@@ -63,6 +63,9 @@ struct PendingSet {
     clients: Vec<Pending>,
     /// Whether the listening socket is in the epoll set (it leaves it while the set is full).
     listening: bool,
+    /// When the timer was last set to fire (`None`: disarmed), so that a round that changes
+    /// nothing makes no system call for it.
+    armed: Option<Instant>,
 }
 
 fn epoll_ctl(epoll: RawFd, op: libc::c_int, fd: RawFd, tag: u64) -> io::Result<()> {
@@ -125,6 +128,7 @@ impl Listener {
             pending: Mutex::new(PendingSet {
                 clients: Vec::new(),
                 listening: true,
+                armed: None,
             }),
             ctx,
         })
@@ -200,8 +204,13 @@ impl Listener {
         let mut accept_failed = None;
         for tag in ready {
             if tag == LISTEN_TAG {
-                if let Err(e) = self.accept_backlog(pending) {
-                    accept_failed = Some(e);
+                if found.is_some() {
+                    // Level-triggered: the backlog is reported again on the next call.
+                    continue;
+                }
+                match self.accept_backlog(pending) {
+                    Ok(request) => found = request,
+                    Err(e) => accept_failed = Some(e),
                 }
                 continue;
             }
@@ -222,7 +231,7 @@ impl Listener {
             else {
                 continue;
             };
-            match recv_msg(pending[i].sock.as_raw_fd(), Some(Duration::ZERO)) {
+            match recv_msg(pending[i].sock.as_raw_fd()) {
                 // Readable but nothing to read (a spurious wake-up): keep waiting for it.
                 Ok(None) => {}
                 Ok(Some((buf, fds))) => {
@@ -258,6 +267,11 @@ impl Listener {
             set.listening = room;
         }
         let next = set.clients.iter().map(|p| p.since + HELLO_TIMEOUT).min();
+        // A timer that fired was set for a client dropped since, so `armed` then differs from
+        // `next` and the timer is set again.
+        if next == set.armed {
+            return Ok(());
+        }
         // SAFETY: itimerspec is plain data; all zero disarms the timer.
         let mut spec: libc::itimerspec = unsafe { std::mem::zeroed() };
         if let Some(at) = next {
@@ -273,11 +287,15 @@ impl Listener {
             libc::timerfd_settime(self.timer.as_raw_fd(), 0, &spec, std::ptr::null_mut())
         })
         .map_err(Error::Accept)?;
+        set.armed = next;
         Ok(())
     }
 
-    /// Accepts every connection in the backlog (up to [`PENDING_MAX`] pending in all).
-    fn accept_backlog(&self, pending: &mut Vec<Pending>) -> Result<()> {
+    /// Accepts the connections in the backlog (up to [`PENDING_MAX`] pending in all) until one
+    /// whose hello has come already makes a request, which it returns: the rest stay in the
+    /// backlog, which keeps the listener's descriptor readable. A client whose hello has not
+    /// come yet waits in the epoll set for it.
+    fn accept_backlog(&self, pending: &mut Vec<Pending>) -> Result<Option<Request>> {
         while pending.len() < PENDING_MAX {
             // SAFETY: accept4 on our listening socket without an address buffer.
             let fd = unsafe {
@@ -291,19 +309,30 @@ impl Listener {
             if fd < 0 {
                 let e = io::Error::last_os_error();
                 return match e.raw_os_error() {
-                    Some(libc::EAGAIN) => Ok(()),
+                    Some(libc::EAGAIN) => Ok(None),
                     Some(libc::EINTR) | Some(libc::ECONNABORTED) => continue,
                     // Out of descriptors: the caller must hear of it (a client waiting in the
                     // backlog would otherwise only see its connect time out). The rest stay
                     // in the backlog for a later call.
                     Some(libc::EMFILE) | Some(libc::ENFILE) => Err(Error::Accept(e)),
                     // Short of kernel memory for a moment: leave them for later.
-                    Some(libc::ENOBUFS) | Some(libc::ENOMEM) => Ok(()),
+                    Some(libc::ENOBUFS) | Some(libc::ENOMEM) => Ok(None),
                     _ => Err(Error::Accept(e)),
                 };
             }
             // SAFETY: a fresh descriptor from accept4, owned by nobody else.
             let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+            // A client sends its hello as soon as it is connected: under load it is often
+            // there already, and then the socket need not join the set and leave it again.
+            match recv_msg(fd) {
+                Ok(None) => {}
+                Ok(Some((buf, fds))) => match self.read_hello(sock, &buf, fds) {
+                    Some(request) => return Ok(Some(request)),
+                    None => continue,
+                },
+                // The client hung up or sent something malformed: drop it.
+                Err(_) => continue,
+            }
             if epoll_ctl(self.fd(), libc::EPOLL_CTL_ADD, fd, fd as u64).is_err() {
                 continue; // dropped: the client sees its connection closed
             }
@@ -312,7 +341,7 @@ impl Listener {
                 since: Instant::now(),
             });
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Takes pending client `i` out of the epoll set and the list.

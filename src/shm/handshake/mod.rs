@@ -16,14 +16,14 @@ use std::time::{Duration, Instant};
 
 use crate::conn::seam::RequestSeam;
 use crate::conn::{ConnOptions, Handshake, Setup, Started, Step, Transport, socket_error};
-use crate::cq::notice::{Board, NO_SLOT};
+use crate::cq::notice::NO_SLOT;
 use crate::cq::{CompletionQueue, SlotReservation};
 use crate::domain::ContextInner;
 use crate::driver::{Next, Ready};
 use crate::error::{Error, Result};
 use crate::shm::conn::{Conn, Link};
-use crate::shm::direct;
 use crate::shm::engine::{self, Engine};
+use crate::shm::peers::Peers;
 use crate::shm::segment::{DEFAULT_RING_CAP, Segment};
 use crate::shm::socket::{address, my_uid, peer_cred, recv_msg, send_msg, socket};
 use crate::shm::wire::{ACCEPT, HELLO, REJECT, decode, encode, judge_reply};
@@ -56,11 +56,12 @@ impl Request {
             .take()
             .expect("an unanswered request has its socket");
         let (seg, fd) = Segment::create(DEFAULT_RING_CAP)?;
+        let peers = self.ctx.transports.get::<Peers>();
         // Before the accept goes out: the client is waiting for it, so its memory is there.
         let (pid, (addr, value)) = self.peer;
-        let peer_pid = direct::can_read(pid, addr, value).then_some(pid);
+        let peer_pid = peers.can_read(pid, addr, value).then_some(pid);
         let peer_board = match self.board.take() {
-            Some((fd, slot)) => Some((Board::open(&fd)?, slot)),
+            Some((fd, slot)) => Some((peers.board(&fd)?, slot)),
             None => None,
         };
         let slot = cq.reserve_slot();
@@ -244,7 +245,7 @@ impl Connecting {
         if self.sent.is_none() {
             return self.hello(setup);
         }
-        let reply = match recv_msg(self.sock(), Some(Duration::ZERO)) {
+        let reply = match recv_msg(self.sock()) {
             Err(Error::Connect(e)) if hung_up(&e) => return Err(self.closed()),
             r => r?,
         };
@@ -260,13 +261,14 @@ impl Connecting {
         if seg.cap() != msg.a as usize {
             return Err(Error::Protocol("handshake: ring size mismatch".into()));
         }
+        let peers = setup.context().transports.get::<Peers>();
         let peer_board = match (board_slot, fds.next()) {
-            (Some(slot), Some(fd)) => Some((Board::open(&fd)?, slot)),
+            (Some(slot), Some(fd)) => Some((peers.board(&fd)?, slot)),
             _ => None,
         };
         let (pid, slot) = self.sent.take().expect("the hello went out");
         let (addr, value) = msg.probe;
-        let peer_pid = direct::can_read(pid, addr, value).then_some(pid);
+        let peer_pid = peers.can_read(pid, addr, value).then_some(pid);
         let link = Link {
             side: 0,
             sock: self.sock.take().expect("held until up"),

@@ -133,10 +133,7 @@ impl Import {
         if seals & libc::F_SEAL_SHRINK == 0 {
             return None;
         }
-        // SAFETY: `st` is a live local that fstat fills.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }).ok()?;
+        let st = crate::sys::fstat(fd).ok()?;
         if usize::try_from(st.st_size).ok()? < len {
             return None;
         }
