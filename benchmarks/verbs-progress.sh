@@ -10,6 +10,9 @@
 # Usage: benchmarks/verbs-progress.sh [ROUNDS]   (default 3; about 8 minutes per round under TCG)
 #        benchmarks/verbs-progress.sh --quick     (one round at tiny counts, caller progress only:
 #                                                   proves the pipeline; about a minute)
+#        RBR_BENCH_MEASURES=setup|event benchmarks/verbs-progress.sh [ROUNDS]
+#                                                  (only connection setup, or only the pairs
+#                                                   asleep between messages)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3} quick=
@@ -23,7 +26,7 @@ cargo build --release --quiet
 cmake -S . -B build-bench -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build-bench -j2 >/dev/null
 scripts/vm-run.sh --timeout 5400 --rw "$out" -- \
-  benchmarks/verbs-progress-guest.sh "$(realpath build-bench)" "$rounds" "${quick:--}" "$out"
+  env RBR_BENCH_MEASURES="${RBR_BENCH_MEASURES:-all}" benchmarks/verbs-progress-guest.sh "$(realpath build-bench)" "$rounds" "${quick:--}" "$out"
 [ -s "$out/raw.txt" ] || { echo "verbs-progress.sh: no results from the VM" >&2; exit 1; }
 timeout 60 python3 benchmarks/verbs_report.py "$out"
 timeout 60 gnuplot "$out/plot.gp" && echo "plot: $out/verbs.png"

@@ -284,7 +284,8 @@ impl DevCq {
     }
 
     /// Asks the device for an event on the next completion, unless that is already asked.
-    /// The caller holds the poll lock (not retired) or is the CQ's own turn.
+    /// The caller holds the poll lock (not retired), or the CQ is being made: so at most one
+    /// request is out, and at most one event waits on the channel.
     fn arm_notify(&self) {
         if !self.notify_armed.swap(true, Ordering::SeqCst) {
             // SAFETY: live CQ (see above).
@@ -528,26 +529,21 @@ impl Source for DevCq {
         if armed && !ps.channel.polled {
             return true;
         }
-        let mut took = 0;
-        loop {
-            let mut cq = std::ptr::null_mut();
-            let mut ctx = std::ptr::null_mut();
-            // SAFETY: live non-blocking channel (not retired, under the poll lock); fails
-            // with EAGAIN when empty.
-            if unsafe { sys::ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } != 0 {
-                break;
+        // One read: a request brings at most one event, and only one is asked for at a time
+        // (`notify_armed`).
+        let mut cq = std::ptr::null_mut();
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: live non-blocking channel (not retired, under the poll lock); fails with
+        // EAGAIN when empty.
+        if unsafe { sys::ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } == 0 {
+            ps.channel.unacked += 1;
+            if ps.channel.unacked >= ACK_EVERY {
+                self.ack(&mut ps.channel);
             }
-            took += 1;
-        }
-        ps.channel.polled = false;
-        ps.channel.unacked += took;
-        if ps.channel.unacked >= ACK_EVERY {
-            self.ack(&mut ps.channel);
-        }
-        if took > 0 {
             // The event consumed the request.
             self.notify_armed.store(false, Ordering::SeqCst);
         }
+        ps.channel.polled = false;
         self.arm_notify();
         let cq = &self.cq;
         self.drain(&mut ps, TURN_BUDGET, true, &mut Sink::queue(cq)) == 0
@@ -634,7 +630,21 @@ struct CqTurns {
 impl Handler for CqTurns {
     fn run(&mut self, ready: &Ready) -> Next {
         let d = &self.d;
-        if ready.fd(0) {
+        let Some(mut ps) = try_lock(&d.poll) else {
+            // A poller holds it (and moves the completions meanwhile). The channel's event is
+            // read under the lock, as the pollers read it (so the request and its event are
+            // never counted twice): on a turn soon, while it waits.
+            return if ready.fd(0) {
+                Next::Yield
+            } else {
+                self.busy()
+            };
+        };
+        if ps.retired {
+            return Next::Done;
+        }
+        // Unless the pollers took the channel meanwhile (the event was then theirs to read).
+        if ready.fd(0) && !ps.channel.to_pollers {
             loop {
                 let mut cq = std::ptr::null_mut();
                 let mut ctx = std::ptr::null_mut();
@@ -650,13 +660,6 @@ impl Handler for CqTurns {
             // The event consumed the request.
             d.notify_armed.store(false, Ordering::SeqCst);
             self.pending = true;
-        }
-        let Some(mut ps) = try_lock(&d.poll) else {
-            // A poller holds it (and moves the completions meanwhile).
-            return self.busy();
-        };
-        if ps.retired {
-            return Next::Done;
         }
         if self.pending || ps.parked > 0 {
             let cq = &d.cq;
