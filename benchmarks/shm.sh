@@ -7,9 +7,11 @@
 #            ucp_put_bw (one-sided puts, at the large sizes)
 #   fi:      fi_pingpong -p shm -e rdm (mean one-way latency)
 #   event:   both sides sleeping between messages, at 2 B, 64 B and 4 KiB: rbr_bench -E (an event
-#            loop: rbr_cq_poll until RBR_EMPTY, then epoll_wait on rbr_cq_fd), rbr_bench -W -S 0
-#            (rbr_cq_poll_wait with spin_us 0, which sleeps at once) and UCX's event mode
-#            (ucx_perftest tag_lat -E sleep): p50 and mean one-way latency
+#            loop: rbr_cq_poll until RBR_EMPTY, then epoll_wait on rbr_cq_fd), tokio_lat (the same
+#            through the tokio feature: a current-thread runtime whose queue task waits on the
+#            descriptor, a send and a receive future per message; benchmarks/tokio_lat.rs),
+#            rbr_bench -W -S 0 (rbr_cq_poll_wait with spin_us 0, which sleeps at once) and UCX's
+#            event mode (ucx_perftest tag_lat -E sleep): p50 and mean one-way latency
 #   limits:  rbr_limits (memcpy at 1 and 64 MiB on cpu1, cache-line round trip cpu0 <-> cpu1)
 #   scaling: rbr_scaling (benchmarks/scaling.c) in each progress mode: the cost of an empty
 #            rbr_cq_poll and the 64 B ping-pong latency with N = 1, 16, 256, 1024 connections
@@ -70,6 +72,8 @@ bash scripts/install-packages.sh shm.sh "${packages[@]}"
 build=$root/build-shm-bench
 echo "shm.sh: building (cargo release, cmake Release in $build)"
 timeout 1800 cargo build --release --quiet
+timeout 1800 cargo build --release --quiet --features tokio --example tokio_lat
+tokio_lat=${CARGO_TARGET_DIR:-$root/target}/release/examples/tokio_lat
 timeout 300 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
 timeout 900 cmake --build "$build" -j2 --target rbr_bench rbr_rma_bench rbr_limits rbr_scaling \
   rbr_setup rbr_first >/dev/null
@@ -199,13 +203,13 @@ run_ours() {
 }
 
 # run_event MODE SIZE: the latency test with both sides sleeping between messages, recorded as
-# lat_MODE: fd (-E, an event loop on rbr_cq_fd) or wait0 (-W -S 0, rbr_cq_poll_wait that sleeps
-# at once).
+# lat_MODE: fd (rbr_bench -E, an event loop on rbr_cq_fd), tokio (tokio_lat, the same through
+# the tokio feature) or wait0 (rbr_bench -W -S 0, rbr_cq_poll_wait that sleeps at once).
 run_event() {
-  local mode=$1 size=$2 w
-  case $mode in fd) w=(-E) ;; wait0) w=(-W -S 0) ;; esac
+  local mode=$1 size=$2 prog=$bench w=() t=(-t lat)
+  case $mode in fd) w=(-E) ;; wait0) w=(-W -S 0) ;; tokio) prog=$tokio_lat t=() ;; esac
   result_test=lat_$mode serve_and_run "$out/logs/r$round-ours-lat-$mode-$size.log" \
-    "rbr_bench lat $mode" "$bench" "shm://$shm_name" -T 30 "${w[@]}" -- -t lat -s "$size" \
+    "${prog##*/} lat $mode" "$prog" "shm://$shm_name" -T 30 "${w[@]}" -- "${t[@]}" -s "$size" \
     -n "$lat_n" -T 30 "${w[@]}"
 }
 
@@ -352,7 +356,7 @@ pair_all() {
     case $kind in
       lat) cmds=("run_ours lat $s" "run_ucx tag_lat $s $lat_n $ucx_lat_warm" "run_fi $s") ;;
       # both sides sleeping: ours as an event loop and in rbr_cq_poll_wait, UCX's event mode
-      event) cmds=("run_event fd $s" "run_event wait0 $s"
+      event) cmds=("run_event fd $s" "run_event tokio $s" "run_event wait0 $s"
                    "run_ucx_sleep $s") ;;
       bw) cmds=("run_ours bw $s" "run_ucx tag_bw $s $c $((c / 10 + 1))")
           if [[ " ${put_sizes[*]} " == *" $s "* ]]; then

@@ -92,14 +92,21 @@ def main():
             "ucx tag_lat p50", "us", True)
         add("lat", s, "avg_us", "ours", "lat", "avg_us", "fi", "pingpong",
             "fi_pingpong avg", "us", True)
-    # Both sides sleeping between messages: our event loop on rbr_cq_fd against UCX's event
-    # mode, and against rbr_cq_poll_wait with spin_us 0 (a wait that sleeps at once).
-    for s in sizes("ours", "lat_fd"):
-        for key, stat in (("p50_us", "p50"), ("avg_us", "avg")):
-            add("evlat", s, key, "ours", "lat_fd", key, "ucx", "tag_lat_sleep",
-                "ucx -E sleep " + stat, "us", True, olabel="ours fd " + stat)
-            add("evlat", s, key, "ours", "lat_fd", key, "ours", "lat_wait0",
-                "poll_wait spin 0 " + stat, "us", True, olabel="ours fd " + stat)
+    # Both sides sleeping between messages: our event loop on rbr_cq_fd, and the same through
+    # the tokio feature, each against UCX's event mode and against rbr_cq_poll_wait with
+    # spin_us 0 (a wait that sleeps at once); and the tokio one against the event loop (what
+    # the async layer costs).
+    for test, label in (("lat_fd", "fd"), ("lat_tokio", "tokio")):
+        for s in sizes("ours", test):
+            for key, stat in (("p50_us", "p50"), ("avg_us", "avg")):
+                olabel = "ours %s %s" % (label, stat)
+                add("evlat", s, key, "ours", test, key, "ucx", "tag_lat_sleep",
+                    "ucx -E sleep " + stat, "us", True, olabel=olabel)
+                add("evlat", s, key, "ours", test, key, "ours", "lat_wait0",
+                    "poll_wait spin 0 " + stat, "us", True, olabel=olabel)
+                if test == "lat_tokio":
+                    add("evlat", s, key, "ours", test, key, "ours", "lat_fd",
+                        "ours fd " + stat, "us", True, olabel=olabel)
     for s in sizes("ours", "bw"):
         add("bw", s, "mb_s", "ours", "bw", "mb_s", "ucx", "tag_bw", "ucx tag_bw", "MB/s", False)
         if ("ucx", "ucp_put_bw", s, "mb_s") in vals:

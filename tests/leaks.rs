@@ -15,22 +15,7 @@ fn leak_checks_one_after_another() {
     a_dropped_region_is_unmapped_by_the_peer_while_the_connection_lives();
     large_messages_through_mappings_leak_nothing();
     #[cfg(feature = "tokio")]
-    futures_dropped_mid_operation_leak_nothing();
-}
-
-/// Runs `cycle` once (what it makes once and keeps is not a leak), then 20 times more, after
-/// which the process has as many descriptors and mappings as before them.
-fn cycles_leave_nothing(mut cycle: impl FnMut()) {
-    use common::{fd_count, map_count, our_map_count};
-    cycle();
-    let (fds, maps, ours) = (fd_count(), map_count(), our_map_count());
-    for _ in 0..20 {
-        cycle();
-    }
-    assert_eq!(
-        (fd_count(), map_count(), our_map_count()),
-        (fds, maps, ours)
-    );
+    common::asyncs::futures_dropped_midway_leak_nothing(&common::Net::Shm);
 }
 
 fn connect_close_cycles_leak_nothing() {
@@ -82,7 +67,8 @@ fn expose_and_close_cycles_leak_nothing() {
         drop((ro, cma));
         drop(backing);
     };
-    cycles_leave_nothing(|| cycle(&ctx));
+    // What the first cycle makes once and keeps is not a leak.
+    cycles_leave_nothing(&Net::Shm, 1, 20, || cycle(&ctx));
 }
 
 /// A region its owner drops is unmapped by the peer that mapped it soon after (the owner's
@@ -191,68 +177,4 @@ fn large_messages_through_mappings_leak_nothing() {
         (fd_count(), map_count(), our_map_count()),
         (fds, maps, ours)
     );
-}
-
-/// Operations whose futures are dropped before they complete - receives nobody sends to, a
-/// send the peer has no receive for, a read, an atomic - keep their buffers until their
-/// records come (the close flushes them), then release them: after the cycles no descriptor,
-/// mapping, region or operation is left.
-#[cfg(feature = "tokio")]
-fn futures_dropped_mid_operation_leak_nothing() {
-    use common::*;
-    use rdmabridge::ops::{AsyncConnection, Buf, FetchAdd, Remote};
-    use rdmabridge::tokio::Queue;
-    use rdmabridge::{Access, ConnOptions, Context, Opcode};
-    use std::time::Duration;
-
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let ctx = Context::new().unwrap();
-    let all = Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
-    let cycle = |ctx: &Context| {
-        rt.block_on(async {
-            let o = ConnOptions::default();
-            let (c, ccq, s, scq) = pair(&Net::Shm, ctx, &o, &o);
-            let (cq, sq) = (Queue::drive(ccq).unwrap(), Queue::drive(scq).unwrap());
-            let c = AsyncConnection::new(c, cq.router().clone());
-            let s = AsyncConnection::new(s, sq.router().clone());
-            let target = ctx.alloc_mr(4096, all).unwrap();
-            let region = c.unpack_remote(&s.pack_region(&target).unwrap()).unwrap();
-            for b in Buf::alloc_many(ctx, 4, 256).unwrap() {
-                drop(c.recv(b));
-            }
-            drop(c.send(Buf::alloc(ctx, 100).unwrap()));
-            drop(c.read(Buf::alloc(ctx, 64).unwrap(), Remote { region, offset: 0 }));
-            drop(c.fetch_add(FetchAdd {
-                region,
-                offset: 8,
-                add: 1,
-            }));
-            assert!(cq.router().in_flight() > 0);
-            drop((c, s, target));
-            for q in [&cq, &sq] {
-                while q.next().await.opcode != Opcode::Disconnected {}
-                assert_eq!(q.router().in_flight(), 0, "every operation is over");
-            }
-            // A connect dropped while it waits for a listener that takes no request, and an
-            // accept dropped after its first poll.
-            let deaf = Net::Shm.addr("dropped-connect");
-            let _deaf = ctx.listen(&deaf, 4).unwrap();
-            let wait = Duration::from_millis(20);
-            let mid = tokio::time::timeout(wait, cq.connect(ctx, &deaf, &o)).await;
-            assert!(mid.is_err(), "the connect still waits");
-            let addr = Net::Shm.addr("dropped-accept");
-            let l = rdmabridge::tokio::Listener::bind(ctx, &addr, 4).unwrap();
-            let dial = tokio::spawn({
-                let (ctx, cq, addr) = (ctx.clone(), cq.clone(), addr.clone());
-                async move { cq.connect(&ctx, &addr, &ConnOptions::default()).await }
-            });
-            let req = l.accept().await.unwrap();
-            let _ = tokio::time::timeout(Duration::ZERO, sq.accept(req, &o)).await;
-            let _ = dial.await.unwrap();
-        });
-    };
-    cycles_leave_nothing(|| cycle(&ctx));
 }

@@ -46,6 +46,13 @@ mod asyncs {
         assert!(server_ms < 500, "server busy while idle");
         assert!(client_ms < 500, "client busy while idle");
     }
+
+    // Over shm this runs in tests/leaks.rs, alone in its binary while it counts.
+    #[test]
+    #[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+    fn futures_dropped_midway_leak_nothing() {
+        common::asyncs::futures_dropped_midway_leak_nothing(&Net::verbs_from_env());
+    }
 }
 // Over shm these run in tests/leaks.rs, alone in their binary while they count descriptors.
 suite_over_verbs!(

@@ -355,3 +355,86 @@ pub fn examples_serve_many(addr: &str, clients: usize, idle: u64) -> (u64, u64) 
     );
     (server_ms, client_ms)
 }
+
+/// Futures dropped before they resolve leak nothing ([`super::Held`]: descriptors, mappings,
+/// and over verbs the kernel's registrations and queues and the pinned memory):
+/// - operations: receives nobody sends to, a send the peer has no receive for, a write, a
+///   read and two atomics, dropped at once; they keep their buffers until their records come
+///   (the close flushes them), then release them, and no operation is left;
+/// - a connect waiting for a listener that takes no request;
+/// - an accept waiting for a request, and an accept dropped after its first poll.
+pub fn futures_dropped_midway_leak_nothing(net: &Net) {
+    // One malloc arena, as in connect_close_cycles_leak_nothing.
+    // SAFETY: mallopt only changes the allocator's tuning.
+    assert_eq!(unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) }, 1);
+    let rt = runtime();
+    let ctx = Context::new().unwrap();
+    let all = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let o = ConnOptions::default();
+    let cycle = || {
+        rt.block_on(async {
+            let (c, cq, s, sq) = async_pair(net, &ctx);
+            let target = ctx.alloc_mr(4096, all | Access::REMOTE_ATOMIC).unwrap();
+            let region = c.unpack_remote(&s.pack_region(&target).unwrap()).unwrap();
+            for b in Buf::alloc_many(&ctx, 4, 256).unwrap() {
+                drop(c.recv(b));
+            }
+            drop(c.send(Buf::alloc(&ctx, 100).unwrap()));
+            let at = |offset| Remote { region, offset };
+            drop(c.write(Buf::alloc(&ctx, 64).unwrap(), at(64)));
+            drop(c.read(Buf::alloc(&ctx, 64).unwrap(), at(128)));
+            drop(c.fetch_add(FetchAdd {
+                region,
+                offset: 8,
+                add: 1,
+            }));
+            drop(c.cmp_swap(CmpSwap {
+                region,
+                offset: 16,
+                compare: 0,
+                swap: 1,
+            }));
+            assert!(cq.router().in_flight() >= 5, "the receives and the send");
+            if let Net::Verbs(_) = net {
+                let held = super::Held::now(net);
+                let mrs: u64 = held
+                    .rdma
+                    .iter()
+                    .filter(|(k, _)| k.ends_with(" mr"))
+                    .map(|(_, n)| n)
+                    .sum();
+                assert!(
+                    mrs >= 2 && held.pinned_kb > 0,
+                    "the counts see the operations' registrations: {held:?}"
+                );
+            }
+            drop((c, s, target));
+            for q in [&cq, &sq] {
+                while q.next().await.opcode != Opcode::Disconnected {}
+                assert_eq!(q.router().in_flight(), 0, "every operation is over");
+            }
+
+            // A connect dropped while it waits for a listener that takes no request.
+            let deaf = net.addr("dropped-connect");
+            let _deaf = ctx.listen(&deaf, 4).unwrap();
+            let mid = tokio::time::timeout(Duration::from_millis(50), cq.connect(&ctx, &deaf, &o));
+            assert!(mid.await.is_err(), "the connect still waits");
+
+            // An accept dropped while no request came, then one dropped after its first poll
+            // (the connection started, not yet established).
+            let addr = net.addr("dropped-accept");
+            let l = Listener::bind(&ctx, &addr, 4).unwrap();
+            let none = tokio::time::timeout(Duration::from_millis(1), l.accept()).await;
+            assert!(none.is_err(), "no request yet");
+            let dial = tokio::spawn({
+                let (ctx, cq, addr) = (ctx.clone(), cq.clone(), addr.clone());
+                async move { cq.connect(&ctx, &addr, &ConnOptions::default()).await }
+            });
+            let req = l.accept().await.unwrap();
+            let _ = tokio::time::timeout(Duration::ZERO, sq.accept(req, &o)).await;
+            // The client either saw the connection up and then down, or never up.
+            drop(dial.await.unwrap());
+        });
+    };
+    super::cycles_leave_nothing(net, 3, 20, cycle);
+}

@@ -192,6 +192,107 @@ pub fn our_map_count() -> usize {
         .count()
 }
 
+/// What a leak would show in: this process's descriptors, its mappings (all, and those of
+/// the library's own segments and regions), and over verbs what the kernel holds for RDMA
+/// (see [`rdma_objects`]) and the memory pinned for registrations (`VmPin`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub fds: usize,
+    pub maps: usize,
+    pub ours: usize,
+    pub rdma: Vec<(String, u64)>,
+    pub pinned_kb: u64,
+}
+
+impl Held {
+    pub fn now(net: &Net) -> Held {
+        let verbs = matches!(net, Net::Verbs(_));
+        Held {
+            fds: fd_count(),
+            maps: map_count(),
+            ours: our_map_count(),
+            rdma: if verbs { rdma_objects() } else { Vec::new() },
+            pinned_kb: if verbs { pinned_kb() } else { 0 },
+        }
+    }
+}
+
+/// The RDMA objects the kernel tracks on each device, by kind (`rdma resource show`: memory
+/// registrations, queue pairs, completion queues, shared receive queues, protection domains,
+/// CM ids, device contexts), as `("rxe0 mr", 3)`. Counted over the whole machine: in the VM
+/// only the test process uses the device.
+pub fn rdma_objects() -> Vec<(String, u64)> {
+    let out = std::process::Command::new("rdma")
+        .args(["resource", "show"])
+        .output()
+        .expect("the rdma tool (iproute2) counts the kernel's RDMA objects");
+    assert!(out.status.success(), "rdma resource show: {out:?}");
+    let mut objects = Vec::new();
+    // One line per device: "0: rxe0: pd 1 cq 2 qp 1 cm_id 0 mr 0 ctx 1 srq 1".
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let [_, dev, counts @ ..] = &words[..] else {
+            continue;
+        };
+        for kv in counts.chunks(2) {
+            if let [kind, n] = kv {
+                let n = n
+                    .parse()
+                    .unwrap_or_else(|_| panic!("rdma resource show: {line}"));
+                objects.push((format!("{} {kind}", dev.trim_end_matches(':')), n));
+            }
+        }
+    }
+    assert!(!objects.is_empty(), "rdma resource show lists no device");
+    objects
+}
+
+/// Memory this process has pinned (kB): what its memory registrations hold.
+pub fn pinned_kb() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmPin:"))
+        .expect("VmPin in /proc/self/status");
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Runs `cycle` `warm` times (what it makes once and keeps - thread stacks, allocator arenas,
+/// a queue's first objects - is not a leak), then `n` times more, after which the process
+/// holds what it held before them ([`Held`]). Each count waits (up to 10 s) for the library's
+/// thread to finish the teardowns it runs after a drop returned (over verbs, a connection
+/// dropped while connecting): the one before the cycles until the count holds still for
+/// 200 ms, the one after them until it is back where it was.
+pub fn cycles_leave_nothing(net: &Net, warm: usize, n: usize, mut cycle: impl FnMut()) {
+    for _ in 0..warm {
+        cycle();
+    }
+    let mut last = None;
+    let before = held_once(net, "never settled", |now| {
+        last.replace(now.clone()).as_ref() == Some(now)
+    });
+    for _ in 0..n {
+        cycle();
+    }
+    held_once(net, &format!("leaked (before: {before:?})"), |now| {
+        *now == before
+    });
+}
+
+/// What the process holds once `ok` accepts it, counted every 200 ms; fails with `what` after
+/// 10 s.
+fn held_once(net: &Net, what: &str, mut ok: impl FnMut(&Held) -> bool) -> Held {
+    let t = std::time::Instant::now();
+    loop {
+        let now = Held::now(net);
+        if ok(&now) {
+            return now;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "{what}: {now:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// A seqpacket socket connected to the shm listener at `addr` (`shm://NAME`) that has said
 /// nothing yet: a raw peer for tests of the handshake.
 pub fn raw_shm_peer(addr: &str) -> std::os::fd::OwnedFd {

@@ -301,8 +301,8 @@ pub fn dropping_a_connecting_connection_reports_nothing(net: &Net) {
 
 /// Connections dropped at every point of their set-up - while connecting to a listener that
 /// never answers, at once after a start that will succeed (with a receive held), while the
-/// server's accept is still unconfirmed, and after a failed start - leave no descriptor or
-/// mapping behind.
+/// server's accept is still unconfirmed, and after a failed start - leave nothing behind
+/// ([`Held`]).
 pub fn connects_dropped_midway_leak_nothing(net: &Net) {
     // One malloc arena, as in connect_close_cycles_leak_nothing.
     // SAFETY: mallopt only changes the allocator's tuning.
@@ -361,20 +361,7 @@ pub fn connects_dropped_midway_leak_nothing(net: &Net) {
         });
         while cq.poll().is_some() || scq.poll().is_some() {}
     }
-    for _ in 0..10 {
-        cycle(); // warm up thread stacks and allocator arenas
-    }
-    let (fds, maps, ours) = (fd_count(), map_count(), our_map_count());
-    for _ in 0..50 {
-        cycle();
-    }
-    assert_eq!(fd_count(), fds, "descriptors leaked");
-    assert_eq!(
-        our_map_count(),
-        ours,
-        "shared segments or regions left mapped"
-    );
-    assert_eq!(map_count(), maps, "mappings leaked");
+    cycles_leave_nothing(net, 10, 50, cycle);
 }
 
 /// Connections in flight cost one descriptor each (shm: the socket; verbs: the RDMA CM event
