@@ -67,6 +67,9 @@ pub(crate) struct DevCq {
     max_cqe: u32,
     /// Whether the device will announce the next completion on the completion channel.
     notify_armed: AtomicBool,
+    /// The queue's pollers take the channel's events (the driver does not listen): they sleep
+    /// on the queue's descriptor, which holds the channel's. Changed under the poll lock.
+    pollers_channel: AtomicBool,
     /// How many members have sends held for credits (pollers then start those whose credits
     /// arrived).
     held: Arc<AtomicUsize>,
@@ -219,6 +222,7 @@ impl DevCq {
             caller_polls: cq.options().progress == Progress::Caller,
             max_cqe,
             notify_armed: AtomicBool::new(false),
+            pollers_channel: AtomicBool::new(false),
             held: Arc::new(AtomicUsize::new(0)),
             poll: parking_lot::Mutex::new(PollState {
                 members: IdMap::default(),
@@ -283,9 +287,9 @@ impl DevCq {
         Ok(u64::from(tag) << TAG_SHIFT)
     }
 
-    /// Asks the device for an event on the next completion, unless that is already asked.
-    /// The caller holds the poll lock (not retired), or the CQ is being made: so at most one
-    /// request is out, and at most one event waits on the channel.
+    /// Asks the device for an event on the next completion, unless that is already asked:
+    /// at most one request is out, and so at most one event waits on the channel. The caller
+    /// holds the poll lock (not retired) or is the CQ's own turn.
     fn arm_notify(&self) {
         if !self.notify_armed.swap(true, Ordering::SeqCst) {
             // SAFETY: live CQ (see above).
@@ -453,7 +457,8 @@ impl DevCq {
         if self.reg.listen(0, self.comp_fd, false).is_err() {
             return false;
         }
-        ch.to_pollers = true;
+        // SeqCst: before the look at the request (see the driver's turn).
+        self.pollers_channel.store(true, Ordering::SeqCst);
         // The driver may have left events unread.
         ch.polled = true;
         true
@@ -494,16 +499,16 @@ impl Source for DevCq {
     }
 
     fn arm(&self) {
-        let mut ps = self.lock();
+        let ps = self.lock();
         if ps.retired {
             return;
         }
         // A thread sleeps in `wait`: the driver takes the channel's events again.
-        if ps.channel.to_pollers
+        if self.pollers_channel.load(Ordering::Relaxed)
             && self.cq.library_moves(true)
             && self.reg.listen(0, self.comp_fd, true).is_ok()
         {
-            ps.channel.to_pollers = false;
+            self.pollers_channel.store(false, Ordering::SeqCst);
         }
         self.arm_notify();
     }
@@ -518,7 +523,9 @@ impl Source for DevCq {
         if ps.retired || self.cq.library_moves(true) {
             return true;
         }
-        if !ps.channel.to_pollers && !self.give_pollers_channel(&mut ps.channel) {
+        if !self.pollers_channel.load(Ordering::Relaxed)
+            && !self.give_pollers_channel(&mut ps.channel)
+        {
             // The driver takes the events and moves what they announce into the queue.
             self.arm_notify();
             return true;
@@ -630,21 +637,10 @@ struct CqTurns {
 impl Handler for CqTurns {
     fn run(&mut self, ready: &Ready) -> Next {
         let d = &self.d;
-        let Some(mut ps) = try_lock(&d.poll) else {
-            // A poller holds it (and moves the completions meanwhile). The channel's event is
-            // read under the lock, as the pollers read it (so the request and its event are
-            // never counted twice): on a turn soon, while it waits.
-            return if ready.fd(0) {
-                Next::Yield
-            } else {
-                self.busy()
-            };
-        };
-        if ps.retired {
-            return Next::Done;
-        }
-        // Unless the pollers took the channel meanwhile (the event was then theirs to read).
-        if ready.fd(0) && !ps.channel.to_pollers {
+        // Not under the poll lock, which busy pollers take all the time: the event is read
+        // at once, so the channel does not keep the driver awake meanwhile.
+        if ready.fd(0) {
+            let mut took = 0;
             loop {
                 let mut cq = std::ptr::null_mut();
                 let mut ctx = std::ptr::null_mut();
@@ -652,14 +648,31 @@ impl Handler for CqTurns {
                 if unsafe { sys::ibv_get_cq_event(self.owner.comp, &mut cq, &mut ctx) } != 0 {
                     break;
                 }
-                self.owner.unacked += 1;
+                took += 1;
             }
-            if self.owner.unacked >= ACK_EVERY {
-                self.owner.ack();
+            if took > 0 {
+                self.owner.unacked += took;
+                if self.owner.unacked >= ACK_EVERY {
+                    self.owner.ack();
+                }
+                // The event consumed the request.
+                d.notify_armed.store(false, Ordering::SeqCst);
+                self.pending = true;
+                // The pollers took the channel over meanwhile: one of them may have seen the
+                // request still out and gone to sleep without asking again. Wake them to ask.
+                // (SeqCst, after the store above: pairs with their taking the channel before
+                // they look at the request.)
+                if d.pollers_channel.load(Ordering::SeqCst) {
+                    d.cq.ring_bell();
+                }
             }
-            // The event consumed the request.
-            d.notify_armed.store(false, Ordering::SeqCst);
-            self.pending = true;
+        }
+        let Some(mut ps) = try_lock(&d.poll) else {
+            // A poller holds it (and moves the completions meanwhile).
+            return self.busy();
+        };
+        if ps.retired {
+            return Next::Done;
         }
         if self.pending || ps.parked > 0 {
             let cq = &d.cq;

@@ -109,9 +109,6 @@ pub(super) struct PollState {
 /// The completion channel, as the queue's pollers see it.
 #[derive(Default)]
 pub(super) struct Channel {
-    /// The pollers take its events (the driver does not listen): they sleep on the queue's
-    /// descriptor, which holds the channel's.
-    pub(super) to_pollers: bool,
     /// It is in the queue's descriptor (an epoll set).
     pub(super) in_set: bool,
     /// The device gave completions since the pollers last took the channel's events: an
