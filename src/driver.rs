@@ -156,6 +156,8 @@ impl Driver {
                 stop: AtomicBool::new(false),
                 finished: Mutex::new(false),
                 done: Condvar::new(),
+                added: Mutex::new(Vec::new()),
+                grew: AtomicBool::new(false),
             }),
         }
     }
@@ -223,6 +225,11 @@ struct Slot {
     stop: AtomicBool,
     finished: Mutex<bool>,
     done: Condvar,
+    /// Descriptors the handler added in its turn (see [`Registration::watch`]), by index,
+    /// for the driver to record once the turn is over.
+    added: Mutex<Vec<(usize, RawFd)>>,
+    /// `added` holds something.
+    grew: AtomicBool,
 }
 
 impl Slot {
@@ -262,6 +269,23 @@ impl Registration {
             self.slot.id << 2 | i as u64,
             events,
         )
+    }
+
+    /// From the handler's own turn: has the driver listen to `fd` as the registration's
+    /// `i`-th descriptor from now on (a handshake that makes its descriptor on the driver's
+    /// thread rather than on its caller's). It leaves the set when the registration ends.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn watch(&self, i: usize, fd: RawFd) -> io::Result<()> {
+        if i >= MAX_FDS {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        self.core
+            .ctl(libc::EPOLL_CTL_ADD, fd, self.slot.id << 2 | i as u64)?;
+        let mut added = self.slot.added.lock().unwrap_or_else(|p| p.into_inner());
+        added.push((i, fd));
+        // Relaxed: read by the same thread, once the turn is over.
+        self.slot.grew.store(true, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Whether [`stop`](Self::stop) was called.
@@ -377,6 +401,20 @@ struct Entry {
     deadline: Option<Instant>,
     /// The round it is due in (so it runs once per round however many reasons it has).
     round: u64,
+}
+
+impl Entry {
+    /// Takes the descriptors its handler added in its turn into its list, which the
+    /// registration's end removes from the set.
+    #[cold]
+    fn record_added(&mut self) {
+        self.slot.grew.store(false, Ordering::Relaxed);
+        let mut added = self.slot.added.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, fd) in added.drain(..) {
+            self.fds[i] = fd;
+            self.nfds = self.nfds.max(i + 1);
+        }
+    }
 }
 
 /// The driver's thread.
@@ -564,6 +602,9 @@ impl Thread {
             let ready = std::mem::take(&mut e.ready);
             e.deadline = None;
             let next = crate::panic::catch(|| e.handler.run(&ready)).unwrap_or(Next::Done);
+            if e.slot.grew.load(Ordering::Relaxed) {
+                e.record_added();
+            }
             match next {
                 Next::Again => self.busy.push(id),
                 Next::Yield => {

@@ -44,7 +44,9 @@ pub(crate) trait Handshake: Send {
 /// A handshake ready to run over its one descriptor.
 pub(crate) struct Started {
     pub(crate) handshake: Box<dyn Handshake>,
-    pub(crate) fd: RawFd,
+    /// `None`: the handshake makes its descriptor in its first turn and has the driver watch
+    /// it then ([`Registration::watch`]), so that its caller makes no system call for it.
+    pub(crate) fd: Option<RawFd>,
 }
 
 /// A receive posted while the connection was connecting.
@@ -165,7 +167,7 @@ impl Setup {
             ran: false,
         });
         driver
-            .register(&self.reg, &[started.fd], turns)
+            .register(&self.reg, started.fd.as_slice(), turns)
             .map_err(Error::Thread)
     }
 

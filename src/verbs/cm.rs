@@ -1,8 +1,8 @@
 //! RDMA CM objects: event channels, CM ids, and events copied out and acked at once.
 //!
 //! Every event is copied (type, status, ids, private data) and acked before anything else
-//! happens, so `rdma_destroy_id` never waits for an unacked event. Each connection's id is
-//! migrated to an event channel of its own, so dropping an id and its channel is always safe.
+//! happens, so `rdma_destroy_id` never waits for an unacked event. Each connection's id lives
+//! on an event channel of its own (an accepted one is migrated there), dropped after the id.
 
 use std::io;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};

@@ -1,8 +1,10 @@
 //! Establishing verbs connections: the RDMA CM connection flow on RC queue pairs, and the
 //! verbs objects each connection owns.
 //!
-//! Server: event channel -> id (RDMA_PS_TCP) -> bind -> listen -> CONNECT_REQUEST (the new id
-//! moves to a channel of its own) -> PD / shared device CQ / QP -> accept -> ESTABLISHED.
+//! Server: event channel -> id (RDMA_PS_TCP) -> bind -> listen -> CONNECT_REQUEST -> (accepted:
+//! the new id moves to a channel of its own) -> PD / shared device CQ / QP -> accept ->
+//! ESTABLISHED. Everything after the request is taken runs on the context's driver, so taking
+//! a request and accepting it cost their caller no more than reading the event.
 //! Client: event channel -> id -> resolve address -> resolve route -> PD / shared device CQ /
 //! QP -> connect -> ESTABLISHED. Each failure event maps to its own error. The device CQ is
 //! shared by the connections of one completion queue on one device (`devcq.rs`).
@@ -23,7 +25,7 @@ use crate::conn::seam::{ListenerSeam, RequestSeam};
 use crate::conn::{ConnOptions, ConnRequest, Handshake, Setup, Started, Step, Transport};
 use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
-use crate::driver::{Next, Ready};
+use crate::driver::{Next, Ready, Registration};
 use crate::error::{Error, Result};
 use crate::verbs::cm::{CmEvent, CmId, EventChannel, sockaddr};
 use crate::verbs::conn::Conn;
@@ -377,13 +379,10 @@ impl Listener {
             };
             match ev.kind {
                 RDMA_CM_EVENT_CONNECT_REQUEST => {
-                    let id = CmId(ev.id);
-                    let ch = EventChannel::new()?;
-                    id.migrate(&ch)?;
                     let (library_peer, private_data) = parse_preamble(&ev.private_data);
                     return Ok(Some(Request {
-                        id: Some(id),
-                        ch: Some(ch),
+                        id: Some(CmId(ev.id)),
+                        ch: None,
                         library_peer,
                         private_data,
                         peer_responder_resources: ev.responder_resources,
@@ -413,6 +412,8 @@ impl ListenerSeam for Listener {
 /// A pending connection request.
 pub(crate) struct Request {
     id: Option<CmId>,
+    /// The id's own channel, once accepting moved it there; until then its events (only a
+    /// peer giving up can send any) go to the listener's, which drops them.
     ch: Option<EventChannel>,
     library_peer: bool,
     private_data: Vec<u8>,
@@ -434,6 +435,15 @@ impl std::fmt::Debug for Request {
 }
 
 impl Request {
+    /// Moves the id to a channel of its own, which the driver watches for the handshake (and
+    /// the connection) from now on: a turn's work, not the caller's, as opening a channel and
+    /// moving an id are system calls.
+    fn own_channel(&mut self, reg: &Registration) -> Result<()> {
+        let ch = self.ch.insert(EventChannel::new()?);
+        self.id.as_ref().expect("unanswered").migrate(ch)?;
+        reg.watch(0, ch.fd()).map_err(Error::Thread)
+    }
+
     /// Answers the request with an accept: the queue pair is made, and the peer's
     /// confirmation is to come on the request's channel.
     fn answer(&mut self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Resources> {
@@ -480,8 +490,9 @@ struct Accepting {
 }
 
 impl Accepting {
-    fn turn(&mut self) -> Result<Option<Established>> {
+    fn turn(&mut self, setup: &Setup) -> Result<Option<Established>> {
         let Some(res) = &self.res else {
+            self.request.own_channel(setup.registration())?;
             self.res = Some(self.request.answer(&self.cq, &self.opts)?);
             // The peer has its timeout to confirm from the accept on, however long the turns
             // of other handshakes kept this one waiting for its first.
@@ -514,7 +525,7 @@ impl Accepting {
 
 impl Handshake for Accepting {
     fn step(&mut self, _: &Ready, setup: &Setup) -> Step {
-        let turn = self.turn();
+        let turn = self.turn(setup);
         step(turn, setup, &self.opts, self.deadline)
     }
 }
@@ -586,7 +597,6 @@ impl RequestSeam for Request {
     }
 
     fn start(self: Box<Self>, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Started> {
-        let fd = self.ch.as_ref().expect("unanswered").fd();
         Ok(Started {
             handshake: Box::new(Accepting {
                 request: *self,
@@ -595,7 +605,7 @@ impl RequestSeam for Request {
                 deadline: None,
                 res: None,
             }),
-            fd,
+            fd: None,
         })
     }
 }
@@ -620,8 +630,8 @@ pub(super) struct Established {
     pub(super) credits: Option<(CreditMr, Option<Remote>)>,
 }
 
-/// Starts connecting to `host:port`: the channel and id are made here; resolving the address
-/// and the route and connecting are the handshake's turns.
+/// Starts connecting to `host:port`: making the channel and the id, resolving the address and
+/// the route and connecting are the handshake's turns.
 pub(crate) fn start_connect(
     ctx: Arc<ContextInner>,
     host: &str,
@@ -629,10 +639,7 @@ pub(crate) fn start_connect(
     cq: Arc<CompletionQueue>,
     opts: &ConnOptions,
 ) -> Result<Started> {
-    let ch = EventChannel::new()?;
-    let id = CmId::new(&ch)?;
     let (dst, _) = sockaddr(host, port)?;
-    let fd = ch.fd();
     Ok(Started {
         handshake: Box::new(Connecting {
             ctx,
@@ -642,11 +649,11 @@ pub(crate) fn start_connect(
             deadline: opts.timeout.map(|t| Instant::now() + t),
             dst,
             stage: ClientStage::Start,
-            id: Some(id),
-            ch: Some(ch),
+            id: None,
+            ch: None,
             res: None,
         }),
-        fd,
+        fd: None,
     })
 }
 
@@ -667,7 +674,7 @@ struct Connecting {
     deadline: Option<Instant>,
     dst: libc::sockaddr_storage,
     stage: ClientStage,
-    /// Until the queue pair is made (then in `res`).
+    /// From the first turn until the queue pair is made (then in `res`).
     id: Option<CmId>,
     ch: Option<EventChannel>,
     res: Option<Resources>,
@@ -689,9 +696,14 @@ impl Connecting {
         next_event(ch, want, self.deadline, doing, &self.target)
     }
 
-    fn turn(&mut self) -> Result<Option<Established>> {
+    fn turn(&mut self, reg: &Registration) -> Result<Option<Established>> {
         match self.stage {
             ClientStage::Start => {
+                // The id lives in the channel: on a failure here the id goes first.
+                let ch = self.ch.insert(EventChannel::new()?);
+                let id = CmId::new(ch)?;
+                reg.watch(0, ch.fd()).map_err(Error::Thread)?;
+                self.id = Some(id);
                 let mut dst = self.dst;
                 // SAFETY: live id; `dst` is a valid sockaddr.
                 if unsafe {
@@ -776,7 +788,7 @@ impl Connecting {
 
 impl Handshake for Connecting {
     fn step(&mut self, _: &Ready, setup: &Setup) -> Step {
-        let turn = self.turn();
+        let turn = self.turn(setup.registration());
         step(turn, setup, &self.opts, self.deadline)
     }
 }

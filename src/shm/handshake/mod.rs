@@ -144,7 +144,7 @@ impl RequestSeam for Request {
                 cq,
                 opts: opts.clone(),
             }),
-            fd,
+            fd: Some(fd),
         })
     }
 }
@@ -181,7 +181,7 @@ pub(crate) fn start_connect(
     connecting.connected = Some(connecting.connect());
     Ok(Started {
         handshake: Box::new(connecting),
-        fd,
+        fd: Some(fd),
     })
 }
 
