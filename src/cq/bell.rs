@@ -109,20 +109,14 @@ impl QueueFd {
         let (addr, len) = sockaddr(&name).expect("a short name");
         // SAFETY: `addr` is a live sockaddr_un of `len` bytes.
         cvt(unsafe { libc::bind(bell.as_raw_fd(), (&raw const addr).cast(), len) })?;
-        for fd in [eventfd, bell.as_raw_fd()] {
-            let mut ev = libc::epoll_event {
-                events: libc::EPOLLIN as u32,
-                u64: fd as u64,
-            };
-            // SAFETY: `ev` is a live local; both descriptors are open.
-            cvt(unsafe { libc::epoll_ctl(epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) })?;
-        }
-        Ok(QueueFd { epoll, bell, name })
+        let q = QueueFd { epoll, bell, name };
+        q.watch(eventfd)?;
+        q.watch(q.bell.as_raw_fd())?;
+        Ok(q)
     }
 
-    /// Adds a transport's own wake-up descriptor to the set (a verbs device CQ's completion
-    /// channel). Already there is no error.
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    /// Adds a wake-up descriptor to the set: the queue's own two, and a transport's (a verbs
+    /// device CQ's completion channel). Already there is no error.
     pub(crate) fn watch(&self, fd: RawFd) -> std::io::Result<()> {
         let mut ev = libc::epoll_event {
             events: libc::EPOLLIN as u32,

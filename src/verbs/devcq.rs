@@ -80,7 +80,8 @@ pub(crate) struct DevCq {
 
 // SAFETY: the raw CQ is polled, armed and resized, and its channel read by the pollers, only
 // under the poll lock while not retired (or by its own driver turn, which owns and destroys
-// them); libibverbs calls on them are thread-safe. The device context lives as long as the process (librdmacm keeps it open).
+// them); libibverbs calls on them are thread-safe. The device context lives as long as the
+// process (librdmacm keeps it open).
 unsafe impl Send for DevCq {}
 // SAFETY: as above.
 unsafe impl Sync for DevCq {}
@@ -153,12 +154,42 @@ unsafe impl Send for Owner {}
 
 impl Owner {
     fn ack(&mut self) {
-        if self.unacked > 0 && !self.raw.is_null() {
-            // SAFETY: acknowledges exactly the events taken from this CQ.
-            unsafe { sys::ibv_ack_cq_events(self.raw, self.unacked) };
-            self.unacked = 0;
-        }
+        ack_events(self.raw, &mut self.unacked);
     }
+}
+
+/// Acknowledges the `unacked` events taken from `cq`'s channel (all of them before the CQ
+/// goes), if there is a CQ (NULL: its making failed).
+fn ack_events(cq: *mut sys::ibv_cq, unacked: &mut u32) {
+    if *unacked > 0 && !cq.is_null() {
+        // SAFETY: a live CQ (its owner or the poll lock keeps it); acknowledges exactly the
+        // events taken from its channel.
+        unsafe { sys::ibv_ack_cq_events(cq, *unacked) };
+        *unacked = 0;
+    }
+}
+
+/// Takes one event from the non-blocking channel `comp` of `cq`, counting it in `unacked`
+/// (acknowledged every [`ACK_EVERY`]): false when none waits.
+///
+/// # Safety
+/// `comp` and `cq` are live, and `unacked` is this reader's count for them.
+unsafe fn take_event(
+    comp: *mut sys::ibv_comp_channel,
+    cq: *mut sys::ibv_cq,
+    unacked: &mut u32,
+) -> bool {
+    let mut ev_cq = std::ptr::null_mut();
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: live non-blocking channel (the caller's contract); fails with EAGAIN when empty.
+    if unsafe { sys::ibv_get_cq_event(comp, &mut ev_cq, &mut ctx) } != 0 {
+        return false;
+    }
+    *unacked += 1;
+    if *unacked >= ACK_EVERY {
+        ack_events(cq, unacked);
+    }
+    true
 }
 
 impl Drop for Owner {
@@ -419,7 +450,7 @@ impl DevCq {
             {
                 q.unwatch(self.comp_fd);
             }
-            self.ack(&mut ps.channel);
+            ack_events(self.raw, &mut ps.channel.unacked);
         }
         drop(ps);
         if retire {
@@ -429,16 +460,6 @@ impl DevCq {
             self.reg.wake();
         }
         Some(retire)
-    }
-
-    /// Acknowledges the channel's events the pollers took (all of them before the CQ goes).
-    fn ack(&self, ch: &mut Channel) {
-        if ch.unacked > 0 {
-            // SAFETY: live CQ (under the poll lock, not yet destroyed); acknowledges exactly
-            // the events the pollers took from its channel.
-            unsafe { sys::ibv_ack_cq_events(self.raw, ch.unacked) };
-            ch.unacked = 0;
-        }
     }
 
     /// Hands the channel to the queue's pollers (see [`Source::arm_descriptor`]): into the queue's
@@ -538,15 +559,8 @@ impl Source for DevCq {
         }
         // One read: a request brings at most one event, and only one is asked for at a time
         // (`notify_armed`).
-        let mut cq = std::ptr::null_mut();
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: live non-blocking channel (not retired, under the poll lock); fails with
-        // EAGAIN when empty.
-        if unsafe { sys::ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } == 0 {
-            ps.channel.unacked += 1;
-            if ps.channel.unacked >= ACK_EVERY {
-                self.ack(&mut ps.channel);
-            }
+        // SAFETY: live CQ and channel (not retired, under the poll lock); the pollers' count.
+        if unsafe { take_event(self.comp, self.raw, &mut ps.channel.unacked) } {
             // The event consumed the request.
             self.notify_armed.store(false, Ordering::SeqCst);
         }
@@ -640,21 +654,13 @@ impl Handler for CqTurns {
         // Not under the poll lock, which busy pollers take all the time: the event is read
         // at once, so the channel does not keep the driver awake meanwhile.
         if ready.fd(0) {
-            let mut took = 0;
-            loop {
-                let mut cq = std::ptr::null_mut();
-                let mut ctx = std::ptr::null_mut();
-                // SAFETY: live non-blocking channel; fails with EAGAIN when empty.
-                if unsafe { sys::ibv_get_cq_event(self.owner.comp, &mut cq, &mut ctx) } != 0 {
-                    break;
-                }
-                took += 1;
+            let Owner { raw, comp, unacked } = &mut self.owner;
+            let mut took = false;
+            // SAFETY: the turn owns the live CQ and channel; the driver's count.
+            while unsafe { take_event(*comp, *raw, unacked) } {
+                took = true;
             }
-            if took > 0 {
-                self.owner.unacked += took;
-                if self.owner.unacked >= ACK_EVERY {
-                    self.owner.ack();
-                }
+            if took {
                 // The event consumed the request.
                 d.notify_armed.store(false, Ordering::SeqCst);
                 self.pending = true;

@@ -102,11 +102,12 @@ pub(super) struct PollState {
     pub(super) next_tag: u16,
     /// No user is left: the CQ is being destroyed, and must not be touched.
     pub(super) retired: bool,
-    /// Who takes the completion channel's events (see `DevCq::arm_descriptor`).
+    /// The pollers' side of the completion channel (see `DevCq::arm_descriptor`).
     pub(super) channel: Channel,
 }
 
-/// The completion channel, as the queue's pollers see it.
+/// The completion channel, as the queue's pollers keep it (whether they take its events is
+/// `DevCq::pollers_channel`).
 #[derive(Default)]
 pub(super) struct Channel {
     /// It is in the queue's descriptor (an epoll set).
