@@ -110,6 +110,9 @@ impl QueueFd {
         // SAFETY: `addr` is a live sockaddr_un of `len` bytes.
         cvt(unsafe { libc::bind(bell.as_raw_fd(), (&raw const addr).cast(), len) })?;
         let q = QueueFd { epoll, bell, name };
+        // The process's ringing socket is made with its first queue descriptor, not on the
+        // first ring: over verbs that ring comes from the driver's thread, on a rare race.
+        let _ = sender();
         q.watch(eventfd)?;
         q.watch(q.bell.as_raw_fd())?;
         Ok(q)
@@ -204,8 +207,9 @@ fn sockaddr(name: &[u8]) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
 }
 
 /// The process's one socket for ringing bells (unbound: ringing needs no address of its own),
-/// made with the first peer's board this process opens ([`super::notice::Board::open`]), so
-/// that it is there before the first ring rather than made in the middle of traffic.
+/// made with the first peer's board this process opens ([`super::notice::Board::open`]) or its
+/// first queue descriptor ([`QueueFd::new`]), so that it is there before the first ring rather
+/// than made in the middle of traffic.
 pub(crate) fn sender() -> Option<&'static OwnedFd> {
     static SENDER: OnceLock<Option<OwnedFd>> = OnceLock::new();
     SENDER

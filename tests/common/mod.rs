@@ -175,6 +175,29 @@ pub fn fd_count() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
+/// What this process's descriptors are, by kind and sorted: each one's target with the
+/// instance numbers dropped ("socket:[123]" and "anon_inode:[eventfd]" read "socket" and
+/// "anon_inode:eventfd"), so two counts compare kinds, not inode numbers, and a leak names
+/// what stayed open.
+pub fn fd_kinds() -> Vec<String> {
+    let mut kinds: Vec<String> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|target| {
+            let t = target.to_string_lossy();
+            match t.split_once(":[") {
+                Some((kind, rest)) if rest.trim_end_matches(']').parse::<u64>().is_ok() => {
+                    kind.to_string()
+                }
+                Some((kind, rest)) => format!("{kind}:{}", rest.trim_end_matches(']')),
+                None => t.into_owned(),
+            }
+        })
+        .collect();
+    kinds.sort();
+    kinds
+}
+
 /// Mappings of this process.
 pub fn map_count() -> usize {
     std::fs::read_to_string("/proc/self/maps")
@@ -197,7 +220,7 @@ pub fn our_map_count() -> usize {
 /// (see [`rdma_objects`]) and the memory pinned for registrations (`VmPin`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
-    pub fds: usize,
+    pub fds: Vec<String>,
     pub maps: usize,
     pub ours: usize,
     pub rdma: Vec<(String, u64)>,
@@ -208,7 +231,7 @@ impl Held {
     pub fn now(net: &Net) -> Held {
         let verbs = matches!(net, Net::Verbs(_));
         Held {
-            fds: fd_count(),
+            fds: fd_kinds(),
             maps: map_count(),
             ours: our_map_count(),
             rdma: if verbs { rdma_objects() } else { Vec::new() },
