@@ -23,6 +23,7 @@
 #   first:      rbr_first (benchmarks/first.c), both sides busy-polling and both in
 #               rbr_cq_poll_wait: per connection the slowest of the first 200 round trips from
 #               the connect (median over connections, against the busy run's steady round trip),
+#               the very first round trip (median over connections, against the same),
 #               and a message sent while the peer sleeps 50 ms before posting its receive, timed
 #               from that post to the receive's completion (against ib_send_lat's one-way 2 B)
 # rdmabridge runs as rbr-caller (progress on the caller's thread, the default), rbr-thread
@@ -361,9 +362,12 @@ for round in $(seq "$rounds"); do
     if out=$(first_run $mode); then
       f=$(echo "$out" | grep '^RESULT first') l=$(echo "$out" | grep '^RESULT late')
       if [ $mode = busy ]; then
-        record first64 rbr-steady p50 "$(echo "$f" | sed -n 's/.* rtt_p50_us=\([0-9.]*\).*/\1/p')"
+        steady=$(echo "$f" | sed -n 's/.* rtt_p50_us=\([0-9.]*\).*/\1/p')
+        record first64 rbr-steady p50 "$steady"
+        record firstone64 rbr-steady p50 "$steady"
       fi
       record first64 "rbr-first-$mode" p50 "$(echo "$f" | sed -n 's/.* worst_p50_us=\([0-9.]*\).*/\1/p')"
+      record firstone64 "rbr-first-$mode" p50 "$(echo "$f" | sed -n 's/.* first_p50_us=\([0-9.]*\).*/\1/p')"
       record late64 "rbr-first-$mode" p50 "$(echo "$l" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
     fi
   done
@@ -396,6 +400,7 @@ awk '
     if (m ~ /^lat/) { s = substr(m, 4) + 0; return "latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^elat/) { s = substr(m, 5) + 0; return "latency asleep between messages " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^bw/) { s = substr(m, 3) + 0; return "bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
+    if (m ~ /^firstone/) return "the first round trip after the connect, " substr(m, 9) " B"
     if (m ~ /^first/) return "slowest of the first round trips, " substr(m, 6) " B"
     if (m ~ /^inflight/) return "connection setup, " substr(m, 9) " in flight"
     return "connection setup"
@@ -436,14 +441,15 @@ fi
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
 # size, 2 x 2 bandwidth figures per size; the read's split: 2 figures of each tool; rbr_first:
-# 3 figures of the late message and 3 of the first round trips; setup: 2 pairs; asleep between
+# 3 figures of the late message, 3 of the slowest first round trips and 3 of the very first;
+# setup: 2 pairs; asleep between
 # messages: 2 figures of each of 3 tools per size)
 if [ "$measures" = setup ]; then
   want=$((rounds * 4))
 elif [ "$measures" = event ]; then
   want=$((rounds * nl * 6))
 else
-  want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 4 + nl * 8 + nb * 4 + 4 + 6 + nl * 6)))
+  want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 4 + nl * 8 + nb * 4 + 4 + 9 + nl * 6)))
 fi
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }
