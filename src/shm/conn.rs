@@ -219,8 +219,8 @@ impl Source for ConnState {
         // looks again - a connection on the list polled every time stays there, and one
         // looked at for a mark on the board is marked again, so its news is not forgotten.
         // Otherwise a connection on the board is marked again only when this poll moved
-        // something (more may be there: messages beyond the poll's limit, sends the step left
-        // to complete); news that comes later the peer marks, having been asked to (see
+        // something and left work behind (messages beyond the poll's limit, sends the step
+        // left to complete); news that comes later the peer marks, having been asked to (see
         // `settle`), so a busy connection off the list costs a poll nothing until it has news.
         let Some(mut flow) = self.try_lock() else {
             self.watch_sends();
@@ -248,7 +248,7 @@ impl Source for ConnState {
             // The background work tears it down, or has packets of its own to look at.
             drop(flow);
             self.wake.wake();
-        } else if moved {
+        } else if moved && !self.polled_every_time.load(Ordering::Relaxed) && flow.has_work() {
             drop(flow);
             self.watch_sends();
         }
