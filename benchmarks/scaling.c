@@ -18,6 +18,24 @@
  *         busy-polls its own queue of N connections and echoes): WARMUP
  *         round trips, then ITERS timed ones; prints the one-way latency
  *         (half the round trip), median and 99th percentile.
+ * With -r MSGS it then measures, at each N:
+ *   rate  MSGS messages of RATE_SIZE bytes (512) sent by the client
+ *         round-robin over all N connections, the server (polling its one
+ *         queue) taking each into one of RATE_DEPTH (16) receives posted per
+ *         connection and posting it again at once; the client keeps at most
+ *         RATE_DEPTH sends out per connection (every eighth signaled, and
+ *         each connection's last), polling its queue once after each send.  A tenth of MSGS, and at least
+ *         WARM (-w, default 4,096) per connection - every page of the
+ *         rings touched - runs first as a warm-up.  The timed messages go
+ *         in RATE_PASSES (5) passes, each from its first send to its last
+ *         send's completion, and each right after a pass of as many
+ *         messages over the first connection alone (the others idle): it
+ *         prints the median over passes of the messages per second over N
+ *         connections, the best pass, the ratio to the first N's median
+ *         (N = 1 in the default list), and the ratio of the medians, N
+ *         connections to one, measured side by side (other load on the
+ *         machine hits both alike).  Every connection then has queue
+ *         depths of RATE_DEPTH on both sides.
  * Both sides busy-poll with rbr_cq_poll, never rbr_cq_wait, as rbr_bench
  * does.  It also prints the client process's threads and open descriptors
  * at N (from /proc/self), which show what each connection costs besides
@@ -31,13 +49,16 @@
  *
  * The client drives the server through small control messages on the first
  * connection (each echoed once the server has done what it asks): "accept K
- * more connections" before it opens them, and "quit" at the end.
+ * more connections" before it opens them, "take K messages of the rate run
+ * without echoing them" before that run, and "quit" at the end.
  *
- * Output, one line per N:
+ * Output, one line per N (and with -r a second one):
  *   RESULT scaling N poll_ns=X p50_us=X p99_us=X avg_us=X threads=T fds=F
+ *   RESULT scaling-rate N msgs_per_s=X best_per_s=X ratio=Y side_ratio=Y
  *
  * Usage: rbr_scaling [-a ADDR] [-N LIST] [-s SIZE] [-n ITERS] [-b BATCHES]
- *                    [-c A,B] [-T SECS] [-p MODE] [-S US]
+ *                    [-c A,B] [-T SECS] [-r MSGS] [-w WARM] [-p MODE]
+ *                    [-S US]
  *   -a ADDR     address (default shm://rbr-scaling)
  *   -N LIST     comma list of connection counts, increasing (default
  *               1,16,256,1024)
@@ -49,6 +70,10 @@
  *               thread the library starts in them); default: no pinning
  *   -T SECS     give up (exit status 1) when a single wait for a completion
  *               or a connection takes longer (default 30)
+ *   -r MSGS     also measure the round-robin message rate, MSGS messages
+ *               per N (default 0: not measured)
+ *   -w WARM     warm-up messages per connection of the rate run, at least
+ *               (default 4096)
  *   -p MODE, -S US: completion-queue options as in the C examples (both
  *               sides use them)
  *
@@ -80,18 +105,28 @@
  * control messages; the others only hold receives. */
 #define MAIN_DEPTH 16
 #define IDLE_DEPTH 4
+/* The rate run: message size, and receives posted (and sends out) per
+ * connection. */
+#define RATE_SIZE 512
+#define RATE_DEPTH 16
+#define RATE_SIGNAL_EVERY 8
+/* Warm-up messages per connection, at least, by default: enough to touch
+ * every page of a 2 MiB ring (the default), whose first use costs page
+ * faults (memory, not the poll cost this measures). */
+#define RATE_WARM_PER_CONN 4096
+#define RATE_PASSES 5
 /* Descriptors per connection and side, generously, and a reserve. */
 #define FDS_PER_CONN 8
 #define FDS_RESERVE 256
 
-enum ctl_op { CTL_ADD = 1, CTL_QUIT = 2 };
+enum ctl_op { CTL_ADD = 1, CTL_QUIT = 2, CTL_RATE = 3 };
 
 /* Control message on the first connection, client to server and echoed. */
 struct ctl_msg {
     uint64_t magic;
     uint32_t op;
     uint32_t reserved;
-    uint64_t count; /* CTL_ADD: connections to accept */
+    uint64_t count; /* CTL_ADD: connections to accept; CTL_RATE: messages */
 };
 
 struct opts {
@@ -104,6 +139,8 @@ struct opts {
     int cpu_server;
     int cpu_client;
     int timeout_s;
+    uint64_t rate_msgs;
+    uint64_t rate_warm;
     struct ex_cq_opts cq;
 };
 
@@ -119,6 +156,7 @@ struct side {
     uint64_t sends_posted;
     uint64_t sends_done; /* signaled sends completed */
     int64_t timeout_ns;
+    int rate; /* -r given: every connection has RATE_DEPTH */
 };
 
 static void usage(const char *argv0)
@@ -126,7 +164,7 @@ static void usage(const char *argv0)
     fprintf(stderr,
             "usage: %s [-a ADDR] [-N LIST] [-s SIZE] [-n ITERS] [-b BATCHES]"
             " [-c A,B] [-T SECS]\n"
-            "          [-p MODE] [-S US]\n"
+            "          [-r MSGS] [-w WARM] [-p MODE] [-S US]\n"
             "  -a ADDR     address (default %s)\n"
             "  -N LIST     connection counts, increasing (1,16,256,1024)\n"
             "  -s SIZE     ping-pong message size (64)\n"
@@ -134,6 +172,8 @@ static void usage(const char *argv0)
             "  -b BATCHES  timed batches of empty polls per count (11)\n"
             "  -c A,B      pin the server to cpu A, the client to cpu B\n"
             "  -T SECS     longest wait for one completion (30)\n"
+            "  -r MSGS     round-robin rate run of MSGS messages per count (0)\n"
+            "  -w WARM     its warm-up messages per connection, at least (4096)\n"
             EX_CQ_OPTS_USAGE,
             argv0, DEFAULT_ADDR);
 }
@@ -192,9 +232,10 @@ static int parse_opts(int argc, char **argv, struct opts *o)
     o->cpu_server = -1;
     o->cpu_client = -1;
     o->timeout_s = 30;
+    o->rate_warm = RATE_WARM_PER_CONN;
     ex_cq_opts_init(&o->cq);
     parse_counts("1,16,256,1024", o);
-    while ((ch = getopt(argc, argv, "a:N:s:n:b:c:T:p:S:h")) != -1) {
+    while ((ch = getopt(argc, argv, "a:N:s:n:b:c:T:r:w:p:S:h")) != -1) {
         switch (ch) {
         case 'a':
             o->addr = optarg;
@@ -239,6 +280,20 @@ static int parse_opts(int argc, char **argv, struct opts *o)
                 return -1;
             }
             o->timeout_s = (int)v;
+            break;
+        case 'r':
+            if (ex_parse_size(optarg, &v) || v > (1ull << 40)) {
+                ex_error("bad -r '%s'", optarg);
+                return -1;
+            }
+            o->rate_msgs = v;
+            break;
+        case 'w':
+            if (ex_parse_size(optarg, &v) || v > (1ull << 32)) {
+                ex_error("bad -w '%s'", optarg);
+                return -1;
+            }
+            o->rate_warm = v;
             break;
         case 'p':
         case 'S':
@@ -410,9 +465,14 @@ static int post_recv(struct side *s, rbr_conn *c)
 }
 
 /* Posts the receives of a new connection and adds it to the side. */
+static uint32_t conn_depth(const struct side *s)
+{
+    return s->rate ? RATE_DEPTH : s->n_conns == 0 ? MAIN_DEPTH : IDLE_DEPTH;
+}
+
 static int add_conn(struct side *s, rbr_conn *c)
 {
-    uint32_t depth = s->n_conns == 0 ? MAIN_DEPTH : IDLE_DEPTH;
+    uint32_t depth = conn_depth(s);
     uint32_t i;
 
     s->conns[s->n_conns++] = c;
@@ -424,23 +484,27 @@ static int add_conn(struct side *s, rbr_conn *c)
 
 static void conn_opts(const struct side *s, rbr_conn_options *co)
 {
-    uint32_t depth = s->n_conns == 0 ? MAIN_DEPTH : IDLE_DEPTH;
+    uint32_t depth = conn_depth(s);
 
     rbr_conn_options_init(co);
     co->send_queue_depth = depth;
     co->recv_queue_depth = depth;
     co->timeout_ms = 10000;
     /* Every connection but the first is idle: a non-NULL context marks it
-     * in its completions. */
-    co->context = s->n_conns == 0 ? NULL : (void *)s;
+     * in its completions, and names its place in `conns` (which it is about
+     * to take) for the rate run. */
+    co->context = s->n_conns == 0 ? NULL : (void *)&s->conns[s->n_conns];
 }
 
 static int side_init(struct side *s, const struct opts *o)
 {
     memset(s, 0, sizeof *s);
     s->timeout_ns = (int64_t)o->timeout_s * 1000000000;
+    s->rate = o->rate_msgs > 0;
     s->buf_size = o->size > sizeof(struct ctl_msg) ? o->size
                                                    : sizeof(struct ctl_msg);
+    if (s->rate && s->buf_size < RATE_SIZE)
+        s->buf_size = RATE_SIZE;
     s->conns = calloc((size_t)o->counts[o->n_counts - 1], sizeof *s->conns);
     if (s->conns == NULL) {
         ex_error("out of memory");
@@ -502,6 +566,7 @@ static int accept_some(struct side *s, rbr_listener *l, uint64_t count,
 static int serve(struct side *s, rbr_listener *l, const struct opts *o)
 {
     rbr_completion wc[POLL_BATCH];
+    uint64_t rate_left = 0; /* messages of the rate run still to come */
     size_t n;
     size_t i;
 
@@ -514,6 +579,14 @@ static int serve(struct side *s, rbr_listener *l, const struct opts *o)
 
             if (wc[i].opcode != RBR_OP_RECV)
                 continue;
+            if (rate_left > 0 && len == RATE_SIZE) {
+                rbr_conn **c = wc[i].conn_context;
+
+                rate_left--;
+                if (post_recv(s, c == NULL ? s->conns[0] : *c))
+                    return -1;
+                continue;
+            }
             if (wc[i].conn_context != NULL) {
                 ex_error("message on an idle connection");
                 return -1;
@@ -535,6 +608,8 @@ static int serve(struct side *s, rbr_listener *l, const struct opts *o)
                 (m.count > MAX_CONNS - s->n_conns ||
                  accept_some(s, l, m.count, o->timeout_s)))
                 return -1;
+            if (m.op == CTL_RATE)
+                rate_left = m.count;
             if (send_ctl_msg(s, &m))
                 return -1;
             if (m.op == CTL_QUIT)
@@ -757,11 +832,142 @@ static int ping_pong(struct side *s, size_t size, uint64_t total,
     return drain_sends(s);
 }
 
+/* Per connection of the rate run: sends posted and completed. */
+struct rate_conn {
+    uint64_t posted;
+    uint64_t done;
+};
+
+/* Takes completions of the rate run's sends (a signaled one completes the
+ * unsignaled ones before it): one rbr_cq_poll, or with `wait` as many as it
+ * takes to find some; *out is the number of sends still out. */
+static int rate_poll(struct side *s, struct rate_conn *rc, int wait,
+                     uint64_t *out)
+{
+    rbr_completion wc[POLL_BATCH];
+    size_t n = 0;
+    size_t i;
+    rbr_status st = wait ? ex_busy_poll(s->cq, wc, POLL_BATCH, &n, s->timeout_ns)
+                         : rbr_cq_poll(s->cq, wc, POLL_BATCH, &n);
+
+    if (st == RBR_ERR_TIMEOUT) {
+        ex_error("no completion for %lld s in the rate run",
+                 (long long)(s->timeout_ns / 1000000000));
+        return -1;
+    }
+    if (st == RBR_EMPTY)
+        return 0;
+    if (st != RBR_OK)
+        return ex_check(st, "rbr_cq_poll");
+    for (i = 0; i < n; i++) {
+        rbr_conn **c = wc[i].conn_context;
+        struct rate_conn *r = &rc[c == NULL ? 0 : (size_t)(c - s->conns)];
+
+        if (wc[i].status != RBR_WC_SUCCESS || wc[i].opcode != RBR_OP_SEND ||
+            wc[i].wr_id < r->done || wc[i].wr_id >= r->posted) {
+            ex_report_completion("unexpected completion in the rate run",
+                                 &wc[i]);
+            return -1;
+        }
+        *out -= wc[i].wr_id + 1 - r->done;
+        r->done = wc[i].wr_id + 1;
+    }
+    return 0;
+}
+
+/* `msgs` messages of RATE_SIZE round-robin over the first `conns`
+ * connections, at most RATE_DEPTH out on each, the queue polled once after
+ * each send (as an event loop does) and until there is room when the next
+ * connection has none; returns once all have completed, with the messages
+ * per second in *rate. */
+static int rate_pass(struct side *s, struct rate_conn *rc, size_t conns,
+                     uint64_t msgs, double *rate)
+{
+    uint64_t t0 = ex_now_ns();
+    uint64_t out = 0;
+    uint64_t i;
+
+    for (i = 0; i < msgs; i++) {
+        size_t k = (size_t)(i % conns);
+        struct rate_conn *r = &rc[k];
+        int last = i + conns >= msgs;
+        uint32_t flags =
+            last || r->posted % RATE_SIGNAL_EVERY == RATE_SIGNAL_EVERY - 1
+                ? RBR_SEND_SIGNALED
+                : 0;
+
+        while (r->posted - r->done >= RATE_DEPTH)
+            if (rate_poll(s, rc, 1, &out))
+                return -1;
+        if (ex_check(rbr_conn_post_send(s->conns[k], s->send_mr, 0, RATE_SIZE,
+                                        r->posted, flags),
+                     "rbr_conn_post_send"))
+            return -1;
+        r->posted++;
+        out++;
+        if (rate_poll(s, rc, 0, &out))
+            return -1;
+    }
+    while (out > 0)
+        if (rate_poll(s, rc, 1, &out))
+            return -1;
+    *rate = (double)msgs * 1e9 / (double)(ex_now_ns() - t0);
+    return 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a;
+    double y = *(const double *)b;
+
+    return (x > y) - (x < y);
+}
+
+/* The rate run at the current N (see the header): the median and best
+ * messages per second over N connections, and the median over one. */
+static int rate_run(struct side *s, uint64_t msgs, uint64_t warm_per_conn,
+                    double *rate, double *best, double *one)
+{
+    uint64_t warm = msgs / 10;
+    uint64_t per_pass = (msgs + RATE_PASSES - 1) / RATE_PASSES;
+    struct rate_conn *rc = calloc(s->n_conns, sizeof *rc);
+    double all_n[RATE_PASSES];
+    double one_n[RATE_PASSES];
+    double ignored;
+    int ret = -1;
+    int p;
+
+    if (rc == NULL) {
+        ex_error("out of memory");
+        return -1;
+    }
+    if (warm < warm_per_conn * s->n_conns)
+        warm = warm_per_conn * s->n_conns;
+    if (ctl_round(s, CTL_RATE, warm + 2 * RATE_PASSES * per_pass, NULL,
+                  NULL) ||
+        rate_pass(s, rc, s->n_conns, warm, &ignored))
+        goto out;
+    for (p = 0; p < RATE_PASSES; p++)
+        if (rate_pass(s, rc, 1, per_pass, &one_n[p]) ||
+            rate_pass(s, rc, s->n_conns, per_pass, &all_n[p]))
+            goto out;
+    qsort(all_n, RATE_PASSES, sizeof *all_n, cmp_double);
+    qsort(one_n, RATE_PASSES, sizeof *one_n, cmp_double);
+    *rate = all_n[RATE_PASSES / 2];
+    *best = all_n[RATE_PASSES - 1];
+    *one = one_n[RATE_PASSES / 2];
+    ret = 0;
+out:
+    free(rc);
+    return ret;
+}
+
 static int client_main(const struct opts *o, int ready)
 {
     struct side s;
     uint64_t *rtt = NULL;
     uint64_t warm = o->iters / 10 < 100 ? 100 : o->iters / 10;
+    double first_rate = 0;
     size_t k;
     int rc = -1;
     char b;
@@ -800,6 +1006,20 @@ static int client_main(const struct opts *o, int ready)
                (double)ex_percentile(rtt, o->iters, 50.0) / 2000.0,
                (double)ex_percentile(rtt, o->iters, 99.0) / 2000.0,
                sum / (double)o->iters / 2000.0, count_threads(), ex_count_fds());
+        if (o->rate_msgs > 0) {
+            double rate;
+            double best;
+            double one;
+
+            if (rate_run(&s, o->rate_msgs, o->rate_warm, &rate, &best, &one))
+                goto out;
+            if (k == 0)
+                first_rate = rate;
+            printf("RESULT scaling-rate %llu msgs_per_s=%.0f best_per_s=%.0f "
+                   "ratio=%.3f side_ratio=%.3f\n",
+                   (unsigned long long)s.n_conns, rate, best,
+                   rate / first_rate, rate / one);
+        }
     }
     if (ctl_round(&s, CTL_QUIT, 0, NULL, NULL))
         goto out;

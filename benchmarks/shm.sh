@@ -16,7 +16,11 @@
 #   scaling: rbr_scaling (benchmarks/scaling.c) in each progress mode: the cost of an empty
 #            rbr_cq_poll and the 64 B ping-pong latency with N = 1, 16, 256, 1024 connections
 #            on one completion queue per side (all but one idle), each N against N = 1 of the
-#            same run (target: the empty poll at 1,024 costs at most 2x the one at 1)
+#            same run (target: the empty poll at 1,024 costs at most 2x the one at 1); and with
+#            caller progress the round-robin message rate (rbr_scaling -r): one client sending
+#            512 B messages round-robin over all N connections, polling after each send, the
+#            server taking them into 16 receives per connection; each N against one connection
+#            in passes side by side (target: at least 0.7x)
 #   setup:   rbr_setup (benchmarks/setup.c): connections one after another, each connected,
 #            accepted, carrying a 64 B message each way and closed; and the same with 64
 #            connections in flight from one client thread (rbr_connect_start), the server
@@ -87,6 +91,7 @@ if [ "$quick" = 1 ]; then
   lat_n=300 ucx_lat_warm=30 bw_bytes=$((8 << 20)) max_msgs=20000 fi_n=300
   limits_args=(-n 20000 -r 1) tmo=30
   scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60 setup_n=50 first_n=10
+  scaling_rate_args=(-N 1,16 -n 100 -b 1 -r 20000 -w 64)
   setup_inflight=16 setup_inflight_n=200
 else
   lat_sizes=(2 64 1024 4096 65536 1048576)
@@ -97,6 +102,7 @@ else
   limits_args=(-n 1000000 -r 5) tmo=180
   # With progress threads a round trip takes ~0.1-5 ms at 1,024 connections: minutes.
   scaling_args=(-N 1,16,256,1024 -n 10000 -b 11) scaling_tmo=900 setup_n=2000 first_n=50
+  scaling_rate_args=(-N 1,16,256,1024 -n 1000 -b 1 -r 1000000)
   setup_inflight=64 setup_inflight_n=20000
 fi
 join() { local IFS=,; echo "$*"; }
@@ -336,6 +342,19 @@ run_scaling() {
   [ "$rc" -eq 0 ] || fail "rbr_scaling -p $mode failed (status $rc, see $log)"
 }
 
+# run_scaling_rate: rbr_scaling -r, caller progress: the round-robin message rate per N.
+run_scaling_rate() {
+  local log=$out/logs/r$round-scaling-rate.log rc=0
+  timeout "$scaling_tmo" "$scaling" -p caller -c 0,1 -a "shm://$shm_name-scaling-rate" \
+    "${scaling_rate_args[@]}" >"$log" 2>&1 &
+  cpid=$!
+  wait "$cpid" || rc=$?
+  cpid=""
+  awk -v r="$round" '$1 == "RESULT" && $2 == "scaling-rate" {
+      $1 = r " ours"; $2 = "scaling_rate"; print }' "$log" >>"$raw"
+  [ "$rc" -eq 0 ] || fail "rbr_scaling -r failed (status $rc, see $log)"
+}
+
 # Each measurement of ours runs right next to the anchors' measurements of the same kind and size,
 # the order rotating with the size and the round, so that a change in the machine's load between
 # them is as short-lived as it can be; the report pairs them round by round.
@@ -395,6 +414,8 @@ for round in $(seq "$rounds"); do
     run_limits
     echo "shm.sh: round $round/$rounds: scaling (1 to ${scaling_args[1]##*,} connections)"
     in_turn $round "run_scaling caller" "run_scaling thread"
+    echo "shm.sh: round $round/$rounds: round-robin message rate over 1 to ${scaling_rate_args[1]##*,} connections"
+    run_scaling_rate
     echo "shm.sh: round $round/$rounds: connection setup"
     in_turn $round "run_setup in_turn" "run_setup in_flight"
     echo "shm.sh: round $round/$rounds: first round trips and a message that waits for its receive"

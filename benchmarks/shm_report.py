@@ -222,6 +222,15 @@ def main():
                 if r and r[0] is not None:
                     lines.append("  empty poll with 1024 connections / with 1: %.2fx (target "
                                  "at most 2x: %s)" % (r[0], "met" if r[0] <= 2 else "missed"))
+    counts = sizes("ours", "scaling_rate")
+    if counts:
+        lines.append("round-robin 512 B message rate (rbr_scaling -r; N connections on one queue, "
+                     "against N = 1 and against one connection side by side; target at least "
+                     "0.7x): " + "; ".join(
+                         "N=%d: %s msgs/s, %.2fx of N=1, %.2fx side by side" % (
+                             n, fmt(med("ours", "scaling_rate", n, "msgs_per_s")[0]),
+                             med("ours", "scaling_rate", n, "ratio")[0] or 0,
+                             med("ours", "scaling_rate", n, "side_ratio")[0] or 0) for n in counts))
     for s in sizes("ours", "setup"):
         lines.append("connection setup (rbr_setup: one after another, each connected, accepted, "
                      "given a %s message each way and closed; no stock tool measures this over "

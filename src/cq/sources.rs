@@ -31,7 +31,8 @@ pub(crate) trait Source: Send + Sync {
         false
     }
     /// After a poll prompted by a mark on the board: whether the connection is busy (it
-    /// moved something, or has work outstanding) and so joins the list polled every time.
+    /// moved something, or has work outstanding) and so joins the list polled every time,
+    /// if that list has room.
     fn busy(&self) -> bool {
         true
     }
@@ -86,9 +87,12 @@ impl CompletionQueue {
 
     /// Calls `f` with every connection that may have news: those without a notice-board slot
     /// and the busy ones (always), and those whose slot is marked. A connection on the board
-    /// becomes busy when its slot is marked, and leaves the busy list once idle (see
-    /// [`Source::settle`]): a busy connection costs its peer no marking, and with nothing
-    /// marked and nothing busy this is one load.
+    /// joins the busy list when its slot is marked and it is busy, while that list holds
+    /// fewer than [`BUSY_MAX`], and leaves it once idle (see [`Source::settle`]): a busy
+    /// connection on the list costs its peer no marking, and with nothing marked and nothing
+    /// on the list this is one load. Busy connections beyond the list's room stay on the
+    /// board, marked by their peers whenever they have news, so that a poll's cost follows
+    /// the news and not the number of busy connections.
     ///
     /// A poller never waits for another here: while one holds the lists (looking at the
     /// connections, or adding or removing one), the others return at once - the one inside
@@ -144,7 +148,7 @@ impl CompletionQueue {
                     && !is_active[slot]
                 {
                     f(&**s);
-                    if s.busy() {
+                    if active.len() < BUSY_MAX && s.busy() {
                         // News the peer writes before it sees this is polled now anyway.
                         s.activate();
                         active.push(slot as u32);
@@ -263,6 +267,11 @@ impl CompletionQueue {
         self.nsources.fetch_sub(removed, Ordering::Relaxed);
     }
 }
+
+/// Connections at most on a queue's list polled every time: the usual one or few busy
+/// connections, which spare their peers the marking. Polling one of them that has nothing
+/// costs a look at its ring (a line the peer writes), so the list stays short.
+const BUSY_MAX: usize = 4;
 
 /// The connections a queue's pollers drive.
 #[derive(Default)]

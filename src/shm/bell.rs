@@ -110,9 +110,10 @@ pub(crate) fn must_ring<F: Flag>(sleeping: &F, news: u32, between: impl FnOnce()
 /// ends, over loom's atomics (run with `RUSTFLAGS="--cfg loom" cargo test --lib loom`). The
 /// sleeper follows the connection's turn as `engine.rs` takes it - take what the ring holds,
 /// announce the sleep, look once more, sleep until a doorbell - and the writer
-/// `Flow::notify_peer` after each record it writes. Not modelled: the notice board marked
-/// between the fence and the look at `sleeping`, the poster's wake-up of its own side
-/// (`ConnState::kick`), and the sleep's timeout (without which a lost doorbell hangs the model).
+/// `Flow::notify_peer` after each record it writes. Not modelled there: the poster's wake-up
+/// of its own side (`ConnState::kick`), and the sleep's timeout (without which a lost doorbell
+/// hangs the model). The notice board's mark for records taken, made by `must_ring`'s
+/// `between` when the peer asked for it, is modelled in the second check.
 #[cfg(all(test, loom))]
 mod loom_model {
     use super::*;
@@ -170,6 +171,15 @@ mod loom_model {
         }
     }
 
+    /// The model's runner: four preemptions unless `LOOM_MAX_PREEMPTIONS` says otherwise.
+    fn builder() -> loom::model::Builder {
+        let mut b = loom::model::Builder::new();
+        if std::env::var_os("LOOM_MAX_PREEMPTIONS").is_none() {
+            b.preemption_bound = Some(4);
+        }
+        b
+    }
+
     /// One side writes three records, each followed by the doorbell check; the other takes
     /// them, announcing its sleep whenever it finds none. It always gets all three (a lost
     /// doorbell would leave it asleep with a record waiting: a deadlock to loom), and the
@@ -177,11 +187,7 @@ mod loom_model {
     #[test]
     fn loom_doorbell_never_leaves_the_peer_asleep_with_work() {
         const N: u8 = 3;
-        let mut b = loom::model::Builder::new();
-        if std::env::var_os("LOOM_MAX_PREEMPTIONS").is_none() {
-            b.preemption_bound = Some(4);
-        }
-        b.check(|| {
+        builder().check(|| {
             let mem = Mem::new();
             let sleeping = Arc::new(ModelU32::new(0));
             let sock = Arc::new(Socket::default());
@@ -221,6 +227,93 @@ mod loom_model {
             writer.join().unwrap();
             // Each doorbell took an announcement down.
             assert!(*rang.lock().unwrap() <= announced);
+        });
+    }
+
+    /// A connection's slot on its queue's notice board, as far as one slot goes: the bit, and
+    /// the queue's descriptor that a poller with nothing to do sleeps on until a mark.
+    #[derive(Default)]
+    struct Slot {
+        bit: loom::sync::atomic::AtomicU64,
+        woken: Mutex<()>,
+        marked: Condvar,
+    }
+
+    impl Slot {
+        /// `Board::mark`, then the ring of a sleeping poller.
+        fn mark(&self) {
+            if self.bit.load(Ordering::SeqCst) != 0 {
+                return;
+            }
+            let _g = self.woken.lock().unwrap();
+            self.bit.fetch_or(1, Ordering::SeqCst);
+            self.marked.notify_all();
+        }
+
+        /// `Board::take` for the slot: whether it was marked.
+        fn take(&self) -> bool {
+            let was = self.bit.swap(0, Ordering::SeqCst);
+            loom::sync::atomic::fence(Ordering::SeqCst);
+            was != 0
+        }
+
+        /// Sleeps until the slot is marked, and takes the mark. Loom fails the run as a
+        /// deadlock if no mark ever comes.
+        fn sleep(&self) {
+            let mut g = self.woken.lock().unwrap();
+            while !self.take() {
+                g = self.marked.wait(g).unwrap();
+            }
+        }
+    }
+
+    /// A sender whose connection leaves the list its queue polls every time while its sends
+    /// are in flight: it asks the peer for marks (`want_mark`, as `ConnState::settle` does,
+    /// with records taken among them), looks at its ring's head once more, and from then on
+    /// looks only when the slot is marked. The receiver takes the records one by one, each
+    /// followed by `Flow::notify_peer`'s check, which marks the slot when asked to for records
+    /// taken. The sender always sees every send complete (a lost mark would leave it asleep
+    /// with its sends taken: a deadlock to loom).
+    #[test]
+    fn loom_taken_records_reach_a_sender_off_the_busy_list() {
+        const N: u8 = 2;
+        builder().check(|| {
+            let mem = Mem::new();
+            let sleeping = Arc::new(ModelU32::new(0));
+            // Polled every time to begin with: no marks asked for.
+            let want_mark = Arc::new(ModelU32::new(0));
+            let slot = Arc::new(Slot::default());
+            let mut tx = Producer::over(mem.clone(), CAP);
+            for i in 0..N {
+                let byte = [i];
+                // SAFETY: `byte` is readable for its one byte.
+                let wrote = unsafe { tx.write(byte.as_ptr(), 1, true, true, None, 1) };
+                assert_eq!(wrote.unwrap(), Some(1), "small records fit");
+            }
+            let end = tx.tail();
+            let (want, marks) = (want_mark.clone(), slot.clone());
+            let mut rx = Consumer::over(mem.clone(), CAP);
+            let receiver = thread::spawn(move || {
+                let mut got = 0u8;
+                while got < N {
+                    let Some(rec) = rx.peek().unwrap() else {
+                        thread::yield_now();
+                        continue;
+                    };
+                    rx.consume(&rec);
+                    got += 1;
+                    must_ring(&*sleeping, TAKEN, || {
+                        if want.load(Ordering::SeqCst) & TAKEN != 0 {
+                            marks.mark();
+                        }
+                    });
+                }
+            });
+            announce(&*want_mark, RECORDS | TAKEN);
+            while tx.head().unwrap() < end {
+                slot.sleep();
+            }
+            receiver.join().unwrap();
         });
     }
 }

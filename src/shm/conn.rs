@@ -70,6 +70,9 @@ pub(crate) struct ConnState {
     pub(crate) imports_forgotten: Arc<AtomicU64>,
     /// Polls in a row that moved nothing (see `settle`).
     idle_polls: AtomicU32,
+    /// On its queue's list of connections polled every time (see `activate`): the peer marks
+    /// nothing, and nothing need mark the connection's slot for a poll to look at it.
+    polled_every_time: AtomicBool,
 }
 
 /// The flow's lock, held: as it lets go it publishes the flow's [`Flow::gate`] - still under
@@ -149,10 +152,16 @@ impl ConnState {
         }
     }
 
-    /// Marks the connection on its own queue's board, so that polls look at it: its sends
-    /// complete when the peer takes them, which the peer does not announce.
+    /// Marks the connection on its own queue's board, so that the next poll looks at it (news
+    /// seen and not all taken, or work posted that the peer will not announce before it takes
+    /// it: a one-sided completion due now). Nothing to do while the connection is polled every
+    /// time.
     fn watch_sends(&self) {
-        if let Some(slot) = self.slot {
+        // Relaxed: a stale `true` is impossible - it turns false under the flow's lock (see
+        // `settle`), which every caller took before; a stale `false` costs a useless mark.
+        if let Some(slot) = self.slot
+            && !self.polled_every_time.load(Ordering::Relaxed)
+        {
             self.report.cq.remark(slot);
         }
     }
@@ -209,6 +218,10 @@ impl Source for ConnState {
         // poller, the background work) is moving the connection right now. The next poll
         // looks again - a connection on the list polled every time stays there, and one
         // looked at for a mark on the board is marked again, so its news is not forgotten.
+        // Otherwise a connection on the board is marked again only when this poll moved
+        // something and left work behind (messages beyond the poll's limit, sends the step
+        // left to complete); news that comes later the peer marks, having been asked to (see
+        // `settle`), so a busy connection off the list costs a poll nothing until it has news.
         let Some(mut flow) = self.try_lock() else {
             self.watch_sends();
             return;
@@ -235,7 +248,7 @@ impl Source for ConnState {
             // The background work tears it down, or has packets of its own to look at.
             drop(flow);
             self.wake.wake();
-        } else if flow.busy() {
+        } else if moved && !self.polled_every_time.load(Ordering::Relaxed) && flow.has_work() {
             drop(flow);
             self.watch_sends();
         }
@@ -281,6 +294,8 @@ impl Source for ConnState {
             self.idle_polls.store(0, Ordering::Relaxed);
             return false;
         }
+        // Under the flow's lock: a poster that takes it next marks the slot (`watch_sends`).
+        self.polled_every_time.store(false, Ordering::Relaxed);
         true
     }
 
@@ -294,6 +309,7 @@ impl Source for ConnState {
         // Not under the flow's lock: the queue's changes of its lists, from which this and
         // `settle` are called, come one at a time, and so do the changes of `want_mark`.
         bell::announce(self.seg.ctrl(self.side).want_mark, 0);
+        self.polled_every_time.store(true, Ordering::Relaxed);
     }
 }
 
@@ -420,6 +436,7 @@ impl Unstarted {
             wake: setup.registration().clone(),
             slot: slot.as_ref().map(|r| r.slot()),
             idle_polls: AtomicU32::new(0),
+            polled_every_time: AtomicBool::new(false),
             exports,
             imports_forgotten,
             inbox,

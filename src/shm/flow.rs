@@ -632,8 +632,7 @@ impl Flow {
         }
         let mut moved = false;
         // What the peer must hear of: a doorbell if it sleeps waiting for it, and a mark on
-        // its board only for new records - a peer with sends in flight or waiting keeps
-        // looking at the connection by itself (see `busy`).
+        // its board if it asked for marks (see `notify_peer`).
         let mut news = 0;
         let received = match self.receive(report, limit, out) {
             Ok(m) => m,
@@ -681,7 +680,7 @@ impl Flow {
     }
 
     /// Whether sends are in flight or waiting: the connection then needs looking at until they
-    /// complete, which the peer does not announce.
+    /// complete, which the peer announces only on the board (when asked to).
     pub(crate) fn busy(&self) -> bool {
         !self.inflight.is_empty() || !self.pending.is_empty()
     }
@@ -1062,15 +1061,17 @@ impl Flow {
         std::mem::take(&mut self.inbox_news)
     }
 
-    /// Tells the peer it has new records: marks its notice board (so its pollers look at
-    /// this connection), and rings its doorbell if it sleeps.
+    /// Tells the peer it has new records: marks its notice board if it asked for that (so its
+    /// pollers look at this connection), and rings its doorbell if it sleeps.
     fn ring_peer(&mut self) {
         self.notify_peer(bell::RECORDS);
     }
 
     /// Rings the peer's doorbell if it sleeps waiting for any of `news` (see `bell`) - the one
-    /// system call of the data path, made only when the peer asked for it - and for new
-    /// records ([`bell::RECORDS`]), marks its notice board. A peer whose pollers sleep on its
+    /// system call of the data path, made only when the peer asked for it - and marks its
+    /// notice board when the peer asked for marks for any of `news` (its `want_mark`: new
+    /// records, and its records taken - sends to complete, ring room for sends waiting - for a
+    /// connection its pollers do not look at every time). A peer whose pollers sleep on its
     /// queue's descriptor is rung on that queue's bell (named on its board): by its
     /// announcement on the board for a marked connection, by the connection's own ([`bell::QUEUE`])
     /// for one it polls every time. A bell that cannot be rung (a peer in another network
@@ -1080,8 +1081,7 @@ impl Flow {
         let mut marked = false;
         // After the fence that orders our ring stores before it (see `bell`).
         let mark_board = || {
-            if news & bell::RECORDS != 0
-                && peer.want_mark.load(Ordering::SeqCst) == 1
+            if peer.want_mark.load(Ordering::SeqCst) & news != 0
                 && let Some((board, slot)) = &self.peer_board
             {
                 board.mark(*slot);
@@ -1108,9 +1108,11 @@ impl Flow {
     }
 
     /// Announces (or withdraws) that this side wants its notice board marked when the peer
-    /// writes (it no longer polls the connection every time).
+    /// has news for it (it no longer polls the connection every time): records written, and
+    /// ours taken, which completes our sends and makes room for those that wait.
     pub(crate) fn set_want_mark(&self, on: bool) {
-        bell::announce(self.seg.ctrl(self.side).want_mark, u32::from(on));
+        let news = if on { bell::RECORDS | bell::TAKEN } else { 0 };
+        bell::announce(self.seg.ctrl(self.side).want_mark, news);
     }
 
     /// Announces (or withdraws: 0) that this side wants a doorbell for `news` of the peer's

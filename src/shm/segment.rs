@@ -55,8 +55,10 @@ pub(crate) const DEFAULT_RING_CAP: usize = 2 * 1024 * 1024;
 pub(crate) struct Ctrl<'a> {
     /// 1 while that side's progress thread sleeps and wants a doorbell.
     pub(crate) sleeping: &'a AtomicU32,
-    /// 1 while that side wants its notice board marked when the other has news (it does not
-    /// poll the connection every time). Next to `sleeping`: the writer reads both together.
+    /// What news of the other's that side wants its notice board marked for while it does
+    /// not poll the connection every time ([`bell::RECORDS`](crate::shm::bell::RECORDS):
+    /// records written; [`bell::TAKEN`](crate::shm::bell::TAKEN): its records taken), 0 while
+    /// it does. Next to `sleeping`: the writer reads both together.
     pub(crate) want_mark: &'a AtomicU32,
     /// Non-zero once that side failed the connection: `FATAL_* << 48 | message sequence`.
     pub(crate) fatal: &'a AtomicU64,
