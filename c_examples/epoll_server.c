@@ -52,7 +52,8 @@
  * The line "listening on ADDR" is printed (and flushed) once both
  * descriptors are in the epoll set, so that scripts know when clients may
  * connect.  At the end it prints "served N clients, echoed M messages
- * (B bytes), F failed" and the longest single library call the loop made.
+ * (B bytes), F failed", the longest single library call the loop made, and
+ * for each kind of call its longest and how many took over 1 ms.
  * A client failed if it was rejected (it did not
  * send rbr_client's hello as private data), its accept failed, one of its
  * work requests failed, or it went away without an orderly disconnect.
@@ -121,10 +122,18 @@ struct server {
 
 static volatile sig_atomic_t stop_signal;
 
-/* The longest single library call the loop made, and which. */
+/* The longest single library call the loop made, and which; and per kind of
+ * call, the longest and how many took over 1 ms. */
 static uint64_t longest_ns;
 static const char *longest_call = "none";
 static uint64_t call_started;
+
+#define CALL_KINDS 12
+static struct call_kind {
+    const char *name;
+    uint64_t longest_ns;
+    uint64_t over_1ms;
+} call_kinds[CALL_KINDS];
 
 static void call_start(void)
 {
@@ -134,10 +143,23 @@ static void call_start(void)
 static rbr_status call_end(const char *name, rbr_status st)
 {
     uint64_t took = ex_now_ns() - call_started;
+    int i;
 
     if (took > longest_ns) {
         longest_ns = took;
         longest_call = name;
+    }
+    for (i = 0; i < CALL_KINDS; i++) {
+        struct call_kind *k = &call_kinds[i];
+
+        if (k->name != NULL && k->name != name)
+            continue;
+        k->name = name;
+        if (took > k->longest_ns)
+            k->longest_ns = took;
+        if (took > 1000000)
+            k->over_1ms++;
+        break;
     }
     return st;
 }
@@ -284,7 +306,7 @@ static void peer_up(struct server *s, struct peer *p)
 
     memset(&info, 0, sizeof info);
     info.struct_size = sizeof info;
-    if (EX_CHECK(rbr_conn_get_info(p->conn, &info))) {
+    if (EX_CHECK(TIMED("rbr_conn_get_info", rbr_conn_get_info(p->conn, &info)))) {
         peer_fail(p);
         return;
     }
@@ -330,8 +352,9 @@ static void accept_peer(struct server *s, rbr_request *req)
         ex_error("out of memory");
         goto out_request;
     }
-    if (ex_check(rbr_mr_alloc(s->ctx, s->stride * s->o->recvs,
-                              RBR_ACCESS_LOCAL_WRITE, &p->mr),
+    if (ex_check(TIMED("rbr_mr_alloc",
+                       rbr_mr_alloc(s->ctx, s->stride * s->o->recvs,
+                                    RBR_ACCESS_LOCAL_WRITE, &p->mr)),
                  "rbr_mr_alloc"))
         goto out_peer;
     p->base = rbr_mr_addr(p->mr);
@@ -418,7 +441,9 @@ static void peer_end(struct server *s, struct peer *p, const rbr_completion *c)
     call_start();
     rbr_conn_destroy(p->conn);
     call_end("rbr_conn_destroy", RBR_OK);
+    call_start();
     rbr_mr_destroy(p->mr);
+    call_end("rbr_mr_destroy", RBR_OK);
     free(p);
 }
 
@@ -658,6 +683,10 @@ int main(int argc, char **argv)
            (unsigned long long)s.bytes, (unsigned long long)s.failed);
     printf("longest library call in the loop: %.1f us (%s)\n", longest_ns / 1000.0,
            longest_call);
+    for (int i = 0; i < CALL_KINDS && call_kinds[i].name != NULL; i++)
+        printf("  slowest %s: %.1f us, %llu over 1 ms\n", call_kinds[i].name,
+               call_kinds[i].longest_ns / 1000.0,
+               (unsigned long long)call_kinds[i].over_1ms);
 
     /* Connections still up (after a signal, the time limit or an error):
      * every record of a connection is queued by the time rbr_conn_destroy
