@@ -361,7 +361,11 @@ impl Engine {
 /// reached it (sends and one-sided operations), then the sends and writes with immediate held
 /// for credits (which never did), then the receives.
 fn flush_rest(sh: &ConnState, st: &mut PostState) {
-    let held = st.credits.as_mut().map(|c| std::mem::take(&mut c.held));
+    let held = st.credits.as_mut().map(|c| {
+        // Nothing more is told the peer.
+        c.claims_told = c.claims;
+        std::mem::take(&mut c.held)
+    });
     sh.note_held(st);
     let (sends, recvs) = (&mut st.sends, &mut st.recvs);
     let on_device = std::iter::from_fn(|| sends.pop_front())
