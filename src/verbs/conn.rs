@@ -387,14 +387,7 @@ impl ConnState {
             // The count of receives before the claims: the peer writes them the other way
             // round, so a count that shows a receive comes with the claims made before it.
             let credit = c.available();
-            if c.bounced_taken() {
-                // The peer took it from its bounce area: delivered.
-                let h = c.held.pop_front().expect("not empty");
-                st.user_work -= 1;
-                if h.signaled {
-                    let r = &self.report;
-                    r.cq.push(r.record(h.wr_id, Opcode::Send, WcStatus::Success, 0, None));
-                }
+            if self.finish_bounced(st) {
                 continue;
             }
             if !credit {
@@ -402,6 +395,7 @@ impl ConnState {
             }
             // A credit: the peer has a receive on the device, and so takes nothing from its
             // bounce area until this send fills it (see `credit.rs`).
+            let c = st.credits.as_mut().expect("credits");
             c.bounced = false;
             let h = c.held.pop_front().expect("not empty");
             match self.post_user(st, h) {
@@ -416,6 +410,24 @@ impl ConnState {
         // The first of those still held waits for a credit: it goes to the bounce area.
         self.bounce_first(st);
         self.note_held(st);
+    }
+
+    /// Completes the first held send if the peer took it from its bounce area (it is
+    /// delivered); returns whether it did.
+    pub(super) fn finish_bounced(&self, st: &mut PostState) -> bool {
+        let Some(c) = st.credits.as_mut() else {
+            return false;
+        };
+        if !c.bounced_taken() {
+            return false;
+        }
+        let h = c.held.pop_front().expect("a bounced send is held");
+        st.user_work -= 1;
+        if h.signaled {
+            let r = &self.report;
+            r.cq.push(r.record(h.wr_id, Opcode::Send, WcStatus::Success, 0, None));
+        }
+        true
     }
 
     /// Brings [`has_held`](Self::has_held) and the device CQ's count of connections with held
@@ -515,13 +527,30 @@ impl ConnState {
     #[inline]
     pub(super) fn push_credits(&self, st: &mut PostState) {
         if st.credits.as_ref().is_some_and(Credits::push_due) {
-            self.push_due_credits(st);
+            self.push_due_credits(st, false);
         }
+    }
+
+    /// Writes the claims not yet told the peer, signaled, on the way to a disconnect: the
+    /// peer's sends they name completed nowhere else, and its teardown would flush them as
+    /// never delivered. Returns the number of the write whose completion says they are there
+    /// (none when nothing is pending or nothing could go out).
+    pub(super) fn tell_claims(&self, st: &mut PostState) -> Option<u64> {
+        let pending = st.credits.as_ref().map(|c| c.claims_told != c.claims);
+        if pending != Some(true) {
+            return None;
+        }
+        self.push_due_credits(st, true);
+        let told = st
+            .credits
+            .as_ref()
+            .is_some_and(|c| c.claims_told == c.claims);
+        told.then(|| st.next_seq - 1)
     }
 
     /// [`push_credits`](Self::push_credits) once a write is due.
     #[inline(never)]
-    fn push_due_credits(&self, st: &mut PostState) {
+    fn push_due_credits(&self, st: &mut PostState, signal: bool) {
         if st.closed || st.failed.is_some() {
             return;
         }
@@ -568,7 +597,7 @@ impl ConnState {
             wr.wr.rdma.rkey = peer.rkey;
         }
         let from = usize::from(!told_claim);
-        match self.post_internal_chain(st, &mut wrs[from..], false) {
+        match self.post_internal_chain(st, &mut wrs[from..], signal) {
             Ok(()) => {
                 let c = st.credits.as_mut().expect("credits");
                 c.pushed = count;

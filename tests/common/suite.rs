@@ -1081,6 +1081,48 @@ pub fn waiting_messages_arrive_in_the_receives_post_once_and_in_order(net: &Net)
     assert!(scq.poll().is_none(), "a message delivered twice");
 }
 
+/// A receiver that closes right after posting the receive a waiting message went to (no poll
+/// of its queue between, as a server that answers one request and hangs up): the sender's send
+/// completes as its receive did - a success when the message arrived, never flushed while the
+/// receiver has it. Over verbs the message is mostly taken from the bounce area by the post, and
+/// only the claim written before the disconnect tells the sender so.
+pub fn a_waiting_message_taken_just_before_a_close_is_a_success_at_the_sender(net: &Net) {
+    const ROUNDS: u64 = 6;
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions::default();
+    let rmr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    let mut delivered = 0;
+    for k in 0..ROUNDS {
+        let (c, ccq, s, scq) = pair(net, &ctx, &opts, &opts);
+        c.post_send_inline(&pattern(k, 24), k, SendFlags::SIGNALED)
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        s.post_recv(&rmr, 0, 64, k).unwrap();
+        drop(s);
+        let r = next(&scq);
+        assert_eq!((r.opcode, r.wr_id), (Opcode::Recv, k), "round {k}");
+        let sc = next(&ccq);
+        assert_eq!((sc.opcode, sc.wr_id), (Opcode::Send, k), "round {k}");
+        assert_eq!(
+            sc.status, r.status,
+            "round {k}: the receive completed {:?}, the send {:?}",
+            r.status, sc.status
+        );
+        if r.status == WcStatus::Success {
+            delivered += 1;
+            let mut got = vec![0u8; 24];
+            unsafe { rmr.read(0, &mut got) }.unwrap();
+            assert_eq!(got, pattern(k, 24), "round {k}");
+        }
+        assert_eq!(next(&ccq).opcode, Opcode::Disconnected, "round {k}");
+        drop(c);
+    }
+    assert!(
+        delivered > 0,
+        "no round delivered its message before the close"
+    );
+}
+
 /// A send whose receive is posted 10 s late waits for it and completes with the right bytes,
 /// with the default options, while the sender sleeps in `wait`: the library, not the device's
 /// receiver-not-ready retries (which soft-RoCE bounds by `retry_count`, ~4 s), holds it back.
