@@ -25,7 +25,9 @@ use crate::cq::{Opcode, Reporter, WcStatus};
 use crate::driver::Registration;
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
-use crate::verbs::credit::{CREDIT_WRITES_MAX, Credits, Regions, SIGNAL_EVERY, SendWork, Work};
+use crate::verbs::credit::{
+    BOUNCE, COUNT_MASK, CREDIT_WRITES_MAX, Credits, Regions, SIGNAL_EVERY, SendWork, Work,
+};
 
 /// Work-request ids the library hands the device: bit 63 marks a receive, bit 62 the server's
 /// internal receive for the client's hello; bits 46..62 carry the connection's tag (see
@@ -129,8 +131,9 @@ pub(super) struct ConnState {
     /// The connection's registration with its context's driver: wakes its turn, and carries
     /// the user's disconnect ([`Registration::stop`]).
     pub(super) reg: Registration,
-    /// Sends are held for credits (mirrors `credits.held` being non-empty; changed under the
-    /// state lock, read by pollers without it to find whom to pump).
+    /// Sends are held for credits, or the peer is yet to learn that this side took a message
+    /// from its bounce area (see [`note_held`](Self::note_held); changed under the state
+    /// lock, read by pollers without it to find whom to pump).
     pub(super) has_held: AtomicBool,
     /// How long the connection may be idle before a keepalive goes out: the option, toward a
     /// library peer (negotiated at connect); none toward a plain peer. A keepalive's
@@ -297,38 +300,61 @@ impl ConnState {
         wr: &mut sys::ibv_send_wr,
         signal: bool,
     ) -> std::result::Result<(), i32> {
-        let seq = st.next_seq;
-        let signal = signal || st.unsignaled_run + 1 >= SIGNAL_EVERY;
-        // The library's own traffic never carries an immediate: at the peer it must never
-        // consume (or be taken for) a receive of the caller's (see `credit.rs`).
-        debug_assert!(
-            wr.opcode == sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
-                || wr.opcode == sys::ibv_wr_opcode::IBV_WR_SEND
-        );
-        wr.wr_id = (seq & SEQ_MASK) | self.tag;
-        if signal {
-            wr.send_flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        self.post_internal_chain(st, std::slice::from_mut(wr), signal)
+    }
+
+    /// [`post_internal`](Self::post_internal) for work requests that go to the device in one
+    /// call, in order (`signal` asks for the last one's completion).
+    pub(super) fn post_internal_chain(
+        &self,
+        st: &mut PostState,
+        wrs: &mut [sys::ibv_send_wr],
+        signal: bool,
+    ) -> std::result::Result<(), i32> {
+        let first = st.next_seq;
+        let mut run = st.unsignaled_run;
+        let n = wrs.len();
+        for (i, wr) in wrs.iter_mut().enumerate() {
+            let signal = (signal && i + 1 == n) || run + 1 >= SIGNAL_EVERY;
+            // The library's own traffic never carries an immediate: at the peer it must never
+            // consume (or be taken for) a receive of the caller's (see `credit.rs`).
+            debug_assert!(
+                wr.opcode == sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
+                    || wr.opcode == sys::ibv_wr_opcode::IBV_WR_SEND
+            );
+            wr.wr_id = ((first + i as u64) & SEQ_MASK) | self.tag;
+            if signal {
+                wr.send_flags |= sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            }
+            run = if signal { 0 } else { run + 1 };
+        }
+        for i in 1..n {
+            let next: *mut sys::ibv_send_wr = &mut wrs[i];
+            wrs[i - 1].next = next;
         }
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live while `closed` is false (callers check it under the lock); the
-        // work request and its SGE (if any) are live for the call and point into the
-        // connection's registered credit block, which outlives the QP.
-        let r = unsafe { sys::ibv_post_send(self.qp, wr, &mut bad) };
+        // work requests and their SGEs (if any) are live for the call and point into the
+        // connection's registered credit block, which outlives the QP, or are inline.
+        let r = unsafe { sys::ibv_post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
         if r != 0 {
             return Err(r);
         }
-        st.next_seq += 1;
-        st.internal_out += 1;
-        st.unsignaled_run = if signal { 0 } else { st.unsignaled_run + 1 };
-        st.sends.push_back(SendEntry {
-            seq,
-            wr_id: 0,
-            op: Opcode::Send,
-            signaled: false,
-            internal: true,
-            hw_signaled: signal,
-            _mrs: Default::default(),
-        });
+        st.next_seq += n as u64;
+        st.internal_out += n as u32;
+        st.unsignaled_run = run;
+        for (i, wr) in wrs.iter().enumerate() {
+            let hw_signaled = wr.send_flags & sys::ibv_send_flags::IBV_SEND_SIGNALED.0 != 0;
+            st.sends.push_back(SendEntry {
+                seq: first + i as u64,
+                wr_id: 0,
+                op: Opcode::Send,
+                signaled: false,
+                internal: true,
+                hw_signaled,
+                _mrs: Default::default(),
+            });
+        }
         Ok(())
     }
 
@@ -355,9 +381,22 @@ impl ConnState {
         }
         loop {
             let Some(c) = st.credits.as_mut() else { return };
-            if c.held.is_empty() || !c.available() {
+            if c.held.is_empty() {
                 break;
             }
+            // The count of receives before the claims: the peer writes them the other way
+            // round, so a count that shows a receive comes with the claims made before it.
+            let credit = c.available();
+            if self.finish_bounced(st) {
+                continue;
+            }
+            if !credit {
+                break;
+            }
+            // A credit: the peer has a receive on the device, and so takes nothing from its
+            // bounce area until this send fills it (see `credit.rs`).
+            let c = st.credits.as_mut().expect("credits");
+            c.bounced = false;
             let h = c.held.pop_front().expect("not empty");
             match self.post_user(st, h) {
                 Ok(()) => st.credits.as_mut().expect("credits").sent += 1,
@@ -368,13 +407,37 @@ impl ConnState {
                 }
             }
         }
+        // The first of those still held waits for a credit: it goes to the bounce area.
+        self.bounce_first(st);
         self.note_held(st);
     }
 
+    /// Completes the first held send if the peer took it from its bounce area (it is
+    /// delivered); returns whether it did.
+    pub(super) fn finish_bounced(&self, st: &mut PostState) -> bool {
+        let Some(c) = st.credits.as_mut() else {
+            return false;
+        };
+        if !c.bounced_taken() {
+            return false;
+        }
+        let h = c.held.pop_front().expect("a bounced send is held");
+        st.user_work -= 1;
+        if h.signaled {
+            let r = &self.report;
+            r.cq.push(r.record(h.wr_id, Opcode::Send, WcStatus::Success, 0, None));
+        }
+        true
+    }
+
     /// Brings [`has_held`](Self::has_held) and the device CQ's count of connections with held
-    /// sends in line with `st` (called under the state lock after the held sends change).
+    /// sends in line with `st` (called under the state lock after the held sends or the
+    /// claims change).
     pub(super) fn note_held(&self, st: &PostState) {
-        let held = st.credits.as_ref().is_some_and(|c| !c.held.is_empty());
+        let held = st
+            .credits
+            .as_ref()
+            .is_some_and(|c| !c.held.is_empty() || c.claims_told != c.claims);
         // Relaxed: only changed under the state lock; pollers read it as a hint (a stale
         // value costs one pump late, which the connection's own turn makes up for).
         if held != self.has_held.load(Ordering::Relaxed) {
@@ -387,19 +450,107 @@ impl ConnState {
         }
     }
 
+    /// Writes the first held send into the peer's bounce area, then its header (see
+    /// `credit.rs`), if it is small enough and an inline copy, and none is there already.
+    pub(super) fn bounce_first(&self, st: &mut PostState) {
+        if st.closed || st.failed.is_some() || st.internal_out + 3 > CREDIT_WRITES_MAX {
+            return;
+        }
+        let Some(c) = st.credits.as_mut() else { return };
+        let (Some(peer), false) = (c.peer, c.bounced) else {
+            return;
+        };
+        let Some(SendWork {
+            work:
+                Work::Send {
+                    ptr,
+                    len,
+                    inline: true,
+                    ..
+                },
+            ..
+        }) = c.held.front()
+        else {
+            return;
+        };
+        let (ptr, len) = (*ptr, *len);
+        if len as usize > BOUNCE {
+            return;
+        }
+        let header = c.next_index() & COUNT_MASK;
+        let length = u64::from(len);
+        c.bounced = true;
+        // The message, its length, then its header: one call, writes in order.
+        let mut sges = [
+            sys::ibv_sge {
+                addr: ptr as u64,
+                length: len,
+                lkey: 0,
+            },
+            sys::ibv_sge {
+                addr: (&raw const length) as u64,
+                length: 8,
+                lkey: 0,
+            },
+            sys::ibv_sge {
+                addr: (&raw const header) as u64,
+                length: 8,
+                lkey: 0,
+            },
+        ];
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+        let mut wrs: [sys::ibv_send_wr; 3] = unsafe { std::mem::zeroed() };
+        for ((wr, sge), remote_addr) in
+            wrs.iter_mut()
+                .zip(&mut sges)
+                .zip([peer.bounce(), peer.bounced_len(), peer.staged()])
+        {
+            wr.sg_list = sge;
+            wr.num_sge = 1;
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            // Inline: the device copies the bytes (the held send's copy, the length and the
+            // header on this stack) during the post.
+            wr.send_flags = sys::ibv_send_flags::IBV_SEND_INLINE.0;
+            wr.wr.rdma.remote_addr = remote_addr;
+            wr.wr.rdma.rkey = peer.rkey;
+        }
+        // An empty message is its length and header.
+        let from = usize::from(len == 0);
+        if let Err(r) = self.post_internal_chain(st, &mut wrs[from..], false) {
+            self.fail(st, r);
+        }
+    }
+
     /// Writes this side's count of receives posted into the peer's credit word, if due (see
     /// [`Credits::push_due`]) and possible; otherwise notes it as owed. Inlined: on most
     /// calls (every receive posted, every delivery) nothing is due.
     #[inline]
     pub(super) fn push_credits(&self, st: &mut PostState) {
         if st.credits.as_ref().is_some_and(Credits::push_due) {
-            self.push_due_credits(st);
+            self.push_due_credits(st, false);
         }
+    }
+
+    /// Writes the claims not yet told the peer, signaled, on the way to a disconnect: the
+    /// peer's sends they name completed nowhere else, and its teardown would flush them as
+    /// never delivered. Returns the number of the write whose completion says they are there
+    /// (none when nothing is pending or nothing could go out).
+    pub(super) fn tell_claims(&self, st: &mut PostState) -> Option<u64> {
+        let pending = st.credits.as_ref().map(|c| c.claims_told != c.claims);
+        if pending != Some(true) {
+            return None;
+        }
+        self.push_due_credits(st, true);
+        let told = st
+            .credits
+            .as_ref()
+            .is_some_and(|c| c.claims_told == c.claims);
+        told.then(|| st.next_seq - 1)
     }
 
     /// [`push_credits`](Self::push_credits) once a write is due.
     #[inline(never)]
-    fn push_due_credits(&self, st: &mut PostState) {
+    fn push_due_credits(&self, st: &mut PostState, signal: bool) {
         if st.closed || st.failed.is_some() {
             return;
         }
@@ -409,31 +560,52 @@ impl ConnState {
             c.owed = true;
             return;
         };
-        if internal_out >= CREDIT_WRITES_MAX {
+        if internal_out + 2 > CREDIT_WRITES_MAX {
             c.owed = true;
             return;
         }
-        let count = c.posted;
-        // Relaxed: the device reads the word during the post below, whose system call orders
-        // it; the value only grows, so a later read still finds a true count.
-        c.mr.block().src.store(count, Ordering::Relaxed);
-        let mut sge = sys::ibv_sge {
-            addr: c.mr.src_addr(),
-            length: 8,
-            lkey: c.mr.lkey(),
-        };
+        let (count, claims) = (c.posted, c.claims);
+        let told_claim = c.claims_told != claims;
+        // Relaxed: the device reads the words during the post below, whose system call orders
+        // it; they only grow, so a later read still finds true counts.
+        let block = c.mr.block();
+        block.src.store(count, Ordering::Relaxed);
+        block.claims_src.store(claims, Ordering::Relaxed);
+        // The claims first: a peer that sees the count of receives, written after them, sees
+        // them too (see `credit.rs`).
+        let mut sges = [
+            (c.mr.claims_src_addr(), peer.claimed()),
+            (c.mr.src_addr(), peer.addr),
+        ]
+        .map(|(addr, remote)| {
+            (
+                sys::ibv_sge {
+                    addr,
+                    length: 8,
+                    lkey: c.mr.lkey(),
+                },
+                remote,
+            )
+        });
         // SAFETY: ibv_send_wr is plain data; zero is a valid start.
-        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
-        wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-        wr.wr.rdma.remote_addr = peer.addr;
-        wr.wr.rdma.rkey = peer.rkey;
-        match self.post_internal(st, &mut wr, false) {
+        let mut wrs: [sys::ibv_send_wr; 2] = unsafe { std::mem::zeroed() };
+        for (wr, (sge, remote)) in wrs.iter_mut().zip(&mut sges) {
+            wr.sg_list = sge;
+            wr.num_sge = 1;
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            wr.wr.rdma.remote_addr = *remote;
+            wr.wr.rdma.rkey = peer.rkey;
+        }
+        let from = usize::from(!told_claim);
+        match self.post_internal_chain(st, &mut wrs[from..], signal) {
             Ok(()) => {
                 let c = st.credits.as_mut().expect("credits");
                 c.pushed = count;
+                c.claims_told = claims;
                 c.owed = false;
+                if told_claim {
+                    self.note_held(st);
+                }
             }
             Err(r) => self.fail(st, r),
         }
@@ -444,7 +616,7 @@ impl ConnState {
     pub(super) fn credit_busy(st: &PostState) -> bool {
         st.credits
             .as_ref()
-            .is_some_and(|c| !c.held.is_empty() || c.owed)
+            .is_some_and(|c| !c.held.is_empty() || c.owed || c.claims_told != c.claims)
     }
 }
 
@@ -583,6 +755,7 @@ impl Conn {
             c.held.push_back(h);
             st.user_work += 1;
             if first {
+                self.sh.bounce_first(&mut st);
                 // The credits may come while nobody polls: the connection's turn looks for
                 // them, once it knows sends are held; pollers pump on their polls.
                 self.sh.note_held(&st);
@@ -677,6 +850,22 @@ impl ConnSeam for Conn {
             st.recvs.len(),
             self.sh.info.recv_queue_depth as usize,
         )?;
+        let on_device = !st.recvs.is_empty();
+        if let Some(c) = st.credits.as_mut()
+            // SAFETY: `ptr` is valid for `len` bytes of the caller's region (checked).
+            && let Some(n) = unsafe { c.take_bounced(on_device, ptr, len) }
+        {
+            // A send of the peer's waited for this receive: it completes here, and the
+            // peer learns it took its message.
+            let r = &self.sh.report;
+            r.cq.push(r.record(wr_id, Opcode::Recv, WcStatus::Success, n as u32, None));
+            // The peer's send completes once it learns of the claim: written by the next
+            // poll of the queue (or this connection's next turn), not here - a post costs
+            // its caller no write to the device (under soft-RoCE, a system call that runs the
+            // whole transfer).
+            self.sh.note_held(&st);
+            return Ok(());
+        }
         let seq = st.next_seq;
         let mut sge = sys::ibv_sge {
             addr: ptr as u64,

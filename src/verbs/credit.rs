@@ -23,12 +23,25 @@
 //! the peer), and the hello is taken by the server's own receive, posted before any of the
 //! caller's.
 //!
+//! A send that finds no credit need not wait for the peer's next receive to come back as a
+//! credit write: the sender writes it (up to [`BOUNCE`] bytes, one at a time) into the
+//! `bounce` area of the peer's block, then a header naming it (its place among the sender's
+//! messages, and its length), as two RDMA WRITEs in that order, and keeps it held. A receive
+//! the peer posts while none of its receives is on the device takes the message from there,
+//! in the poster's call, and counts it in a word of the sender's (`claimed`, written before
+//! its next count of receives); the sender then completes the send. If instead a credit arrives first (the receive went to the
+//! device before the header landed), the held send goes as a SEND, and the header, naming a
+//! message the receiver has by then, is ignored. Either way one side decides: the receiver
+//! takes from the bounce area only with no receive on the device, and the sender sends only
+//! on a credit, that is, for a receive that is on the device.
+//!
 //! Address exchange: the connect request has no room for an address and key (56 bytes, of
 //! which the caller may use 48), so the server puts its word's address and key in its accept
 //! (after the caller's data, flag [`FLAG_CREDITS`]), and pre-posts one internal receive before
 //! accepting; the client's first send is an internal hello carrying its own word's address and
 //! key, which that receive takes.
 
+use std::cell::UnsafeCell;
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,6 +58,10 @@ use crate::verbs::res::Pd;
 pub(crate) const FLAG_CREDITS: u8 = 1;
 /// Bytes the accept carries after the caller's data with [`FLAG_CREDITS`]: address, key.
 pub(crate) const EXT_LEN: usize = 12;
+/// Bytes a message may have to go through the peer's bounce area.
+pub(crate) const BOUNCE: usize = crate::conn::INLINE_MAX as usize;
+/// The headers of the bounce area count messages modulo 2^48.
+pub(crate) const COUNT_MASK: u64 = (1 << 48) - 1;
 /// Bytes of the hello message: the client's word's address and key (and 4 spare).
 pub(crate) const HELLO_LEN: usize = 16;
 /// Send-queue slots the library keeps for itself beyond the caller's depth: the hello, a
@@ -65,6 +82,20 @@ pub(crate) struct Block {
     /// reads it after a later update still writes a true count.
     pub(crate) src: AtomicU64,
     pub(crate) hello: [u8; HELLO_LEN],
+    /// The header of the message in `bounce`, written by the peer's device after the message
+    /// and its length: its place among the peer's messages (from 1, modulo 2^48). Alone in its
+    /// word, as a device may write (and this side read) a word a byte at a time: a value that
+    /// reads as the one expected has all the bytes in which it differs from the last one,
+    /// and so comes after the message and its length.
+    staged: AtomicU64,
+    /// The length of the message in `bounce`.
+    bounced_len: AtomicU64,
+    /// How many of this side's messages the peer took from its bounce area (written by the
+    /// peer's device, always before its next count of receives), and the source of this
+    /// side's writes of its own.
+    claimed: AtomicU64,
+    pub(crate) claims_src: AtomicU64,
+    bounce: UnsafeCell<[u8; BOUNCE]>,
 }
 
 /// A [`Block`] registered with a protection domain (local write, remote write). Deregistered
@@ -88,6 +119,11 @@ impl CreditMr {
             word: AtomicU64::new(0),
             src: AtomicU64::new(0),
             hello: [0; HELLO_LEN],
+            staged: AtomicU64::new(0),
+            bounced_len: AtomicU64::new(0),
+            claimed: AtomicU64::new(0),
+            claims_src: AtomicU64::new(0),
+            bounce: UnsafeCell::new([0; BOUNCE]),
         });
         let flags = sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
             | sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
@@ -170,8 +206,41 @@ impl CreditMr {
     /// [`Credits::peer_seen`]).
     pub(crate) fn peer_count(&self) -> u64 {
         // Acquire: pairs with nothing in this process (the device writes the word); it keeps
-        // later reads from moving before this one.
+        // later reads (the claims) from moving before this one.
         self.block.word.load(Ordering::Acquire)
+    }
+
+    /// How many of this side's messages the peer took from its bounce area.
+    fn peer_claims(&self) -> u64 {
+        // Acquire: as above.
+        self.block.claimed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn claims_src_addr(&self) -> u64 {
+        (&raw const self.block.claims_src) as u64
+    }
+
+    /// Copies the message the peer left in the bounce area into `dst` (room for `room`
+    /// bytes), if it is the peer's message number `index` (modulo 2^48) and fits; returns its
+    /// length.
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `room` bytes.
+    unsafe fn take_bounce(&self, index: u64, dst: *mut u8, room: usize) -> Option<usize> {
+        // Acquire: the header is written after the message and its length (writes in order
+        // on one queue pair); the reads below must not move before this load.
+        if self.block.staged.load(Ordering::Acquire) != index & COUNT_MASK {
+            return None;
+        }
+        let len = self.block.bounced_len.load(Ordering::Acquire) as usize;
+        if len > room.min(BOUNCE) {
+            return None;
+        }
+        // SAFETY: `len` is within the bounce area, which the peer's device wrote before the
+        // header and leaves alone until this side's claim reaches it; `dst` as the caller
+        // promises.
+        unsafe { std::ptr::copy_nonoverlapping(self.block.bounce.get().cast::<u8>(), dst, len) };
+        Some(len)
     }
 }
 
@@ -188,6 +257,26 @@ impl Drop for CreditMr {
 pub(crate) struct Remote {
     pub(crate) addr: u64,
     pub(crate) rkey: u32,
+}
+
+impl Remote {
+    /// The peer's bounce area and the header after it (its block has this side's layout: the
+    /// preamble's version says so).
+    pub(crate) fn bounce(&self) -> u64 {
+        self.addr + std::mem::offset_of!(Block, bounce) as u64
+    }
+
+    pub(crate) fn staged(&self) -> u64 {
+        self.addr + std::mem::offset_of!(Block, staged) as u64
+    }
+
+    pub(crate) fn claimed(&self) -> u64 {
+        self.addr + std::mem::offset_of!(Block, claimed) as u64
+    }
+
+    pub(crate) fn bounced_len(&self) -> u64 {
+        self.addr + std::mem::offset_of!(Block, bounced_len) as u64
+    }
 }
 
 impl Remote {
@@ -282,6 +371,14 @@ pub(crate) struct Credits {
     pub(crate) low: u64,
     /// A credit write is due but could not go out yet (no hello, or no free internal slot).
     pub(crate) owed: bool,
+    /// The peer's messages this side took from its bounce area, and how many of them the
+    /// last credit write told.
+    pub(crate) claims: u64,
+    pub(crate) claims_told: u64,
+    /// This side's messages the peer took from its bounce area, as far as seen.
+    pub(crate) claims_seen: u64,
+    /// The first held send is in the peer's bounce area.
+    pub(crate) bounced: bool,
     pub(crate) held: std::collections::VecDeque<SendWork>,
     /// Copies of held inline sends, one slot of `max_inline` bytes per send-queue entry (made
     /// on the first held inline send).
@@ -306,6 +403,10 @@ impl Credits {
             consumed: 0,
             low: u64::from((recv_depth / 4).clamp(1, 16)),
             owed: false,
+            claims: 0,
+            claims_told: 0,
+            claims_seen: 0,
+            bounced: false,
             held: std::collections::VecDeque::with_capacity(send_depth as usize),
             staging: Vec::new(),
             staging_next: 0,
@@ -324,14 +425,24 @@ impl Credits {
     ///
     /// [`told`]: Self::told
     pub(crate) fn imm_for_send(&self) -> u32 {
-        (self.posted as u32).to_be()
+        (self.telling() as u32).to_be()
     }
 
     /// A send carrying [`imm_for_send`](Self::imm_for_send) was posted: the peer learns the
     /// count from it, so no credit write is owed for it.
     pub(crate) fn told(&mut self) {
-        self.pushed = self.posted;
-        self.owed = false;
+        self.pushed = self.telling();
+        self.owed = self.posted > self.pushed;
+    }
+
+    /// The count a send may tell: the receives posted, unless a claim is yet to be written
+    /// (which must reach the peer before any count of receives posted after it).
+    fn telling(&self) -> u64 {
+        if self.claims_told == self.claims {
+            self.posted
+        } else {
+            self.pushed
+        }
     }
 
     /// Takes the peer's count from the immediate of a send of its (host byte order). The
@@ -342,10 +453,53 @@ impl Credits {
     }
 
     /// Whether a credit write should go out now (lazily: only when the peer's credit as this
-    /// side knows it runs low, or one is owed).
+    /// side knows it runs low, or one is owed; at once when a message was taken from the
+    /// bounce area, as its send waits for that).
     pub(crate) fn push_due(&self) -> bool {
-        self.posted > self.pushed
-            && (self.owed || self.pushed.saturating_sub(self.consumed) < self.low)
+        (self.posted > self.pushed
+            && (self.owed || self.pushed.saturating_sub(self.consumed) < self.low))
+            || self.claims_told != self.claims
+    }
+
+    /// The number the next message of this side's has among its messages (from 1): the
+    /// sends and writes with immediate handed to the device and those the peer took from the
+    /// bounce area.
+    pub(crate) fn next_index(&self) -> u64 {
+        self.sent + self.claims_seen + 1
+    }
+
+    /// Takes the peer's next message from the bounce area into a receive at `dst` of `room`
+    /// bytes, if it is there and no receive of this side's is on the device (`on_device`):
+    /// then the message is the next one and was sent nowhere else. Returns its length.
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `room` bytes.
+    pub(crate) unsafe fn take_bounced(
+        &mut self,
+        on_device: bool,
+        dst: *mut u8,
+        room: usize,
+    ) -> Option<usize> {
+        if on_device {
+            return None;
+        }
+        // Every receive posted has completed: the peer's messages so far are those.
+        let index = self.consumed + self.claims + 1;
+        // SAFETY: as the caller promises.
+        let n = unsafe { self.mr.take_bounce(index, dst, room) }?;
+        self.claims += 1;
+        Some(n)
+    }
+
+    /// Whether the peer took the bounced send (the first held one) from its bounce area; if
+    /// so, counts it as taken.
+    pub(crate) fn bounced_taken(&mut self) -> bool {
+        if self.bounced && self.mr.peer_claims() == self.claims_seen + 1 {
+            self.claims_seen += 1;
+            self.bounced = false;
+            return true;
+        }
+        false
     }
 
     /// Copies an inline send into its staging slot; returns where it now lives.

@@ -416,7 +416,8 @@ impl DevCq {
         true
     }
 
-    /// Starts the sends of members whose credits arrived (pollers, while sends are held).
+    /// Starts the sends of members whose credits arrived, and tells peers of the messages
+    /// taken from their bounce areas (pollers, while members have either).
     fn pump_held(&self, ps: &PollState) {
         for m in ps.members.values() {
             if let Some(sh) = &m.sh
@@ -424,6 +425,7 @@ impl DevCq {
             {
                 let mut st = sh.lock();
                 sh.pump(&mut st);
+                sh.push_credits(&mut st);
             }
         }
     }

@@ -8,9 +8,10 @@
 //! A turn never blocks: it only tries the connection's lock (and the device CQ's poll lock),
 //! and comes back when a poster or poller holds it.
 //!
-//! Teardown, as turns: the queue pair is disconnected (which flushes its work); each turn then
-//! takes what the device reported and looks at what is outstanding, until nothing is or
-//! [`FLUSH_WAIT`] has passed; the connection then leaves the device CQ, reports the rest as
+//! Teardown, as turns: a side that closes first writes the claims of messages it took from its
+//! bounce area that the peer was not yet told, and waits for that write; the queue pair is
+//! disconnected (which flushes its work); each turn then takes what the device reported and
+//! looks at what is outstanding, until nothing is or [`FLUSH_WAIT`] has passed; the connection then leaves the device CQ, reports the rest as
 //! flushed, destroys its queue pair, CM id and credit block, gives its share of the device CQ
 //! back, and reports the disconnect - its last record.
 
@@ -50,6 +51,9 @@ enum Stage {
     Up,
     /// Ending: the connection is to be closed to posters and disconnected.
     Close(End),
+    /// Closing here: waiting (until the deadline) for the write of the last claims, the work
+    /// request numbered, to complete before the disconnect.
+    Tell(End, u64, Instant),
     /// Waiting (until the deadline) for the device to flush the outstanding work.
     Flush(End, Instant),
     /// Leaving the device CQ; the rest is reported as flushed.
@@ -271,6 +275,17 @@ impl Engine {
                     let Some(mut st) = try_lock(&self.sh.state) else {
                         return Next::Yield;
                     };
+                    // Messages this side took from its bounce area are delivered, but their
+                    // sender knows it only from the claims: they go before the disconnect,
+                    // which would flush them unwritten. (A peer that left, or a failed
+                    // connection, gets nothing more.)
+                    if matches!(end, End::Local) {
+                        if let Some(seq) = self.sh.tell_claims(&mut st) {
+                            drop(st);
+                            self.stage = Stage::Tell(end, seq, Instant::now() + FLUSH_WAIT);
+                            continue;
+                        }
+                    }
                     st.closed = true;
                     // The peer disconnected with nothing of this side's failed, but the queue
                     // pair is in error already (nothing here moved it; a disconnect does not):
@@ -289,6 +304,21 @@ impl Engine {
                     self.post_drain_marker(&mut st);
                     drop(st);
                     self.stage = Stage::Flush(end, Instant::now() + FLUSH_WAIT);
+                }
+                Stage::Tell(end, seq, deadline) => {
+                    self.devcq.drain_now();
+                    let Some(st) = try_lock(&self.sh.state) else {
+                        return Next::Yield;
+                    };
+                    let written =
+                        st.failed.is_some() || st.sends.front().is_none_or(|e| e.seq > seq);
+                    drop(st);
+                    let now = Instant::now();
+                    if !written && now < deadline {
+                        self.devcq.arm_now();
+                        return Next::Wait(Some((now + FLUSH_STEP).min(deadline)));
+                    }
+                    self.stage = Stage::Close(end);
                 }
                 Stage::Flush(end, deadline) => {
                     self.devcq.drain_now();
@@ -361,7 +391,13 @@ impl Engine {
 /// reached it (sends and one-sided operations), then the sends and writes with immediate held
 /// for credits (which never did), then the receives.
 fn flush_rest(sh: &ConnState, st: &mut PostState) {
-    let held = st.credits.as_mut().map(|c| std::mem::take(&mut c.held));
+    // The peer may have taken the first from its bounce area (and said so before it left).
+    sh.finish_bounced(st);
+    let held = st.credits.as_mut().map(|c| {
+        // Nothing more is told the peer.
+        c.claims_told = c.claims;
+        std::mem::take(&mut c.held)
+    });
     sh.note_held(st);
     let (sends, recvs) = (&mut st.sends, &mut st.recvs);
     let on_device = std::iter::from_fn(|| sends.pop_front())

@@ -6,10 +6,12 @@
 use crate::verbs::credit::{FLAG_CREDITS, Remote};
 
 const MAGIC: [u8; 4] = *b"RBRv";
-/// Version 3: library peers speak credits (see [`crate::verbs::credit`]), and their sends
-/// carry the sender's count in the immediate. A peer of another version is treated as a plain
-/// librdmacm program, and treats this one as such: plain RC both ways.
-const PREAMBLE_VERSION: u8 = 3;
+/// Version 4: library peers speak credits (see [`crate::verbs::credit`]), their sends carry
+/// the sender's count in the immediate, and a send that waits for a credit may go through the
+/// peer's bounce area (the layout of the credit block is part of the version). A peer of
+/// another version is treated as a plain librdmacm program, and treats this one as such:
+/// plain RC both ways.
+const PREAMBLE_VERSION: u8 = 4;
 const PREAMBLE: usize = 8;
 
 /// The private data of a library peer: magic, version, flags, length of the caller's data, the
@@ -61,8 +63,9 @@ mod tests {
     fn plain_and_other_version_data_pass_through_untouched() {
         let plain = b"RBRx-not-ours".to_vec();
         assert_eq!(parse_preamble(&plain), (false, plain.clone()));
-        // Earlier versions (2: credits without the count on sends) are plain peers.
-        for version in [1, 2, 4] {
+        // Earlier versions (2: credits without the count on sends; 3: without the bounce area)
+        // and later ones are plain peers.
+        for version in [1, 2, 3, 5] {
             let mut other = with_preamble(b"x", FLAG_CREDITS, &[]);
             other[4] = version;
             assert_eq!(parse_preamble(&other), (false, other.clone()));

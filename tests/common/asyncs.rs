@@ -309,30 +309,28 @@ fn cpu_ticks(pid: u32) -> u64 {
 /// verified; then both processes' CPU time, in milliseconds, over `idle` seconds with all the
 /// connections open and idle.
 pub fn examples_serve_many(addr: &str, clients: usize, idle: u64) -> (u64, u64) {
+    use std::io::BufRead;
     use std::process::{Command, Stdio};
-    use std::time::Instant;
     let mut server = Command::new(super::example("tokio_server"))
         .arg(addr)
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .spawn()
         .expect("examples/tokio_server runs (cargo test --features tokio builds it)");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut client = loop {
-        let mut c = Command::new(super::example("tokio_client"))
-            .args([addr, "200", &clients.to_string(), &(idle + 2).to_string()])
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("examples/tokio_client runs");
-        // Gone at once: the server was not up yet.
-        std::thread::sleep(Duration::from_millis(500));
-        match c.try_wait().unwrap() {
-            Some(_) if Instant::now() < deadline => continue,
-            Some(s) => panic!("client failed: {s}"),
-            None => break c,
-        }
-    };
+    // The client starts once the server says it listens (a client started before would be
+    // refused); the rest of what the server says is read away meanwhile.
+    let mut said = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
+    let first = said.next().map(|l| l.unwrap()).unwrap_or_default();
+    assert!(
+        first.starts_with("listening on"),
+        "the server said {first:?}"
+    );
+    std::thread::spawn(move || said.for_each(drop));
+    let mut client = Command::new(super::example("tokio_client"))
+        .args([addr, "200", &clients.to_string(), &(idle + 2).to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("examples/tokio_client runs");
     // Wait for the verdict, then measure both processes while the connections idle.
-    use std::io::BufRead;
     let mut line = String::new();
     std::io::BufReader::new(client.stdout.take().unwrap())
         .read_line(&mut line)

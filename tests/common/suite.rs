@@ -986,6 +986,143 @@ pub fn event_loop_accepts_a_burst_without_losing_a_peer(net: &Net) {
     drop(silent);
 }
 
+/// A message sent before its receive exists is delivered by the receive's post: the receive's
+/// completion is in the queue when `post_recv` returns, without the sender's library or a
+/// timer having to move it (most rounds are held to that: over verbs the message reaches the
+/// receiver's library ahead of the post only once two RDMA writes landed, which a loaded
+/// machine may delay past the wait here). Then messages raced against receives posted one at
+/// a time - some finding a receive, some waiting, some posted just as the receive is - arrive
+/// each once, in order, with their bytes.
+pub fn waiting_messages_arrive_in_the_receives_post_once_and_in_order(net: &Net) {
+    const ROUNDS: u64 = 6;
+    const RACED: u64 = 2_000;
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions::default();
+    let (c, ccq, s, scq) = pair(net, &ctx, &opts, &opts);
+    let rmr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    let message = |k: u64| {
+        let mut m = pattern(k, 8 + (k % 57) as usize);
+        m[..8].copy_from_slice(&k.to_le_bytes());
+        m
+    };
+    let mut at_once = 0;
+    for k in 0..ROUNDS {
+        c.post_send_inline(&message(k), k, SendFlags::SIGNALED)
+            .unwrap();
+        // The sender's side is idle meanwhile.
+        std::thread::sleep(Duration::from_millis(300));
+        s.post_recv(&rmr, 0, 64, k).unwrap();
+        let r = match scq.poll() {
+            Some(r) => {
+                at_once += 1;
+                r
+            }
+            None => next(&scq),
+        };
+        assert_eq!(
+            (r.opcode, r.status, r.wr_id, r.byte_len),
+            (Opcode::Recv, WcStatus::Success, k, message(k).len() as u32)
+        );
+        let mut got = vec![0u8; message(k).len()];
+        unsafe { rmr.read(0, &mut got) }.unwrap();
+        assert_eq!(got, message(k), "round {k}");
+        let sc = next(&ccq);
+        assert_eq!(
+            (sc.opcode, sc.status, sc.wr_id),
+            (Opcode::Send, WcStatus::Success, k)
+        );
+    }
+    assert!(
+        at_once * 2 > ROUNDS,
+        "{at_once} of {ROUNDS} waiting messages were delivered by their receive's post"
+    );
+
+    // Raced: the client keeps up to 4 sends out; the server posts one receive at a time,
+    // now at once, now after a pause.
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let mut out = 0;
+            for k in ROUNDS..ROUNDS + RACED {
+                while out >= 4 {
+                    let done = next(&ccq);
+                    assert_eq!(
+                        (done.opcode, done.status),
+                        (Opcode::Send, WcStatus::Success)
+                    );
+                    out -= 1;
+                }
+                c.post_send_inline(&message(k), k, SendFlags::SIGNALED)
+                    .unwrap();
+                out += 1;
+                if k % 7 == 0 {
+                    std::thread::sleep(Duration::from_micros(50 * (k % 5)));
+                }
+            }
+            for _ in 0..out {
+                assert_eq!(next(&ccq).status, WcStatus::Success);
+            }
+        });
+        for k in ROUNDS..ROUNDS + RACED {
+            if k % 3 == 0 {
+                std::thread::sleep(Duration::from_micros(30 * (k % 11)));
+            }
+            s.post_recv(&rmr, 0, 64, k).unwrap();
+            let r = next(&scq);
+            assert_eq!(
+                (r.opcode, r.status, r.wr_id, r.byte_len),
+                (Opcode::Recv, WcStatus::Success, k, message(k).len() as u32),
+                "message {k}"
+            );
+            let mut got = vec![0u8; message(k).len()];
+            unsafe { rmr.read(0, &mut got) }.unwrap();
+            assert_eq!(got, message(k), "message {k}");
+        }
+    });
+    assert!(scq.poll().is_none(), "a message delivered twice");
+}
+
+/// A receiver that closes right after posting the receive a waiting message went to (no poll
+/// of its queue between, as a server that answers one request and hangs up): the sender's send
+/// completes as its receive did - a success when the message arrived, never flushed while the
+/// receiver has it. Over verbs the message is mostly taken from the bounce area by the post, and
+/// only the claim written before the disconnect tells the sender so.
+pub fn a_waiting_message_taken_just_before_a_close_is_a_success_at_the_sender(net: &Net) {
+    const ROUNDS: u64 = 6;
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions::default();
+    let rmr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    let mut delivered = 0;
+    for k in 0..ROUNDS {
+        let (c, ccq, s, scq) = pair(net, &ctx, &opts, &opts);
+        c.post_send_inline(&pattern(k, 24), k, SendFlags::SIGNALED)
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        s.post_recv(&rmr, 0, 64, k).unwrap();
+        drop(s);
+        let r = next(&scq);
+        assert_eq!((r.opcode, r.wr_id), (Opcode::Recv, k), "round {k}");
+        let sc = next(&ccq);
+        assert_eq!((sc.opcode, sc.wr_id), (Opcode::Send, k), "round {k}");
+        assert_eq!(
+            sc.status, r.status,
+            "round {k}: the receive completed {:?}, the send {:?}",
+            r.status, sc.status
+        );
+        if r.status == WcStatus::Success {
+            delivered += 1;
+            let mut got = vec![0u8; 24];
+            unsafe { rmr.read(0, &mut got) }.unwrap();
+            assert_eq!(got, pattern(k, 24), "round {k}");
+        }
+        assert_eq!(next(&ccq).opcode, Opcode::Disconnected, "round {k}");
+        drop(c);
+    }
+    assert!(
+        delivered > 0,
+        "no round delivered its message before the close"
+    );
+}
+
 /// A send whose receive is posted 10 s late waits for it and completes with the right bytes,
 /// with the default options, while the sender sleeps in `wait`: the library, not the device's
 /// receiver-not-ready retries (which soft-RoCE bounds by `retry_count`, ~4 s), holds it back.
