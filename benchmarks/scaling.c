@@ -118,8 +118,8 @@
 #define RATE_DEPTH 16
 #define RATE_SIGNAL_EVERY 8
 /* Warm-up messages per connection, at least, by default: enough to touch
- * every page of a 2 MiB ring (the default), whose first use costs page
- * faults (memory, not the poll cost this measures). */
+ * every page of a ring of up to 2 MiB (the default is 32 KiB), whose first
+ * use costs page faults (memory, not the poll cost this measures). */
 #define RATE_WARM_PER_CONN 4096
 #define RATE_PASSES 5
 /* Descriptors per connection and side, generously, and a reserve. */
