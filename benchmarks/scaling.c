@@ -19,7 +19,7 @@
  *         round trips, then ITERS timed ones; prints the one-way latency
  *         (half the round trip), median and 99th percentile.
  * With -r MSGS it then measures, at each N:
- *   rate  MSGS messages of RATE_SIZE bytes (512) sent by the client
+ *   rate  MSGS messages of RATE_SIZE bytes (-m, default 512) sent by the client
  *         round-robin over all N connections, the server (polling its one
  *         queue) taking each into one of RATE_DEPTH (16) receives posted per
  *         connection and posting it again at once; the client keeps at most
@@ -36,6 +36,10 @@
  *         connections to one, measured side by side (other load on the
  *         machine hits both alike).  Every connection then has queue
  *         depths of RATE_DEPTH on both sides.
+ *   mem   after the rate run, the resident memory of each process
+ *         (VmRSS, which counts the shared memory a process has touched),
+ *         and per connection: the growth since the first N over the
+ *         connections added since.
  * Both sides busy-poll with rbr_cq_poll, never rbr_cq_wait, as rbr_bench
  * does.  It also prints the client process's threads and open descriptors
  * at N (from /proc/self), which show what each connection costs besides
@@ -55,10 +59,12 @@
  * Output, one line per N (and with -r a second one):
  *   RESULT scaling N poll_ns=X p50_us=X p99_us=X avg_us=X threads=T fds=F
  *   RESULT scaling-rate N msgs_per_s=X best_per_s=X ratio=Y side_ratio=Y
+ *   RESULT scaling-mem N client_kib=X server_kib=X client_kib_per_conn=X
+ *          server_kib_per_conn=X   (the last two from the second N on)
  *
  * Usage: rbr_scaling [-a ADDR] [-N LIST] [-s SIZE] [-n ITERS] [-b BATCHES]
  *                    [-c A,B] [-T SECS] [-r MSGS] [-w WARM] [-p MODE]
- *                    [-S US]
+ *                    [-S US] [-m SIZE]
  *   -a ADDR     address (default shm://rbr-scaling)
  *   -N LIST     comma list of connection counts, increasing (default
  *               1,16,256,1024)
@@ -74,6 +80,7 @@
  *               per N (default 0: not measured)
  *   -w WARM     warm-up messages per connection of the rate run, at least
  *               (default 4096)
+ *   -m SIZE     message size of the rate run (default 512, at least 64)
  *   -p MODE, -S US: completion-queue options as in the C examples (both
  *               sides use them)
  *
@@ -111,22 +118,24 @@
 #define RATE_DEPTH 16
 #define RATE_SIGNAL_EVERY 8
 /* Warm-up messages per connection, at least, by default: enough to touch
- * every page of a 2 MiB ring (the default), whose first use costs page
- * faults (memory, not the poll cost this measures). */
+ * every page of a ring of up to 2 MiB (the default is 32 KiB), whose first
+ * use costs page faults (memory, not the poll cost this measures). */
 #define RATE_WARM_PER_CONN 4096
 #define RATE_PASSES 5
 /* Descriptors per connection and side, generously, and a reserve. */
 #define FDS_PER_CONN 8
 #define FDS_RESERVE 256
 
-enum ctl_op { CTL_ADD = 1, CTL_QUIT = 2, CTL_RATE = 3 };
+enum ctl_op { CTL_ADD = 1, CTL_QUIT = 2, CTL_RATE = 3, CTL_MEM = 4 };
 
 /* Control message on the first connection, client to server and echoed. */
 struct ctl_msg {
     uint64_t magic;
     uint32_t op;
     uint32_t reserved;
-    uint64_t count; /* CTL_ADD: connections to accept; CTL_RATE: messages */
+    /* CTL_ADD: connections to accept; CTL_RATE: messages; CTL_MEM: the
+     * server's resident KiB in the echo */
+    uint64_t count;
 };
 
 struct opts {
@@ -141,6 +150,7 @@ struct opts {
     int timeout_s;
     uint64_t rate_msgs;
     uint64_t rate_warm;
+    size_t rate_size;
     struct ex_cq_opts cq;
 };
 
@@ -153,6 +163,7 @@ struct side {
     rbr_mr *send_mr;
     rbr_mr *recv_mr;
     size_t buf_size;
+    size_t rate_size;
     uint64_t sends_posted;
     uint64_t sends_done; /* signaled sends completed */
     int64_t timeout_ns;
@@ -164,7 +175,7 @@ static void usage(const char *argv0)
     fprintf(stderr,
             "usage: %s [-a ADDR] [-N LIST] [-s SIZE] [-n ITERS] [-b BATCHES]"
             " [-c A,B] [-T SECS]\n"
-            "          [-r MSGS] [-w WARM] [-p MODE] [-S US]\n"
+            "          [-r MSGS] [-w WARM] [-p MODE] [-S US] [-m SIZE]\n"
             "  -a ADDR     address (default %s)\n"
             "  -N LIST     connection counts, increasing (1,16,256,1024)\n"
             "  -s SIZE     ping-pong message size (64)\n"
@@ -174,6 +185,7 @@ static void usage(const char *argv0)
             "  -T SECS     longest wait for one completion (30)\n"
             "  -r MSGS     round-robin rate run of MSGS messages per count (0)\n"
             "  -w WARM     its warm-up messages per connection, at least (4096)\n"
+            "  -m SIZE     its message size (512, at least 64)\n"
             EX_CQ_OPTS_USAGE,
             argv0, DEFAULT_ADDR);
 }
@@ -233,9 +245,10 @@ static int parse_opts(int argc, char **argv, struct opts *o)
     o->cpu_client = -1;
     o->timeout_s = 30;
     o->rate_warm = RATE_WARM_PER_CONN;
+    o->rate_size = RATE_SIZE;
     ex_cq_opts_init(&o->cq);
     parse_counts("1,16,256,1024", o);
-    while ((ch = getopt(argc, argv, "a:N:s:n:b:c:T:r:w:p:S:h")) != -1) {
+    while ((ch = getopt(argc, argv, "a:N:s:n:b:c:T:r:w:m:p:S:h")) != -1) {
         switch (ch) {
         case 'a':
             o->addr = optarg;
@@ -294,6 +307,14 @@ static int parse_opts(int argc, char **argv, struct opts *o)
                 return -1;
             }
             o->rate_warm = v;
+            break;
+        case 'm':
+            /* Above a control message's size, so the two never mix. */
+            if (ex_parse_size(optarg, &v) || v < 64 || v > (1u << 30)) {
+                ex_error("bad -m '%s' (64 bytes .. 1 GiB)", optarg);
+                return -1;
+            }
+            o->rate_size = (size_t)v;
             break;
         case 'p':
         case 'S':
@@ -360,8 +381,9 @@ static int raise_fd_limit(uint64_t conns)
     return 0;
 }
 
-/* Threads of this process, from /proc/self/status (-1 if unknown). */
-static long count_threads(void)
+/* A number of /proc/self/status: `fmt` is its line's scanf format ("Threads:
+ * %ld"); -1 if unknown. */
+static long proc_status(const char *fmt)
 {
     char line[256];
     long n = -1;
@@ -370,10 +392,23 @@ static long count_threads(void)
     if (f == NULL)
         return -1;
     while (fgets(line, sizeof line, f) != NULL)
-        if (sscanf(line, "Threads: %ld", &n) == 1)
+        if (sscanf(line, fmt, &n) == 1)
             break;
     fclose(f);
     return n;
+}
+
+/* Threads of this process (-1 if unknown). */
+static long count_threads(void)
+{
+    return proc_status("Threads: %ld");
+}
+
+/* Resident memory of this process in KiB, the shared memory it touched
+ * included (-1 if unknown). */
+static long resident_kib(void)
+{
+    return proc_status("VmRSS: %ld kB");
 }
 
 /*
@@ -503,8 +538,9 @@ static int side_init(struct side *s, const struct opts *o)
     s->rate = o->rate_msgs > 0;
     s->buf_size = o->size > sizeof(struct ctl_msg) ? o->size
                                                    : sizeof(struct ctl_msg);
-    if (s->rate && s->buf_size < RATE_SIZE)
-        s->buf_size = RATE_SIZE;
+    s->rate_size = o->rate_size;
+    if (s->rate && s->buf_size < s->rate_size)
+        s->buf_size = s->rate_size;
     s->conns = calloc((size_t)o->counts[o->n_counts - 1], sizeof *s->conns);
     if (s->conns == NULL) {
         ex_error("out of memory");
@@ -579,7 +615,7 @@ static int serve(struct side *s, rbr_listener *l, const struct opts *o)
 
             if (wc[i].opcode != RBR_OP_RECV)
                 continue;
-            if (rate_left > 0 && len == RATE_SIZE) {
+            if (rate_left > 0 && len == s->rate_size) {
                 rbr_conn **c = wc[i].conn_context;
 
                 rate_left--;
@@ -610,6 +646,8 @@ static int serve(struct side *s, rbr_listener *l, const struct opts *o)
                 return -1;
             if (m.op == CTL_RATE)
                 rate_left = m.count;
+            if (m.op == CTL_MEM)
+                m.count = (uint64_t)resident_kib();
             if (send_ctl_msg(s, &m))
                 return -1;
             if (m.op == CTL_QUIT)
@@ -875,7 +913,7 @@ static int rate_poll(struct side *s, struct rate_conn *rc, int wait,
     return 0;
 }
 
-/* `msgs` messages of RATE_SIZE round-robin over the first `conns`
+/* `msgs` messages of the rate size round-robin over the first `conns`
  * connections, at most RATE_DEPTH out on each, the queue polled once after
  * each send (as an event loop does) and until there is room when the next
  * connection has none; returns once all have completed, with the messages
@@ -899,7 +937,7 @@ static int rate_pass(struct side *s, struct rate_conn *rc, size_t conns,
         while (r->posted - r->done >= RATE_DEPTH)
             if (rate_poll(s, rc, 1, &out))
                 return -1;
-        if (ex_check(rbr_conn_post_send(s->conns[k], s->send_mr, 0, RATE_SIZE,
+        if (ex_check(rbr_conn_post_send(s->conns[k], s->send_mr, 0, s->rate_size,
                                         r->posted, flags),
                      "rbr_conn_post_send"))
             return -1;
@@ -962,12 +1000,46 @@ out:
     return ret;
 }
 
+/* The resident memory of both processes now (the server's in the echo of
+ * CTL_MEM, which lands at the start of the receive buffer), and its growth
+ * per connection since the `first` call, whose figures it keeps in
+ * first_mem and first_n. */
+static int report_memory(struct side *s, int first, long first_mem[2],
+                         uint64_t *first_n)
+{
+    struct ctl_msg m;
+    long mem[2];
+    int i;
+
+    if (ctl_round(s, CTL_MEM, 0, NULL, NULL))
+        return -1;
+    memcpy(&m, rbr_mr_addr(s->recv_mr), sizeof m);
+    mem[0] = resident_kib();
+    mem[1] = (long)m.count;
+    printf("RESULT scaling-mem %llu client_kib=%ld server_kib=%ld",
+           (unsigned long long)s->n_conns, mem[0], mem[1]);
+    if (first) {
+        first_mem[0] = mem[0];
+        first_mem[1] = mem[1];
+        *first_n = s->n_conns;
+    } else if (s->n_conns > *first_n) {
+        for (i = 0; i < 2; i++)
+            printf(" %s_kib_per_conn=%.1f", i == 0 ? "client" : "server",
+                   (double)(mem[i] - first_mem[i]) /
+                       (double)(s->n_conns - *first_n));
+    }
+    printf("\n");
+    return 0;
+}
+
 static int client_main(const struct opts *o, int ready)
 {
     struct side s;
     uint64_t *rtt = NULL;
     uint64_t warm = o->iters / 10 < 100 ? 100 : o->iters / 10;
     double first_rate = 0;
+    long first_mem[2] = {-1, -1}; /* client, server */
+    uint64_t first_n = 0;
     size_t k;
     int rc = -1;
     char b;
@@ -1019,6 +1091,8 @@ static int client_main(const struct opts *o, int ready)
                    "ratio=%.3f side_ratio=%.3f\n",
                    (unsigned long long)s.n_conns, rate, best,
                    rate / first_rate, rate / one);
+            if (report_memory(&s, k == 0, first_mem, &first_n))
+                goto out;
         }
     }
     if (ctl_round(&s, CTL_QUIT, 0, NULL, NULL))

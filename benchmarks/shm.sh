@@ -20,7 +20,8 @@
 #            caller progress the round-robin message rate (rbr_scaling -r): one client sending
 #            512 B messages round-robin over all N connections, polling after each send, the
 #            server taking them into 16 receives per connection; each N against one connection
-#            in passes side by side (target: at least 0.7x)
+#            in passes side by side (target: at least 0.7x), and after it each process's resident
+#            memory and its growth per connection (target: at most 64 KiB a connection)
 #   setup:   rbr_setup (benchmarks/setup.c): connections one after another, each connected,
 #            accepted, carrying a 64 B message each way and closed; and the same with 64
 #            connections in flight from one client thread (rbr_connect_start), the server
@@ -350,8 +351,8 @@ run_scaling_rate() {
   cpid=$!
   wait "$cpid" || rc=$?
   cpid=""
-  awk -v r="$round" '$1 == "RESULT" && $2 == "scaling-rate" {
-      $1 = r " ours"; $2 = "scaling_rate"; print }' "$log" >>"$raw"
+  awk -v r="$round" '$1 == "RESULT" && ($2 == "scaling-rate" || $2 == "scaling-mem") {
+      $1 = r " ours"; sub("-", "_", $2); print }' "$log" >>"$raw"
   [ "$rc" -eq 0 ] || fail "rbr_scaling -r failed (status $rc, see $log)"
 }
 

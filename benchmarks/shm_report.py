@@ -231,6 +231,18 @@ def main():
                              n, fmt(med("ours", "scaling_rate", n, "msgs_per_s")[0]),
                              med("ours", "scaling_rate", n, "ratio")[0] or 0,
                              med("ours", "scaling_rate", n, "side_ratio")[0] or 0) for n in counts))
+    counts = sizes("ours", "scaling_mem")
+    if counts:
+        lines.append("resident memory after the rate run (VmRSS, shared memory touched included; "
+                     "per connection: the growth since the first N; target at most 64 KiB): " +
+                     "; ".join("N=%d: client %s KiB, server %s KiB%s" % (
+                         n, fmt(med("ours", "scaling_mem", n, "client_kib")[0]),
+                         fmt(med("ours", "scaling_mem", n, "server_kib")[0]),
+                         "" if med("ours", "scaling_mem", n, "client_kib_per_conn")[0] is None
+                         else ", per connection %s / %s KiB" % (
+                             fmt(med("ours", "scaling_mem", n, "client_kib_per_conn")[0]),
+                             fmt(med("ours", "scaling_mem", n, "server_kib_per_conn")[0])))
+                         for n in counts))
     for s in sizes("ours", "setup"):
         lines.append("connection setup (rbr_setup: one after another, each connected, accepted, "
                      "given a %s message each way and closed; no stock tool measures this over "

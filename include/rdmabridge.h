@@ -521,6 +521,19 @@ typedef struct rbr_conn_options {
    * shm and toward plain peers.
    */
   uint32_t keepalive_ms;
+  /**
+   * Shared memory: bytes of each of the connection's two rings (one per direction), in
+   * which messages wait for their receives. The larger of the two sides' values holds; 0 on
+   * both gives 32 KiB. 0, or a multiple of 4096 from 16 KiB to 1 GiB. When the peer may
+   * read this process's memory (docs/transports.md), a message of at least 1 KiB from a
+   * region `rbr_mr_alloc` made, or of at least 256 KiB from other memory, takes only a
+   * 48-byte record of it: the receiver copies the bytes from where they are. A larger ring
+   * lets more of the other messages wait in it before sends wait for room in the sender's
+   * library, at that much memory per connection. Default 0. Ignored by verbs.
+   * (Since 2026-12: a caller built against an earlier header, whose struct ends before this
+   * field, gets 0.)
+   */
+  uint32_t shm_ring_size;
 } rbr_conn_options;
 
 /**
@@ -552,9 +565,10 @@ typedef struct rbr_conn_info {
    */
   uint32_t max_inline;
   /**
-   * Zero.
+   * Shared memory: bytes of each of its rings (see `rbr_conn_options.shm_ring_size`); 0
+   * over verbs. (Zero before 2026-12, in the same place.)
    */
-  uint32_t reserved;
+  uint32_t shm_ring_size;
 } rbr_conn_info;
 
 /**

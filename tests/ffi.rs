@@ -216,6 +216,18 @@ fn bad_values_are_invalid() {
                 ..opts
             },
             rbr_conn_options {
+                shm_ring_size: 8192,
+                ..opts
+            },
+            rbr_conn_options {
+                shm_ring_size: 20000,
+                ..opts
+            },
+            rbr_conn_options {
+                shm_ring_size: (1 << 30) + 4096,
+                ..opts
+            },
+            rbr_conn_options {
                 private_data_len: 49,
                 private_data: [0u8; 49].as_ptr().cast(),
                 ..opts
@@ -237,6 +249,34 @@ fn bad_values_are_invalid() {
         assert_eq!(
             rbr_connect(ctx, addr.as_ptr(), cq, &opts, &mut conn),
             RBR_ERR_REFUSED
+        );
+        // A program built against the header before `shm_ring_size` passes the struct's size
+        // then: its options are read (a bad one is still refused), the missing field is 0.
+        let before = std::mem::offset_of!(rbr_conn_options, shm_ring_size) as u32;
+        let older = rbr_conn_options {
+            struct_size: before,
+            shm_ring_size: 4,
+            ..opts
+        };
+        assert_eq!(
+            rbr_connect(ctx, addr.as_ptr(), cq, &older, &mut conn),
+            RBR_ERR_REFUSED
+        );
+        let older_bad = rbr_conn_options {
+            send_queue_depth: 0,
+            ..older
+        };
+        assert_eq!(
+            rbr_connect(ctx, addr.as_ptr(), cq, &older_bad, &mut conn),
+            RBR_ERR_INVALID
+        );
+        let older_short = rbr_conn_options {
+            struct_size: before - 4,
+            ..older
+        };
+        assert_eq!(
+            rbr_connect(ctx, addr.as_ptr(), cq, &older_short, &mut conn),
+            RBR_ERR_INVALID
         );
         assert!(conn.is_null());
         let mut mr = null_mut();

@@ -17,7 +17,7 @@ use rdmabridge::{
 /// The wire format of the handshake and the layout of the shared segment, as documented in
 /// `src/shm/wire.rs` and `src/shm/segment.rs`: a hostile peer knows them too.
 const MAGIC: u32 = 0x3152_4252;
-const VERSION: u16 = 3;
+const VERSION: u16 = 4;
 const HELLO: u16 = 1;
 const ACCEPT: u16 = 2;
 const NO_SLOT: u32 = u32::MAX;
@@ -62,13 +62,18 @@ impl Hostile {
 /// Sends a hello of this version (no notice board, no private data) and maps the segment the
 /// accept brings.
 fn connect_by_hand(addr: &str) -> Hostile {
+    connect_asking(addr, 0)
+}
+
+/// [`connect_by_hand`], the hello asking for rings of `ring` bytes (0: none asked).
+fn connect_asking(addr: &str, ring: u32) -> Hostile {
     let sock = raw_shm_peer(addr);
     let mut hello = Vec::new();
     hello.extend_from_slice(&MAGIC.to_le_bytes());
     hello.extend_from_slice(&VERSION.to_le_bytes());
     hello.extend_from_slice(&HELLO.to_le_bytes());
     hello.extend_from_slice(&16u32.to_le_bytes()); // send queue depth
-    hello.extend_from_slice(&16u32.to_le_bytes()); // receive queue depth
+    hello.extend_from_slice(&ring.to_le_bytes()); // ring size asked for
     hello.extend_from_slice(&NO_SLOT.to_le_bytes());
     hello.extend_from_slice(&[0; 16]); // probe word: none
     hello.extend_from_slice(&0u16.to_le_bytes()); // no private data
@@ -147,6 +152,36 @@ fn accept_hostile(
         let peer = connect_by_hand(addr);
         (server.join().unwrap(), cq.clone(), peer)
     })
+}
+
+/// A hello asking for a ring no option could ask for (below the least, above the most, not in
+/// 4 KiB steps) gets the listener's ring, as one that asks for none; a valid wish larger than
+/// the listener's holds.
+#[test]
+fn a_ring_size_no_option_allows_is_ignored() {
+    let ctx = Context::new().unwrap();
+    for (wish, granted) in [
+        (0, rdmabridge::SHM_RING_DEFAULT),
+        (4096, rdmabridge::SHM_RING_DEFAULT),
+        (20_000, rdmabridge::SHM_RING_DEFAULT),
+        (u32::MAX, rdmabridge::SHM_RING_DEFAULT),
+        ((1 << 30) + 4096, rdmabridge::SHM_RING_DEFAULT),
+        (128 << 10, 128 << 10),
+    ] {
+        let addr = unique_addr("ring-wish");
+        let l = ctx.listen(&addr, 4).unwrap();
+        let cq = CompletionQueue::new().unwrap();
+        let (server, peer) = std::thread::scope(|s| {
+            let server = s.spawn(|| {
+                let req = l.get_request(Some(Duration::from_secs(10))).unwrap();
+                req.accept(&cq, &ConnOptions::default()).unwrap()
+            });
+            let peer = connect_asking(&addr, wish);
+            (server.join().unwrap(), peer)
+        });
+        assert_eq!(peer.cap, granted as usize, "asked for {wish}");
+        assert_eq!(server.info().shm_ring_size, granted, "asked for {wish}");
+    }
 }
 
 /// Every completion until the disconnect record (which is last), within 10 s.

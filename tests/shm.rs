@@ -114,7 +114,7 @@ fn listener_survives_garbage_and_refuses_other_versions() {
         );
         assert_eq!(
             u32::from_le_bytes(reply[8..12].try_into().unwrap()),
-            3,
+            4,
             "names our version"
         );
         let cq = CompletionQueue::new().unwrap();
@@ -1513,4 +1513,96 @@ mod large_messages {
 #[test]
 fn edge_triggered_listener_sees_a_request_behind_dead_peers() {
     common::edge::edge_triggered_listener_sees_a_request_behind_dead_peers();
+}
+
+/// The ring size is the larger of the two sides' `shm_ring_size` (0: none asked, then the
+/// default), both sides report it; and over the smallest ring, messages posted before any
+/// receive - many times the ring's room, small inline ones and large ones from caller memory -
+/// wait (in the ring, then in the sender's library) and arrive in order, each once, with their
+/// bytes, as receives are posted one at a time.
+#[test]
+fn ring_is_the_larger_asked_for_and_messages_beyond_it_wait_in_order() {
+    use rdmabridge::{Access, SHM_RING_DEFAULT, SHM_RING_MIN, SendFlags};
+    let ctx = Context::new().unwrap();
+    let with = |ring: u32| ConnOptions {
+        shm_ring_size: ring,
+        send_queue_depth: 256,
+        recv_queue_depth: 256,
+        max_inline: 1024,
+        ..Default::default()
+    };
+    for (client, server, granted) in [
+        (0, 0, SHM_RING_DEFAULT),
+        (256 << 10, 0, 256 << 10),
+        (0, 64 << 10, 64 << 10),
+        (SHM_RING_MIN, 64 << 10, 64 << 10),
+    ] {
+        let (c, _ccq, s, _scq) = pair(&Net::Shm, &ctx, &with(client), &with(server));
+        assert_eq!(
+            (c.info().shm_ring_size, s.info().shm_ring_size),
+            (granted, granted),
+            "client asked {client}, server {server}"
+        );
+    }
+
+    const SMALL: u64 = 120;
+    const LARGE: usize = 100 << 10;
+    let (c, ccq, s, scq) = pair(&Net::Shm, &ctx, &with(SHM_RING_MIN), &with(0));
+    assert_eq!(s.info().shm_ring_size, SHM_RING_MIN);
+    let message = |k: u64| pattern(k, if k % 40 == 39 { LARGE } else { 1000 });
+    // Caller memory (not a region the library allocated): the large ones go through the ring.
+    let mut large: Vec<Vec<u8>> = Vec::new();
+    let mut regions = Vec::new();
+    for k in 0..SMALL {
+        let m = message(k);
+        if m.len() > 1024 {
+            large.push(m);
+            let buf = large.last_mut().unwrap();
+            // SAFETY: the buffer lives (unmoved: the Vec's heap block) until the region and the
+            // send are done, at the end of this test.
+            let mr = unsafe { ctx.register_mr(buf.as_mut_ptr(), buf.len(), Access(0)) }.unwrap();
+            c.post_send(&mr, 0, LARGE, k, SendFlags::SIGNALED).unwrap();
+            regions.push(mr);
+        } else {
+            c.post_send_inline(&m, k, SendFlags::SIGNALED).unwrap();
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let rmr = ctx.alloc_mr(LARGE, Access::LOCAL_WRITE).unwrap();
+    let mut sends = 0;
+    for k in 0..SMALL {
+        s.post_recv(&rmr, 0, LARGE, k).unwrap();
+        let r = next(&scq);
+        assert_eq!(
+            (r.opcode, r.status, r.wr_id, r.byte_len as usize),
+            (
+                rdmabridge::Opcode::Recv,
+                rdmabridge::WcStatus::Success,
+                k,
+                message(k).len()
+            ),
+            "message {k}"
+        );
+        let mut got = vec![0u8; message(k).len()];
+        unsafe { rmr.read(0, &mut got) }.unwrap();
+        assert!(got == message(k), "message {k}'s bytes");
+        while let Some(sc) = ccq.poll() {
+            assert_eq!(
+                (sc.status, sc.wr_id),
+                (rdmabridge::WcStatus::Success, sends)
+            );
+            sends += 1;
+        }
+    }
+    while sends < SMALL {
+        let sc = next(&ccq);
+        assert_eq!(
+            (sc.status, sc.wr_id),
+            (rdmabridge::WcStatus::Success, sends)
+        );
+        sends += 1;
+    }
+    assert!(scq.poll().is_none(), "a message delivered twice");
+    drop((c, s));
+    drop(regions);
 }

@@ -37,6 +37,12 @@ pub const PRIVATE_DATA_MAX: usize = 48;
 pub const QUEUE_DEPTH_MAX: u32 = 16384;
 /// Largest inline send a connection may ask for.
 pub const INLINE_MAX: u32 = 1024;
+/// Smallest [`ConnOptions::shm_ring_size`] (besides 0, the default).
+pub const SHM_RING_MIN: u32 = 16 * 1024;
+/// Largest [`ConnOptions::shm_ring_size`].
+pub const SHM_RING_MAX: u32 = 1 << 30;
+/// The ring size of a shm connection when neither side asks for one.
+pub const SHM_RING_DEFAULT: u32 = 32 * 1024;
 
 static NEXT_CONN_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -83,6 +89,16 @@ pub struct ConnOptions {
     /// sends none. 1 ms..=1 h. Default 1 s. Ignored by shm (a vanished shm peer is noticed at
     /// once) and toward plain peers.
     pub keepalive: Option<Duration>,
+    /// Shared memory: bytes of each of the connection's two rings (one per direction), in which
+    /// messages wait for their receives. The larger of the two sides' values holds; 0 on both
+    /// gives [`SHM_RING_DEFAULT`] (32 KiB). 0, or a multiple of 4096 in
+    /// [`SHM_RING_MIN`]..=[`SHM_RING_MAX`]. When the peer may read this process's memory (see
+    /// docs/transports.md), a message of at least 1 KiB from a region the library allocated,
+    /// or of at least 256 KiB from other memory, takes only a 48-byte record of it: the
+    /// receiver copies the bytes from where they are. A larger ring lets more of the other
+    /// messages wait in it before sends wait for room in the sender's library, at that much
+    /// memory per connection. Ignored by verbs.
+    pub shm_ring_size: u32,
 }
 
 impl Default for ConnOptions {
@@ -98,6 +114,7 @@ impl Default for ConnOptions {
             rnr_retry_count: 7,
             ack_timeout: 16,
             keepalive: Some(Duration::from_secs(1)),
+            shm_ring_size: 0,
         }
     }
 }
@@ -137,6 +154,12 @@ impl ConnOptions {
                 self.max_inline
             )));
         }
+        let ring = self.shm_ring_size;
+        if ring != 0 && (!(SHM_RING_MIN..=SHM_RING_MAX).contains(&ring) || ring % 4096 != 0) {
+            return Err(Error::invalid(format!(
+                "shm_ring_size {ring} is not 0 or a multiple of 4096 in {SHM_RING_MIN}..={SHM_RING_MAX}"
+            )));
+        }
         check_private_data(&self.private_data)
     }
 }
@@ -166,6 +189,9 @@ pub struct ConnInfo {
     pub recv_queue_depth: u32,
     /// Granted inline size.
     pub max_inline: u32,
+    /// Shared memory: bytes of each of its rings (see [`ConnOptions::shm_ring_size`]); 0 over
+    /// verbs.
+    pub shm_ring_size: u32,
     /// Which transport carries it.
     pub transport: Transport,
 }
@@ -430,6 +456,7 @@ impl Connection {
                 send_queue_depth: 0,
                 recv_queue_depth: 0,
                 max_inline: 0,
+                shm_ring_size: 0,
                 transport: self.setup.transport(),
             },
         }

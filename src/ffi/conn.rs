@@ -8,8 +8,8 @@ use crate::ffi::ctx::rbr_ctx;
 use crate::ffi::error::{RBR_IN_PROGRESS, RBR_OK, fail, rbr_status, status};
 use crate::ffi::mr::rbr_mr;
 use crate::ffi::{
-    arg_ref, arg_str, bytes_arg, copy_out, ffi_body, ffi_body_or, out_ptr, private_data_arg,
-    struct_arg,
+    arg_ref, arg_str, bytes_arg, copy_out, ffi_body, ffi_body_or, grown_struct_arg, out_ptr,
+    private_data_arg,
 };
 use std::sync::Arc;
 
@@ -53,6 +53,7 @@ pub const RBR_TRANSPORT_VERBS: u32 = 2;
 /// Options of `rbr_connect` and `rbr_request_accept`. Fill with `rbr_conn_options_init`,
 /// then change fields. Fields are only ever added at the end; `struct_size` tells which exist.
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct rbr_conn_options {
     /// `sizeof(rbr_conn_options)`, set by `rbr_conn_options_init`.
     pub struct_size: u32,
@@ -91,7 +92,21 @@ pub struct rbr_conn_options {
     /// on an idle connection too; in ms, 1..=3600000, or 0 for none. Default 1000. Ignored by
     /// shm and toward plain peers.
     pub keepalive_ms: u32,
+    /// Shared memory: bytes of each of the connection's two rings (one per direction), in
+    /// which messages wait for their receives. The larger of the two sides' values holds; 0 on
+    /// both gives 32 KiB. 0, or a multiple of 4096 from 16 KiB to 1 GiB. When the peer may
+    /// read this process's memory (docs/transports.md), a message of at least 1 KiB from a
+    /// region `rbr_mr_alloc` made, or of at least 256 KiB from other memory, takes only a
+    /// 48-byte record of it: the receiver copies the bytes from where they are. A larger ring
+    /// lets more of the other messages wait in it before sends wait for room in the sender's
+    /// library, at that much memory per connection. Default 0. Ignored by verbs.
+    /// (Since 2026-12: a caller built against an earlier header, whose struct ends before this
+    /// field, gets 0.)
+    pub shm_ring_size: u32,
 }
+
+/// `sizeof(rbr_conn_options)` before `shm_ring_size`, the first field added.
+const CONN_OPTIONS_FIRST_SIZE: usize = std::mem::offset_of!(rbr_conn_options, shm_ring_size);
 
 /// What a connection was granted; filled by `rbr_conn_get_info`. Set `struct_size` first.
 #[repr(C)]
@@ -108,8 +123,9 @@ pub struct rbr_conn_info {
     pub recv_queue_depth: u32,
     /// Granted inline size.
     pub max_inline: u32,
-    /// Zero.
-    pub reserved: u32,
+    /// Shared memory: bytes of each of its rings (see `rbr_conn_options.shm_ring_size`); 0
+    /// over verbs. (Zero before 2026-12, in the same place.)
+    pub shm_ring_size: u32,
 }
 
 /// Fills `*opts` with the defaults. NULL is ignored.
@@ -119,34 +135,45 @@ pub struct rbr_conn_info {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn rbr_conn_options_init(opts: *mut rbr_conn_options) {
     ffi_body_or!((), {
-        let d = ConnOptions::default();
         if opts.is_null() {
             return;
         }
         // SAFETY: non-NULL and writable (caller contract).
-        unsafe {
-            opts.write(rbr_conn_options {
-                struct_size: std::mem::size_of::<rbr_conn_options>() as u32,
-                send_queue_depth: d.send_queue_depth,
-                recv_queue_depth: d.recv_queue_depth,
-                max_inline: d.max_inline,
-                timeout_ms: d.timeout.map_or(-1, |t| t.as_millis() as i32),
-                private_data: std::ptr::null(),
-                private_data_len: 0,
-                context: std::ptr::null_mut(),
-                retry_count: d.retry_count,
-                rnr_retry_count: d.rnr_retry_count,
-                ack_timeout: d.ack_timeout,
-                keepalive_ms: d.keepalive.map_or(0, |k| k.as_millis() as u32),
-            })
-        };
+        unsafe { opts.write(default_options()) };
     })
+}
+
+fn default_options() -> rbr_conn_options {
+    let d = ConnOptions::default();
+    rbr_conn_options {
+        struct_size: std::mem::size_of::<rbr_conn_options>() as u32,
+        send_queue_depth: d.send_queue_depth,
+        recv_queue_depth: d.recv_queue_depth,
+        max_inline: d.max_inline,
+        timeout_ms: d.timeout.map_or(-1, |t| t.as_millis() as i32),
+        private_data: std::ptr::null(),
+        private_data_len: 0,
+        context: std::ptr::null_mut(),
+        retry_count: d.retry_count,
+        rnr_retry_count: d.rnr_retry_count,
+        ack_timeout: d.ack_timeout,
+        keepalive_ms: d.keepalive.map_or(0, |k| k.as_millis() as u32),
+        shm_ring_size: d.shm_ring_size,
+    }
 }
 
 /// Converts C options (NULL = defaults) into validated Rust options.
 pub(crate) fn options(opts: *const rbr_conn_options) -> Result<ConnOptions, rbr_status> {
     // SAFETY: NULL or a readable struct (caller contract of every function taking options).
-    let Some(o) = (unsafe { struct_arg(opts, "rbr_conn_options") })? else {
+    let grown = unsafe {
+        grown_struct_arg(
+            opts,
+            "rbr_conn_options",
+            CONN_OPTIONS_FIRST_SIZE,
+            default_options(),
+        )
+    };
+    let Some(o) = grown? else {
         return Ok(ConnOptions::default());
     };
     let timeout = match o.timeout_ms {
@@ -165,6 +192,7 @@ pub(crate) fn options(opts: *const rbr_conn_options) -> Result<ConnOptions, rbr_
         rnr_retry_count: o.rnr_retry_count,
         ack_timeout: o.ack_timeout,
         keepalive: (o.keepalive_ms != 0).then(|| Duration::from_millis(o.keepalive_ms.into())),
+        shm_ring_size: o.shm_ring_size,
     };
     r.validate().map_err(fail)?;
     Ok(r)
@@ -402,7 +430,7 @@ pub unsafe extern "C" fn rbr_conn_get_info(
                 send_queue_depth: i.send_queue_depth,
                 recv_queue_depth: i.recv_queue_depth,
                 max_inline: i.max_inline,
-                reserved: 0,
+                shm_ring_size: i.shm_ring_size,
             })
         };
         RBR_OK

@@ -156,6 +156,40 @@ pub(crate) unsafe fn struct_arg<'a, T>(
     Ok(Some(unsafe { &*p }))
 }
 
+/// [`struct_arg`] for a struct that has grown since its first version, whose size is `oldest`:
+/// a caller built against an older header passes a smaller `struct_size`, and the fields its
+/// version lacks take their values from `defaults`. Below `oldest` is refused.
+///
+/// # Safety
+/// As for [`struct_arg`].
+pub(crate) unsafe fn grown_struct_arg<T: Copy>(
+    p: *const T,
+    name: &str,
+    oldest: usize,
+    defaults: T,
+) -> Result<Option<T>, rbr_status> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-NULL and readable (caller contract); every such struct starts with its size.
+    let size = unsafe { p.cast::<u32>().read() } as usize;
+    if size >= std::mem::size_of::<T>() {
+        // SAFETY: the caller's contract.
+        return Ok(unsafe { struct_arg(p, name) }?.copied());
+    }
+    if size < oldest {
+        return Err(error::fail(crate::Error::invalid(format!(
+            "{name}.struct_size {size} is smaller than any version of it (call the _init function)"
+        ))));
+    }
+    let mut v = defaults;
+    // SAFETY: the caller's struct is `size` readable bytes, fewer than `T` has; they are the
+    // leading fields of `T` as its older version laid them out (fields are only ever added at
+    // the end), so every byte copied lands in the field it belongs to.
+    unsafe { std::ptr::copy_nonoverlapping(p.cast::<u8>(), (&raw mut v).cast::<u8>(), size) };
+    Ok(Some(v))
+}
+
 /// Views private data given as pointer and length, checking the length against
 /// `RBR_PRIVATE_DATA_MAX` before reading any byte.
 pub(crate) fn private_data_arg<'a>(

@@ -393,6 +393,7 @@ impl Unstarted {
             send_queue_depth: opts.send_queue_depth,
             recv_queue_depth: opts.recv_queue_depth,
             max_inline: opts.max_inline,
+            shm_ring_size: seg.cap() as u32,
             transport: Transport::Shm,
         };
         let caller_polls = cq.options().progress == Progress::Caller;

@@ -21,6 +21,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
+use crate::conn::{SHM_RING_MAX, SHM_RING_MIN};
 use crate::error::{Error, Result};
 use crate::sys::cvt;
 
@@ -44,12 +45,9 @@ pub(crate) const EXPORT_SLOTS: usize = EXPORTS_STRIDE / EXPORT_ENTRY;
 const DATA: usize = EXPORTS + 2 * EXPORTS_STRIDE;
 // The number the documentation of `pack_region` / `rbr_conn_pack_region` gives.
 const _: () = assert!(EXPORT_SLOTS == 256);
-/// Smallest and largest ring a peer may propose.
-const MIN_CAP: usize = 64 * 1024;
-const MAX_CAP: usize = 1 << 30;
-
-/// Default bytes per ring.
-pub(crate) const DEFAULT_RING_CAP: usize = 2 * 1024 * 1024;
+/// Smallest and largest ring a peer may propose: those a connection's options allow.
+const MIN_CAP: usize = SHM_RING_MIN as usize;
+const MAX_CAP: usize = SHM_RING_MAX as usize;
 
 /// One side's control words.
 pub(crate) struct Ctrl<'a> {

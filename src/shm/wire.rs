@@ -4,8 +4,9 @@
 //! **Establishment** (`handshake/`). The client's hello is answered with an accept or a
 //! rejection. A message: magic `u32`, version `u16`, kind `u16`, three `u32` parameters, a
 //! probe word's address and value (`u64` each), private-data length `u16`, private data. The
-//! hello carries the client's queue depths and the slot of the connection on its completion
-//! queue's notice board (with the board's descriptor), the accept the ring size and the
+//! hello carries the client's send queue depth, the ring size it asks for (0: none) and the
+//! slot of the connection on its completion queue's notice board (with the board's
+//! descriptor), the accept the ring size and the
 //! server's slot (with the segment's descriptor, then the board's): each side marks the
 //! other's slot when it has news for it (see `cq/notice.rs`). The probe word is a word of the
 //! sender's memory and its value, so that the other side can find out whether it may copy
@@ -35,8 +36,9 @@ use crate::shm::direct;
 
 pub(crate) const MAGIC: u32 = 0x3152_4252; // "RBR1"
 /// Version 2: notice boards. Version 3: a direct record carries a key (a large message copied
-/// out of the mapping of the region it is in).
-pub(crate) const VERSION: u16 = 3;
+/// out of the mapping of the region it is in). Version 4: the hello's second parameter is the
+/// ring size the client asks for, no longer its receive queue depth.
+pub(crate) const VERSION: u16 = 4;
 pub(crate) const HELLO: u16 = 1;
 pub(crate) const ACCEPT: u16 = 2;
 pub(crate) const REJECT: u16 = 3;
@@ -52,6 +54,7 @@ pub(crate) struct Msg {
     pub(crate) version: u16,
     pub(crate) kind: u16,
     pub(crate) a: u32,
+    pub(crate) b: u32,
     /// The sender's notice-board slot ([`NO_SLOT`]: none).
     pub(crate) slot: u32,
     /// The sender's probe word: address and value.
@@ -104,6 +107,7 @@ pub(crate) fn decode(buf: &[u8]) -> Result<Msg> {
             version,
             kind,
             a,
+            b: 0,
             slot: NO_SLOT,
             probe: (0, 0),
             data: Vec::new(),
@@ -121,6 +125,7 @@ pub(crate) fn decode(buf: &[u8]) -> Result<Msg> {
         version,
         kind,
         a,
+        b: u32_at(12),
         slot: u32_at(16),
         probe: (u64_at(20), u64_at(28)),
         data: buf[HEADER..].to_vec(),

@@ -457,6 +457,7 @@ impl Conn {
             send_queue_depth: (res.caps.max_send_wr - INTERNAL_SLOTS).min(opts.send_queue_depth),
             recv_queue_depth: (res.caps.max_recv_wr - 1).min(opts.recv_queue_depth),
             max_inline: res.caps.max_inline_data.min(opts.max_inline),
+            shm_ring_size: 0,
             transport: Transport::Verbs,
         };
         // A client that speaks credits sends its hello first (see `crate::verbs::credit`).

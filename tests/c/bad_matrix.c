@@ -588,6 +588,14 @@ static void matrix_connect(rbr_ctx *ctx, const char *addr, rbr_cq *cq)
     CASE(rbr_connect(ctx, addr, cq, &bad, &conn), RBR_ERR_INVALID,
          "rbr_connect keepalive_ms 3600001");
     bad = o;
+    bad.shm_ring_size = 8192;
+    CASE(rbr_connect(ctx, addr, cq, &bad, &conn), RBR_ERR_INVALID,
+         "rbr_connect shm_ring_size 8192");
+    bad = o;
+    bad.shm_ring_size = 20000;
+    CASE(rbr_connect(ctx, addr, cq, &bad, &conn), RBR_ERR_INVALID,
+         "rbr_connect shm_ring_size 20000");
+    bad = o;
     bad.private_data_len = 1;
     CASE(rbr_connect(ctx, addr, cq, &bad, &conn), RBR_ERR_NULL,
          "rbr_connect private data NULL, length 1");

@@ -389,6 +389,7 @@ impl Listener {
             private_data: msg.data,
             board,
             peer: (pid, msg.probe),
+            ring_wish: msg.b,
             ctx: self.ctx.clone(),
         })
     }

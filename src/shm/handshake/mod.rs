@@ -15,7 +15,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::conn::seam::RequestSeam;
-use crate::conn::{ConnOptions, Handshake, Setup, Started, Step, Transport, socket_error};
+use crate::conn::{
+    ConnOptions, Handshake, SHM_RING_DEFAULT, SHM_RING_MAX, SHM_RING_MIN, Setup, Started, Step,
+    Transport, socket_error,
+};
 use crate::cq::notice::NO_SLOT;
 use crate::cq::{CompletionQueue, SlotReservation};
 use crate::domain::ContextInner;
@@ -24,12 +27,22 @@ use crate::error::{Error, Result};
 use crate::shm::conn::{Conn, Link};
 use crate::shm::engine::{self, Engine};
 use crate::shm::peers::Peers;
-use crate::shm::segment::{DEFAULT_RING_CAP, Segment};
+use crate::shm::segment::Segment;
 use crate::shm::socket::{address, my_uid, peer_cred, recv_msg, send_msg, socket};
 use crate::shm::wire::{ACCEPT, HELLO, REJECT, decode, encode, judge_reply};
 use crate::sys;
 
 pub(crate) use listener::Listener;
+
+/// The ring size of a connection: the larger of the client's wish and the listener's option
+/// (each 0 when it has none), else the default. A wish that no option could be (from a hostile
+/// or broken client) counts as none.
+fn ring_size(wish: u32, own: u32) -> usize {
+    let valid = |v: u32| (SHM_RING_MIN..=SHM_RING_MAX).contains(&v) && v % 4096 == 0;
+    let wish = if valid(wish) { wish } else { 0 };
+    let size = wish.max(own);
+    (if size == 0 { SHM_RING_DEFAULT } else { size }) as usize
+}
 
 /// A client's pending request.
 #[derive(Debug)]
@@ -40,6 +53,8 @@ pub(crate) struct Request {
     board: Option<(OwnedFd, u32)>,
     /// The client's process and probe word.
     peer: (libc::pid_t, (u64, u64)),
+    /// The ring size the client asked for (0: none).
+    ring_wish: u32,
     ctx: Arc<ContextInner>,
 }
 
@@ -55,7 +70,7 @@ impl Request {
             .sock
             .take()
             .expect("an unanswered request has its socket");
-        let (seg, fd) = Segment::create(DEFAULT_RING_CAP)?;
+        let (seg, fd) = Segment::create(ring_size(self.ring_wish, opts.shm_ring_size))?;
         let peers = self.ctx.transports.get::<Peers>();
         // Before the accept goes out: the client is waiting for it, so its memory is there.
         let (pid, (addr, value)) = self.peer;
@@ -318,7 +333,7 @@ impl Connecting {
         let hello = encode(
             HELLO,
             self.opts.send_queue_depth,
-            self.opts.recv_queue_depth,
+            self.opts.shm_ring_size,
             slot.as_ref().map_or(NO_SLOT, |s| s.slot()),
             &self.opts.private_data,
         );
