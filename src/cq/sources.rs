@@ -271,7 +271,7 @@ impl CompletionQueue {
 /// Connections at most on a queue's list polled every time: the usual one or few busy
 /// connections, which spare their peers the marking. Polling one of them that has nothing
 /// costs a look at its ring (a line the peer writes), so the list stays short.
-const BUSY_MAX: usize = 4;
+const BUSY_MAX: usize = 2;
 
 /// The connections a queue's pollers drive.
 #[derive(Default)]
