@@ -44,6 +44,11 @@ pub const SHM_RING_MAX: u32 = 1 << 30;
 /// The ring size of a shm connection when neither side asks for one.
 pub const SHM_RING_DEFAULT: u32 = 32 * 1024;
 
+/// Whether `size` is a ring size a connection may ask for (besides 0, none).
+pub(crate) fn shm_ring_size_allowed(size: u32) -> bool {
+    (SHM_RING_MIN..=SHM_RING_MAX).contains(&size) && size % 4096 == 0
+}
+
 static NEXT_CONN_ID: AtomicU64 = AtomicU64::new(1);
 
 pub(crate) fn next_conn_id() -> u64 {
@@ -155,7 +160,7 @@ impl ConnOptions {
             )));
         }
         let ring = self.shm_ring_size;
-        if ring != 0 && (!(SHM_RING_MIN..=SHM_RING_MAX).contains(&ring) || ring % 4096 != 0) {
+        if ring != 0 && !shm_ring_size_allowed(ring) {
             return Err(Error::invalid(format!(
                 "shm_ring_size {ring} is not 0 or a multiple of 4096 in {SHM_RING_MIN}..={SHM_RING_MAX}"
             )));

@@ -437,7 +437,7 @@ impl ConnState {
         let held = st
             .credits
             .as_ref()
-            .is_some_and(|c| !c.held.is_empty() || c.claims_told != c.claims);
+            .is_some_and(|c| !c.held.is_empty() || c.claim_pending());
         // Relaxed: only changed under the state lock; pollers read it as a hint (a stale
         // value costs one pump late, which the connection's own turn makes up for).
         if held != self.has_held.load(Ordering::Relaxed) {
@@ -536,15 +536,11 @@ impl ConnState {
     /// never delivered. Returns the number of the write whose completion says they are there
     /// (none when nothing is pending or nothing could go out).
     pub(super) fn tell_claims(&self, st: &mut PostState) -> Option<u64> {
-        let pending = st.credits.as_ref().map(|c| c.claims_told != c.claims);
-        if pending != Some(true) {
+        if !st.credits.as_ref().is_some_and(Credits::claim_pending) {
             return None;
         }
         self.push_due_credits(st, true);
-        let told = st
-            .credits
-            .as_ref()
-            .is_some_and(|c| c.claims_told == c.claims);
+        let told = st.credits.as_ref().is_some_and(|c| !c.claim_pending());
         told.then(|| st.next_seq - 1)
     }
 
@@ -565,7 +561,7 @@ impl ConnState {
             return;
         }
         let (count, claims) = (c.posted, c.claims);
-        let told_claim = c.claims_told != claims;
+        let told_claim = c.claim_pending();
         // Relaxed: the device reads the words during the post below, whose system call orders
         // it; they only grow, so a later read still finds true counts.
         let block = c.mr.block();
@@ -616,7 +612,7 @@ impl ConnState {
     pub(super) fn credit_busy(st: &PostState) -> bool {
         st.credits
             .as_ref()
-            .is_some_and(|c| !c.held.is_empty() || c.owed || c.claims_told != c.claims)
+            .is_some_and(|c| !c.held.is_empty() || c.owed || c.claim_pending())
     }
 }
 

@@ -29,9 +29,9 @@
 //! messages, and its length), as two RDMA WRITEs in that order, and keeps it held. A receive
 //! the peer posts while none of its receives is on the device takes the message from there,
 //! in the poster's call, and counts it in a word of the sender's (`claimed`, written before
-//! its next count of receives); the sender then completes the send. If instead a credit arrives first (the receive went to the
-//! device before the header landed), the held send goes as a SEND, and the header, naming a
-//! message the receiver has by then, is ignored. Either way one side decides: the receiver
+//! its next count of receives); the sender then completes the send. If instead a credit
+//! arrives first (the receive went to the device before the header landed), the held send
+//! goes as a SEND, and the header, naming a message the receiver has by then, is ignored. Either way one side decides: the receiver
 //! takes from the bounce area only with no receive on the device, and the sender sends only
 //! on a credit, that is, for a receive that is on the device.
 //!
@@ -277,9 +277,7 @@ impl Remote {
     pub(crate) fn bounced_len(&self) -> u64 {
         self.addr + std::mem::offset_of!(Block, bounced_len) as u64
     }
-}
 
-impl Remote {
     pub(crate) fn decode(b: &[u8]) -> Option<Remote> {
         if b.len() < EXT_LEN {
             return None;
@@ -438,7 +436,7 @@ impl Credits {
     /// The count a send may tell: the receives posted, unless a claim is yet to be written
     /// (which must reach the peer before any count of receives posted after it).
     fn telling(&self) -> u64 {
-        if self.claims_told == self.claims {
+        if !self.claim_pending() {
             self.posted
         } else {
             self.pushed
@@ -458,7 +456,12 @@ impl Credits {
     pub(crate) fn push_due(&self) -> bool {
         (self.posted > self.pushed
             && (self.owed || self.pushed.saturating_sub(self.consumed) < self.low))
-            || self.claims_told != self.claims
+            || self.claim_pending()
+    }
+
+    /// Whether this side took messages from its bounce area that the peer was not yet told of.
+    pub(crate) fn claim_pending(&self) -> bool {
+        self.claims_told != self.claims
     }
 
     /// The number the next message of this side's has among its messages (from 1): the

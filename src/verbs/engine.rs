@@ -11,9 +11,10 @@
 //! Teardown, as turns: a side that closes first writes the claims of messages it took from its
 //! bounce area that the peer was not yet told, and waits for that write; the queue pair is
 //! disconnected (which flushes its work); each turn then takes what the device reported and
-//! looks at what is outstanding, until nothing is or [`FLUSH_WAIT`] has passed; the connection then leaves the device CQ, reports the rest as
-//! flushed, destroys its queue pair, CM id and credit block, gives its share of the device CQ
-//! back, and reports the disconnect - its last record.
+//! looks at what is outstanding, until nothing is or [`FLUSH_WAIT`] has passed; the connection
+//! then leaves the device CQ, reports the rest as flushed, destroys its queue pair, CM id and
+//! credit block, gives its share of the device CQ back, and reports the disconnect - its last
+//! record.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -266,6 +267,18 @@ impl Engine {
         r == 0 && attr.qp_state == sys::ibv_qp_state::IBV_QPS_ERR
     }
 
+    /// Before `deadline`: arms the device CQ so that the next completion wakes this
+    /// connection, and returns the wait until then (or [`FLUSH_STEP`], the longest between
+    /// two looks).
+    fn wait_for_device(&self, deadline: Instant) -> Option<Next> {
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        self.devcq.arm_now();
+        Some(Next::Wait(Some((now + FLUSH_STEP).min(deadline))))
+    }
+
     /// One teardown turn (see the module's doc).
     fn teardown(&mut self) -> Next {
         loop {
@@ -313,10 +326,8 @@ impl Engine {
                     let written =
                         st.failed.is_some() || st.sends.front().is_none_or(|e| e.seq > seq);
                     drop(st);
-                    let now = Instant::now();
-                    if !written && now < deadline {
-                        self.devcq.arm_now();
-                        return Next::Wait(Some((now + FLUSH_STEP).min(deadline)));
+                    if !written && let Some(wait) = self.wait_for_device(deadline) {
+                        return wait;
                     }
                     self.stage = Stage::Close(end);
                 }
@@ -340,11 +351,9 @@ impl Engine {
                     };
                     drop(st);
                     self.stage = Stage::Flush(end, deadline);
-                    let now = Instant::now();
-                    if outstanding && now < deadline {
-                        // Flushes come as completions; their delivery wakes this connection.
-                        self.devcq.arm_now();
-                        return Next::Wait(Some((now + FLUSH_STEP).min(deadline)));
+                    // Flushes come as completions; their delivery wakes this connection.
+                    if outstanding && let Some(wait) = self.wait_for_device(deadline) {
+                        return wait;
                     }
                     self.stage = Stage::Leave(end);
                 }

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use crate::conn::seam::RequestSeam;
 use crate::conn::{
-    ConnOptions, Handshake, SHM_RING_DEFAULT, SHM_RING_MAX, SHM_RING_MIN, Setup, Started, Step,
-    Transport, socket_error,
+    ConnOptions, Handshake, SHM_RING_DEFAULT, Setup, Started, Step, Transport,
+    shm_ring_size_allowed, socket_error,
 };
 use crate::cq::notice::NO_SLOT;
 use crate::cq::{CompletionQueue, SlotReservation};
@@ -38,8 +38,7 @@ pub(crate) use listener::Listener;
 /// (each 0 when it has none), else the default. A wish that no option could be (from a hostile
 /// or broken client) counts as none.
 fn ring_size(wish: u32, own: u32) -> usize {
-    let valid = |v: u32| (SHM_RING_MIN..=SHM_RING_MAX).contains(&v) && v % 4096 == 0;
-    let wish = if valid(wish) { wish } else { 0 };
+    let wish = if shm_ring_size_allowed(wish) { wish } else { 0 };
     let size = wish.max(own);
     (if size == 0 { SHM_RING_DEFAULT } else { size }) as usize
 }
