@@ -25,7 +25,9 @@
 #               the connect (median over connections, against the busy run's steady round trip),
 #               the very first round trip (median over connections, against the same),
 #               and a message sent while the peer sleeps 50 ms before posting its receive, timed
-#               from that post to the receive's completion (against ib_send_lat's one-way 2 B)
+#               from that post to the receive's completion (against ib_send_lat's one-way 2 B);
+#               beside them ib_send_lat -U's first round trip on a new queue pair against its
+#               steady one (RBR_BENCH_MEASURES=first runs only these)
 # rdmabridge runs as rbr-caller (progress on the caller's thread, the default), rbr-thread
 # (progress threads) and rbr-caller-busy (caller progress, rbr_cq_wait never sleeping), all
 # three the C example (rbr_client/rbr_server: streaming there is echoed, so both directions
@@ -185,6 +187,23 @@ first_run() { # busy|wait
   grep '^RESULT ' /tmp/first-client.log
 }
 
+# The stock tool's first round trip on a fresh connection: first_n runs of ib_send_lat -U (each
+# a new queue pair, 200 iterations of 64 B, every iteration's time printed in order); prints
+# the median over runs of the first iteration and of each run's median, as round trips (the
+# tool prints half of each).
+stock_first() {
+  local r firsts=() meds=() its
+  for r in $(seq "$first_n"); do
+    perftest ib_send_lat -s 64 -n 200 -U >/dev/null || return 1
+    its=$(awk -F', ' '/^[0-9]+, [0-9.]+$/ { print $2 * 2 }' /tmp/perf-client.log)
+    [ "$(echo "$its" | wc -l)" -ge 2 ] || return 1
+    firsts+=("$(echo "$its" | head -n 1)") meds+=("$(echo "$its" | median)")
+  done
+  echo "$(printf '%s\n' "${firsts[@]}" | median) $(printf '%s\n' "${meds[@]}" | median)"
+}
+# The median of the numbers on stdin, one a line.
+median() { sort -g | awk '{ a[NR] = $1 } END { print NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
+
 # A server and a client of PROGRAM (rbr_bench or rbr_rma_bench) on a fresh port: TEST at SIZE,
 # COUNT operations (32 in flight when streaming), EXTRA options given to both sides; prints the
 # client's RESULT line.
@@ -247,7 +266,7 @@ record_split() { # SIZE TOOL SPLIT-LINE
 name() { case $1 in */-) echo "rbr-${1%/*}" ;; */1000000) echo "rbr-${1%/*}-busy" ;; *) echo "rbr-${1%/*}-spin${1#*/}" ;; esac; }
 
 measures=${RBR_BENCH_MEASURES:-all}
-case $measures in all|setup|event) ;; *) echo "RBR_BENCH_MEASURES: all, setup or event, not '$measures'" >&2; exit 2 ;; esac
+case $measures in all|setup|event|first) ;; *) echo "RBR_BENCH_MEASURES: all, setup, event or first, not '$measures'" >&2; exit 2 ;; esac
 # setup_pairs: connections one after another and in flight, each against cmtime with the same
 # count (cmtime sets its connections up all at once).
 setup_pairs() {
@@ -276,10 +295,43 @@ event_pairs() {
   done
 }
 
+# first_pairs: rbr_first both ways and the stock tool's first round trips (above); the late
+# message against this round's one-way ib_send_lat at the smallest size (measured here when
+# only these run), the first round trips against the busy run's steady round trip.
+first_pairs() {
+  local sl out f l mode steady row
+  if [ "$measures" = first ]; then
+    row=$(perftest ib_send_lat -s "${lat_sizes%% *}" -n "$(lat_n "${lat_sizes%% *}")") &&
+      sl=$(echo "$row" | awk '{ print $5 }')
+  else
+    sl=$(awk -v m="lat${lat_sizes%% *}" '$2 == m && $3 == "ib_send_lat" && $4 == "p50" { v = $5 } END { print v }' "$results")
+  fi
+  [ -n "$sl" ] && record late64 ib_send_lat p50 "$sl"
+  for mode in busy wait; do
+    if out=$(first_run $mode); then
+      f=$(echo "$out" | grep '^RESULT first') l=$(echo "$out" | grep '^RESULT late')
+      if [ $mode = busy ]; then
+        steady=$(echo "$f" | sed -n 's/.* rtt_p50_us=\([0-9.]*\).*/\1/p')
+        record first64 rbr-steady p50 "$steady"
+        record firstone64 rbr-steady p50 "$steady"
+      fi
+      record first64 "rbr-first-$mode" p50 "$(echo "$f" | sed -n 's/.* worst_p50_us=\([0-9.]*\).*/\1/p')"
+      record firstone64 "rbr-first-$mode" p50 "$(echo "$f" | sed -n 's/.* first_p50_us=\([0-9.]*\).*/\1/p')"
+      record late64 "rbr-first-$mode" p50 "$(echo "$l" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
+    fi
+  done
+  # The same for the stock tool: how much slower than its steady round trip its first one is.
+  if out=$(stock_first); then
+    record firststock64 ib_send_lat-steady p50 "${out#* }"
+    record firststock64 ib_send_lat-first p50 "${out% *}"
+  fi
+}
+
 echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource), $(nproc) CPUs"
 for round in $(seq "$rounds"); do
   echo "== round $round"
   if [ "$measures" = setup ]; then setup_pairs; continue; fi
+  if [ "$measures" = first ]; then first_pairs; continue; fi
   if [ "$measures" = event ]; then
     for size in $lat_sizes; do event_pairs "$size" "$(lat_n "$size")"; done
     continue
@@ -354,23 +406,7 @@ for round in $(seq "$rounds"); do
     done
   done
   setup_pairs
-  # The late message against this round's one-way ib_send_lat at the smallest size; the first
-  # round trips against the busy run's steady round trip.
-  sl=$(awk -v m="lat${lat_sizes%% *}" '$2 == m && $3 == "ib_send_lat" && $4 == "p50" { v = $5 } END { print v }' "$results")
-  [ -n "$sl" ] && record late64 ib_send_lat p50 "$sl"
-  for mode in busy wait; do
-    if out=$(first_run $mode); then
-      f=$(echo "$out" | grep '^RESULT first') l=$(echo "$out" | grep '^RESULT late')
-      if [ $mode = busy ]; then
-        steady=$(echo "$f" | sed -n 's/.* rtt_p50_us=\([0-9.]*\).*/\1/p')
-        record first64 rbr-steady p50 "$steady"
-        record firstone64 rbr-steady p50 "$steady"
-      fi
-      record first64 "rbr-first-$mode" p50 "$(echo "$f" | sed -n 's/.* worst_p50_us=\([0-9.]*\).*/\1/p')"
-      record firstone64 "rbr-first-$mode" p50 "$(echo "$f" | sed -n 's/.* first_p50_us=\([0-9.]*\).*/\1/p')"
-      record late64 "rbr-first-$mode" p50 "$(echo "$l" | sed -n 's/.* p50_us=\([0-9.]*\).*/\1/p')"
-    fi
-  done
+  first_pairs
 done
 
 # The table: per measure, the stock tool first, then ours; medians over the rounds, the spread
@@ -400,6 +436,7 @@ awk '
     if (m ~ /^lat/) { s = substr(m, 4) + 0; return "latency " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^elat/) { s = substr(m, 5) + 0; return "latency asleep between messages " (s >= 1024 ? s / 1024 " KiB" : s " B") }
     if (m ~ /^bw/) { s = substr(m, 3) + 0; return "bandwidth " (s >= 1048576 ? s / 1048576 " MiB" : s / 1024 " KiB") }
+    if (m ~ /^firststock/) return "the stock tool'"'"'s first round trip after the connect, " substr(m, 11) " B"
     if (m ~ /^firstone/) return "the first round trip after the connect, " substr(m, 9) " B"
     if (m ~ /^first/) return "slowest of the first round trips, " substr(m, 6) " B"
     if (m ~ /^inflight/) return "connection setup, " substr(m, 9) " in flight"
@@ -441,15 +478,18 @@ fi
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
 # size, 2 x 2 bandwidth figures per size; the read's split: 2 figures of each tool; rbr_first:
-# 3 figures of the late message, 3 of the slowest first round trips and 3 of the very first;
+# 3 figures of the late message, 3 of the slowest first round trips and 3 of the very first,
+# and the stock tool's first and steady round trips;
 # setup: 2 pairs; asleep between
 # messages: 2 figures of each of 3 tools per size)
 if [ "$measures" = setup ]; then
   want=$((rounds * 4))
 elif [ "$measures" = event ]; then
   want=$((rounds * nl * 6))
+elif [ "$measures" = first ]; then
+  want=$((rounds * (9 + 2)))
 else
-  want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 4 + nl * 8 + nb * 4 + 4 + 9 + nl * 6)))
+  want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 4 + nl * 8 + nb * 4 + 4 + 9 + 2 + nl * 6)))
 fi
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }

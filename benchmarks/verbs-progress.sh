@@ -10,9 +10,11 @@
 # Usage: benchmarks/verbs-progress.sh [ROUNDS]   (default 3; about 8 minutes per round under TCG)
 #        benchmarks/verbs-progress.sh --quick     (one round at tiny counts, caller progress only:
 #                                                   proves the pipeline; about a minute)
-#        RBR_BENCH_MEASURES=setup|event benchmarks/verbs-progress.sh [ROUNDS]
-#                                                  (only connection setup, or only the pairs
-#                                                   asleep between messages)
+#        RBR_BENCH_MEASURES=setup|event|first benchmarks/verbs-progress.sh [ROUNDS]
+#                                                  (only connection setup, only the pairs
+#                                                   asleep between messages, or only the
+#                                                   first messages of a connection: rbr_first
+#                                                   and ib_send_lat's first round trips)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3} quick=

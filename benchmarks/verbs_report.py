@@ -31,7 +31,9 @@ STOCK = {
     "rkern": "ib_read_lat", "ruser": "ib_read_lat",
     # A message that waits for its receive, against the one-way latency of a message that
     # does not; the slowest of the first round trips against a steady round trip.
-    "late": "ib_send_lat", "first": "rbr-steady",
+    "late": "ib_send_lat", "first": "rbr-steady", "firstone": "rbr-steady",
+    # The stock tool's first round trip against its own steady one.
+    "firststock": "ib_send_lat-steady",
 }
 
 
