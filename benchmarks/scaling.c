@@ -37,9 +37,10 @@
  *         machine hits both alike).  Every connection then has queue
  *         depths of RATE_DEPTH on both sides.
  *   mem   after the rate run, the resident memory of each process
- *         (VmRSS, which counts the shared memory a process has touched),
- *         and per connection: the growth since the first N over the
- *         connections added since.
+ *         (VmRSS, which counts the shared memory a process has touched)
+ *         and its pinned memory (VmPin: over verbs, what is registered
+ *         with the device), and per connection: the growth since the first
+ *         N over the connections added since.
  * Both sides busy-poll with rbr_cq_poll, never rbr_cq_wait, as rbr_bench
  * does.  It also prints the client process's threads and open descriptors
  * at N (from /proc/self), which show what each connection costs besides
@@ -59,8 +60,10 @@
  * Output, one line per N (and with -r a second one):
  *   RESULT scaling N poll_ns=X p50_us=X p99_us=X avg_us=X threads=T fds=F
  *   RESULT scaling-rate N msgs_per_s=X best_per_s=X ratio=Y side_ratio=Y
- *   RESULT scaling-mem N client_kib=X server_kib=X client_kib_per_conn=X
- *          server_kib_per_conn=X   (the last two from the second N on)
+ *   RESULT scaling-mem N client_kib=X server_kib=X client_pin_kib=X
+ *          server_pin_kib=X client_kib_per_conn=X server_kib_per_conn=X
+ *          client_pin_kib_per_conn=X server_pin_kib_per_conn=X
+ *          (the per-connection figures from the second N on)
  *
  * Usage: rbr_scaling [-a ADDR] [-N LIST] [-s SIZE] [-n ITERS] [-b BATCHES]
  *                    [-c A,B] [-T SECS] [-r MSGS] [-w WARM] [-p MODE]
@@ -136,6 +139,8 @@ struct ctl_msg {
     /* CTL_ADD: connections to accept; CTL_RATE: messages; CTL_MEM: the
      * server's resident KiB in the echo */
     uint64_t count;
+    /* CTL_MEM: the server's pinned KiB in the echo */
+    uint64_t pinned;
 };
 
 struct opts {
@@ -411,6 +416,13 @@ static long resident_kib(void)
     return proc_status("VmRSS: %ld kB");
 }
 
+/* Pinned memory of this process in KiB (-1 if unknown): over verbs, the
+ * memory registered with the device (the kernel counts it in VmPin). */
+static long pinned_kib(void)
+{
+    return proc_status("VmPin: %ld kB");
+}
+
 /*
  * Busy-polls until at least one completion is there; fails on an error
  * completion, a connection event, or after the time limit.
@@ -646,8 +658,10 @@ static int serve(struct side *s, rbr_listener *l, const struct opts *o)
                 return -1;
             if (m.op == CTL_RATE)
                 rate_left = m.count;
-            if (m.op == CTL_MEM)
+            if (m.op == CTL_MEM) {
                 m.count = (uint64_t)resident_kib();
+                m.pinned = (uint64_t)pinned_kib();
+            }
             if (send_ctl_msg(s, &m))
                 return -1;
             if (m.op == CTL_QUIT)
@@ -1000,15 +1014,18 @@ out:
     return ret;
 }
 
-/* The resident memory of both processes now (the server's in the echo of
- * CTL_MEM, which lands at the start of the receive buffer), and its growth
- * per connection since the `first` call, whose figures it keeps in
- * first_mem and first_n. */
-static int report_memory(struct side *s, int first, long first_mem[2],
+/* The resident and pinned memory of both processes now (the server's in the
+ * echo of CTL_MEM, which lands at the start of the receive buffer), and
+ * their growth per connection since the `first` call, whose figures it
+ * keeps in first_mem and first_n: client resident, server resident, client
+ * pinned, server pinned. */
+static int report_memory(struct side *s, int first, long first_mem[4],
                          uint64_t *first_n)
 {
+    static const char *const names[4] = {"client_kib", "server_kib",
+                                         "client_pin_kib", "server_pin_kib"};
     struct ctl_msg m;
-    long mem[2];
+    long mem[4];
     int i;
 
     if (ctl_round(s, CTL_MEM, 0, NULL, NULL))
@@ -1016,15 +1033,17 @@ static int report_memory(struct side *s, int first, long first_mem[2],
     memcpy(&m, rbr_mr_addr(s->recv_mr), sizeof m);
     mem[0] = resident_kib();
     mem[1] = (long)m.count;
-    printf("RESULT scaling-mem %llu client_kib=%ld server_kib=%ld",
-           (unsigned long long)s->n_conns, mem[0], mem[1]);
+    mem[2] = pinned_kib();
+    mem[3] = (long)m.pinned;
+    printf("RESULT scaling-mem %llu", (unsigned long long)s->n_conns);
+    for (i = 0; i < 4; i++)
+        printf(" %s=%ld", names[i], mem[i]);
     if (first) {
-        first_mem[0] = mem[0];
-        first_mem[1] = mem[1];
+        memcpy(first_mem, mem, sizeof mem);
         *first_n = s->n_conns;
     } else if (s->n_conns > *first_n) {
-        for (i = 0; i < 2; i++)
-            printf(" %s_kib_per_conn=%.1f", i == 0 ? "client" : "server",
+        for (i = 0; i < 4; i++)
+            printf(" %s_per_conn=%.1f", names[i],
                    (double)(mem[i] - first_mem[i]) /
                        (double)(s->n_conns - *first_n));
     }
@@ -1038,7 +1057,7 @@ static int client_main(const struct opts *o, int ready)
     uint64_t *rtt = NULL;
     uint64_t warm = o->iters / 10 < 100 ? 100 : o->iters / 10;
     double first_rate = 0;
-    long first_mem[2] = {-1, -1}; /* client, server */
+    long first_mem[4] = {-1, -1, -1, -1}; /* see report_memory */
     uint64_t first_n = 0;
     size_t k;
     int rc = -1;

@@ -28,6 +28,9 @@
 #               from that post to the receive's completion (against ib_send_lat's one-way 2 B);
 #               beside them ib_send_lat -U's first round trip on a new queue pair against its
 #               steady one (RBR_BENCH_MEASURES=first runs only these)
+#   scale:      rbr_scaling's round-robin rate over 1, 16 and 256 connections on one queue,
+#               each against one connection side by side, and the resident and registered
+#               (pinned) memory each connection adds on each side (RBR_BENCH_MEASURES=scale)
 # rdmabridge runs as rbr-caller (progress on the caller's thread, the default), rbr-thread
 # (progress threads) and rbr-caller-busy (caller progress, rbr_cq_wait never sleeping), all
 # three the C example (rbr_client/rbr_server: streaming there is echoed, so both directions
@@ -50,12 +53,12 @@ port=18000 results=/tmp/bench-results
 : >"$results"
 
 # Sizes and counts. Streaming moves about 64 MiB per run (at least 64 messages).
-lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100 inflight=64 first_n=10
+lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100 inflight=64 first_n=10 scale_n=1,16,256
 lat_n() { [ "$1" -ge 4096 ] && echo 300 || echo 1000; } # ib_send_lat hangs on rxe at 4 KiB x 1000
 bw_n() { local n=$((64 * 1048576 / $1)); [ "$n" -ge 64 ] && echo "$n" || echo 64; }
 variants=${RBR_BENCH_VARIANTS:-"caller/- thread/- caller/1000000"}
 if [ "$quick" = --quick ]; then
-  rounds=1 bw_sizes=65536 conns=10 inflight=10 first_n=2
+  rounds=1 bw_sizes=65536 conns=10 inflight=10 first_n=2 scale_n=1,16
   lat_n() { echo 100; }
   bw_n() { echo 50; }
   variants=${RBR_BENCH_VARIANTS:-"caller/-"}
@@ -266,7 +269,7 @@ record_split() { # SIZE TOOL SPLIT-LINE
 name() { case $1 in */-) echo "rbr-${1%/*}" ;; */1000000) echo "rbr-${1%/*}-busy" ;; *) echo "rbr-${1%/*}-spin${1#*/}" ;; esac; }
 
 measures=${RBR_BENCH_MEASURES:-all}
-case $measures in all|setup|event|first) ;; *) echo "RBR_BENCH_MEASURES: all, setup, event or first, not '$measures'" >&2; exit 2 ;; esac
+case $measures in all|setup|event|first|scale) ;; *) echo "RBR_BENCH_MEASURES: all, setup, event, first or scale, not '$measures'" >&2; exit 2 ;; esac
 # setup_pairs: connections one after another and in flight, each against cmtime with the same
 # count (cmtime sets its connections up all at once).
 setup_pairs() {
@@ -293,6 +296,39 @@ event_pairs() {
       record "elat$1" $t p99 "$(echo "$out" | sed -n 's/.* p99_us=\([0-9.]*\).*/\1/p')"
     fi
   done
+}
+
+# scale_pairs: rbr_scaling's round-robin run (one client sending 512 B messages round-robin over
+# N connections on one queue to a server polling one queue, each N against one connection
+# side by side) at N = 1, 16 and 256 (scale_n); and, from the second N on, what each connection added to each
+# process's resident memory and to its pinned memory (what it registered with the device).
+scale_pairs() {
+  local out line n rate side
+  next_port
+  if ! out=$(timeout 900 "$build/rbr_scaling" -a "rdma://$ip:$port" -N "$scale_n" -n 200 -b 1 \
+    -r 20000 -w 32 -m 512 -p caller -c 0,1 -T 60 2>&1); then
+    echo "rbr_scaling failed:" >&2; echo "$out" >&2
+    return 1
+  fi
+  while read -r line; do
+    set -- $line
+    n=$3
+    case $2 in
+      scaling-rate)
+        rate=$(echo "$line" | sed -n 's/.* msgs_per_s=\([0-9.]*\).*/\1/p')
+        side=$(echo "$line" | sed -n 's/.* side_ratio=\([0-9.]*\).*/\1/p')
+        record "rr$n" rbr-one-conn rate "$(awk -v r="$rate" -v s="$side" 'BEGIN { printf "%.0f", r / s }')"
+        record "rr$n" rbr-n-conns rate "$rate"
+        ;;
+      scaling-mem)
+        echo "$line" | grep -q per_conn || continue
+        record "rrmem$n" client-resident kib "$(echo "$line" | sed -n 's/.* client_kib_per_conn=\([0-9.-]*\).*/\1/p')"
+        record "rrmem$n" server-resident kib "$(echo "$line" | sed -n 's/.* server_kib_per_conn=\([0-9.-]*\).*/\1/p')"
+        record "rrmem$n" client-registered kib "$(echo "$line" | sed -n 's/.* client_pin_kib_per_conn=\([0-9.-]*\).*/\1/p')"
+        record "rrmem$n" server-registered kib "$(echo "$line" | sed -n 's/.* server_pin_kib_per_conn=\([0-9.-]*\).*/\1/p')"
+        ;;
+    esac
+  done < <(echo "$out" | grep -E '^RESULT scaling-(rate|mem) ')
 }
 
 # first_pairs: rbr_first both ways and the stock tool's first round trips (above); the late
@@ -332,6 +368,7 @@ for round in $(seq "$rounds"); do
   echo "== round $round"
   if [ "$measures" = setup ]; then setup_pairs; continue; fi
   if [ "$measures" = first ]; then first_pairs; continue; fi
+  if [ "$measures" = scale ]; then scale_pairs; continue; fi
   if [ "$measures" = event ]; then
     for size in $lat_sizes; do event_pairs "$size" "$(lat_n "$size")"; done
     continue
@@ -407,6 +444,7 @@ for round in $(seq "$rounds"); do
   done
   setup_pairs
   first_pairs
+  scale_pairs
 done
 
 # The table: per measure, the stock tool first, then ours; medians over the rounds, the spread
@@ -440,6 +478,8 @@ awk '
     if (m ~ /^firstone/) return "the first round trip after the connect, " substr(m, 9) " B"
     if (m ~ /^first/) return "slowest of the first round trips, " substr(m, 6) " B"
     if (m ~ /^inflight/) return "connection setup, " substr(m, 9) " in flight"
+    if (m ~ /^rrmem/) return "memory added per connection, " substr(m, 6) " connections"
+    if (m ~ /^rr/) return "round-robin message rate, 512 B, " substr(m, 3) " connections against one"
     return "connection setup"
   }
   function ratio(a, b) { return (b > 0 && a != "") ? sprintf("%.2fx", a / b) : "-" }
@@ -457,16 +497,16 @@ awk '
     printf "| --- | --- | --- | --- | --- | --- | --- |\n"
     for (i = 1; i <= nm; i++) {
       m = order[i]; split(substr(tools[m], 2), ts, " ")
-      field = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : "cps")
-      unit = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : " conn/s")
+      field = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : (m ~ /^rrmem/ ? "kib" : (m ~ /^rr/ ? "rate" : "cps")))
+      unit = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : (m ~ /^rrmem/ ? " KiB" : (m ~ /^rr/ ? " msg/s" : " conn/s")))
       ref = ts[1]; r50 = med(m SUBSEP ref SUBSEP field); r99 = med(m SUBSEP ref SUBSEP "p99")
       for (j = 1; (j in ts); j++) {
         t = ts[j]; k = m SUBSEP t SUBSEP field
         a = med(k); if (a == "") continue
         kb = m SUBSEP t SUBSEP "p99"; b = med(kb)
         printf "| %s | %s | %s%s (%s-%s) | %s | %s | %s | %s |\n", label(m), t, a, unit, lo[k], hi[k],
-          (b == "" ? "-" : b unit " (" lo[kb] "-" hi[kb] ")"), ratio(a, r50), (b == "" ? "-" : ratio(b, r99)),
-          paired(k, m SUBSEP ref SUBSEP field)
+          (b == "" ? "-" : b unit " (" lo[kb] "-" hi[kb] ")"), (m ~ /^rrmem/ ? "-" : ratio(a, r50)), (b == "" ? "-" : ratio(b, r99)),
+          (m ~ /^rrmem/ ? "-" : paired(k, m SUBSEP ref SUBSEP field))
       }
     }
   }' "$results" | tee /tmp/bench-table.md
@@ -476,10 +516,12 @@ if [ -n "$outdir" ]; then
 fi
 # Every tool must have produced every round's figure.
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
+ns=$(echo "$scale_n" | tr , ' ' | wc -w); ns=$((2 * ns + 4 * (ns - 1)))
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
 # size, 2 x 2 bandwidth figures per size; the read's split: 2 figures of each tool; rbr_first:
 # 3 figures of the late message, 3 of the slowest first round trips and 3 of the very first,
-# and the stock tool's first and steady round trips;
+# and the stock tool's first and steady round trips; the round-robin run: 2 rates at each N
+# and 4 memory figures at each N but the first;
 # setup: 2 pairs; asleep between
 # messages: 2 figures of each of 3 tools per size)
 if [ "$measures" = setup ]; then
@@ -488,8 +530,10 @@ elif [ "$measures" = event ]; then
   want=$((rounds * nl * 6))
 elif [ "$measures" = first ]; then
   want=$((rounds * (9 + 2)))
+elif [ "$measures" = scale ]; then
+  want=$((rounds * ns))
 else
-  want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 4 + nl * 8 + nb * 4 + 4 + 9 + 2 + nl * 6)))
+  want=$((rounds * (nl * 2 * (4 + nv) + nb * (4 + nv) + 4 + nl * 8 + nb * 4 + 4 + 9 + 2 + ns + nl * 6)))
 fi
 n=$(awk 'NF == 5' "$results" | wc -l)
 [ "$n" -eq "$want" ] || { echo "bench: $n of $want figures produced" >&2; exit 1; }

@@ -10,11 +10,12 @@
 # Usage: benchmarks/verbs-progress.sh [ROUNDS]   (default 3; about 8 minutes per round under TCG)
 #        benchmarks/verbs-progress.sh --quick     (one round at tiny counts, caller progress only:
 #                                                   proves the pipeline; about a minute)
-#        RBR_BENCH_MEASURES=setup|event|first benchmarks/verbs-progress.sh [ROUNDS]
+#        RBR_BENCH_MEASURES=setup|event|first|scale benchmarks/verbs-progress.sh [ROUNDS]
 #                                                  (only connection setup, only the pairs
-#                                                   asleep between messages, or only the
-#                                                   first messages of a connection: rbr_first
-#                                                   and ib_send_lat's first round trips)
+#                                                   asleep between messages, only the first
+#                                                   messages of a connection (rbr_first and
+#                                                   ib_send_lat's first round trips), or only
+#                                                   the round-robin run over N connections)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3} quick=

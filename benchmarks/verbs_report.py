@@ -34,6 +34,8 @@ STOCK = {
     "late": "ib_send_lat", "first": "rbr-steady", "firstone": "rbr-steady",
     # The stock tool's first round trip against its own steady one.
     "firststock": "ib_send_lat-steady",
+    # The round-robin rate over N connections against one connection's, side by side.
+    "rr": "rbr-one-conn",
 }
 
 
@@ -68,7 +70,7 @@ def main():
             pairs = [a / b for a, b in zip(vals[k], refs) if b > 0]
             by_round = ("%.3f" % statistics.median(pairs)
                         if pairs and len(refs) == len(vals[k]) else "")
-            better = "lower" if field in ("p50", "p99") else "higher"
+            better = "lower" if field in ("p50", "p99", "kib") else "higher"
             w.writerow([kind, size, tool, field, "%g" % med[k], "%g" % min(vals[k]),
                         "%g" % max(vals[k]), len(vals[k]), ratio, by_round, stock or "",
                         better])
