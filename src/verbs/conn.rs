@@ -390,7 +390,7 @@ impl ConnState {
             if self.finish_bounced(st) {
                 continue;
             }
-            if !credit {
+            if !credit || !self.claims_told_first(st) {
                 break;
             }
             // A credit: the peer has a receive on the device, and so takes nothing from its
@@ -453,7 +453,11 @@ impl ConnState {
     /// Writes the first held send into the peer's bounce area, then its header (see
     /// `credit.rs`), if it is small enough and an inline copy, and none is there already.
     pub(super) fn bounce_first(&self, st: &mut PostState) {
-        if st.closed || st.failed.is_some() || st.internal_out + 3 > CREDIT_WRITES_MAX {
+        if st.closed
+            || st.failed.is_some()
+            || st.internal_out + 3 > CREDIT_WRITES_MAX
+            || !self.claims_told_first(st)
+        {
             return;
         }
         let Some(c) = st.credits.as_mut() else { return };
@@ -529,6 +533,19 @@ impl ConnState {
         if st.credits.as_ref().is_some_and(Credits::push_due) {
             self.push_due_credits(st, false);
         }
+    }
+
+    /// Tells the peer of the messages this side took from its bounce area, if one is untold,
+    /// before work that takes one of the peer's receives: the peer may learn that its message
+    /// arrived from a later message of this side's (an answer) and close at once, so the
+    /// claim must be in its memory first - the device delivers a write before the message
+    /// posted after it. Returns false when a claim is still untold (the peer's word is not
+    /// known yet, or no internal slot is free): that work waits, held.
+    pub(super) fn claims_told_first(&self, st: &mut PostState) -> bool {
+        if st.credits.as_ref().is_some_and(Credits::claim_pending) {
+            self.push_due_credits(st, false);
+        }
+        !st.credits.as_ref().is_some_and(Credits::claim_pending)
     }
 
     /// Writes the claims not yet told the peer, signaled, on the way to a disconnect: the
@@ -633,18 +650,21 @@ impl std::fmt::Debug for Conn {
 impl Conn {
     /// Whether the caller's send-queue work may go to the device now: `Err` when the
     /// connection is down or its send queue is full; `Ok(false)` when it needs a receive at
-    /// the peer (`credit`) that the peer has not posted yet, or others wait for one before it.
-    fn may_post(&self, st: &PostState, credit: bool) -> Result<bool> {
+    /// the peer (`credit`) that the peer has not posted yet, or others wait for one before it,
+    /// or this side took a message of the peer's that it cannot tell it of yet (see
+    /// [`ConnState::claims_told_first`]).
+    fn may_post(&self, st: &mut PostState, credit: bool) -> Result<bool> {
         admit_send(
             st.closed,
             st.user_work,
             self.sh.info.send_queue_depth as usize,
         )?;
         Ok(!(credit
-            && st
+            && (st
                 .credits
                 .as_ref()
-                .is_some_and(|c| !c.held.is_empty() || !c.available())))
+                .is_some_and(|c| !c.held.is_empty() || !c.available())
+                || !self.sh.claims_told_first(st))))
     }
 
     /// Counts the caller's work just handed to the device (`credit`: it took one).
@@ -660,7 +680,7 @@ impl Conn {
     #[inline]
     fn send_inline(&self, ptr: *mut u8, len: usize, wr_id: u64, signaled: bool) -> Result<()> {
         let mut st = self.sh.lock();
-        if !self.may_post(&st, true)? {
+        if !self.may_post(&mut st, true)? {
             // SendWork for credits: the general way holds it.
             drop(st);
             return self.post_send_raw(ptr, len, 0, wr_id, signaled, true, None);
@@ -727,7 +747,7 @@ impl Conn {
     fn submit(&self, mut h: SendWork) -> Result<()> {
         let mut st = self.sh.lock();
         let credit = h.needs_credit();
-        if !self.may_post(&st, credit)? {
+        if !self.may_post(&mut st, credit)? {
             let c = st
                 .credits
                 .as_mut()
@@ -786,7 +806,7 @@ impl Conn {
         let mut dev: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
         dev.send_flags = rdma_wr(&mut dev, op, sges, remote_addr, rkey, &self.sh.info);
         let mut st = self.sh.lock();
-        self.may_post(&st, false)?;
+        self.may_post(&mut st, false)?;
         // SAFETY: `dev` and `sges` are live locals; the local memory stays valid until the
         // work completes (held by `mrs`) or, inline, is copied during the call.
         let posted = unsafe {

@@ -52,6 +52,7 @@ macro_rules! for_each_suite_test {
             late_receive_send_waits_and_completes,
             waiting_messages_arrive_in_the_receives_post_once_and_in_order,
             a_waiting_message_taken_just_before_a_close_is_a_success_at_the_sender,
+            a_sender_closing_on_the_answer_to_its_waiting_message_sees_no_flush,
             unsignaled_sends_never_fill_the_send_queue,
             one_sided_operations_move_verified_data_at_all_sizes,
             fetch_and_add_from_two_connections_sums_exactly,

@@ -1123,6 +1123,53 @@ pub fn a_waiting_message_taken_just_before_a_close_is_a_success_at_the_sender(ne
     );
 }
 
+/// A sender that closes as soon as the answer to its waiting message comes (a client that
+/// sends a request, takes the reply and hangs up): its send, unsignaled, reports nothing - it
+/// was delivered - never a flush. The receiver posts the receive the message waited for and
+/// answers at once, without a poll between; over verbs the post mostly takes the message from
+/// the bounce area, and the sender learns that only from the claim, which must reach it before
+/// the answer does.
+pub fn a_sender_closing_on_the_answer_to_its_waiting_message_sees_no_flush(net: &Net) {
+    const ROUNDS: u64 = 6;
+    let ctx = Context::new().unwrap();
+    let opts = ConnOptions::default();
+    let smr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    let cmr = ctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+    for k in 0..ROUNDS {
+        let (c, ccq, s, scq) = pair(net, &ctx, &opts, &opts);
+        c.post_recv(&cmr, 0, 64, 100 + k).unwrap();
+        c.post_send_inline(&pattern(k, 24), k, SendFlags::default())
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        s.post_recv(&smr, 0, 64, k).unwrap();
+        s.post_send_inline(&pattern(k + 1, 16), 200 + k, SendFlags::default())
+            .unwrap();
+        let a = next(&ccq);
+        assert_eq!(
+            (a.opcode, a.status, a.wr_id, a.byte_len),
+            (Opcode::Recv, WcStatus::Success, 100 + k, 16),
+            "round {k}"
+        );
+        drop(c);
+        let end = next(&ccq);
+        assert_eq!(
+            (end.opcode, end.status),
+            (Opcode::Disconnected, WcStatus::Success),
+            "round {k}: the sender's queue after the answer: {end:?}"
+        );
+        let r = next(&scq);
+        assert_eq!(
+            (r.opcode, r.status, r.wr_id, r.byte_len),
+            (Opcode::Recv, WcStatus::Success, k, 24),
+            "round {k}"
+        );
+        let mut got = vec![0u8; 24];
+        unsafe { smr.read(0, &mut got) }.unwrap();
+        assert_eq!(got, pattern(k, 24), "round {k}");
+        drop(s);
+    }
+}
+
 /// A send whose receive is posted 10 s late waits for it and completes with the right bytes,
 /// with the default options, while the sender sleeps in `wait`: the library, not the device's
 /// receiver-not-ready retries (which soft-RoCE bounds by `retry_count`, ~4 s), holds it back.
