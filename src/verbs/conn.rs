@@ -542,8 +542,14 @@ impl ConnState {
     /// posted after it. Returns false when a claim is still untold (the peer's word is not
     /// known yet, or no internal slot is free): that work waits, held.
     pub(super) fn claims_told_first(&self, st: &mut PostState) -> bool {
+        self.write_claims(st, false)
+    }
+
+    /// Writes the claims not yet told the peer (with the count of receives), `signal`ed or
+    /// not, if any is pending; returns whether none is left untold.
+    fn write_claims(&self, st: &mut PostState, signal: bool) -> bool {
         if st.credits.as_ref().is_some_and(Credits::claim_pending) {
-            self.push_due_credits(st, false);
+            self.push_due_credits(st, signal);
         }
         !st.credits.as_ref().is_some_and(Credits::claim_pending)
     }
@@ -556,9 +562,7 @@ impl ConnState {
         if !st.credits.as_ref().is_some_and(Credits::claim_pending) {
             return None;
         }
-        self.push_due_credits(st, true);
-        let told = st.credits.as_ref().is_some_and(|c| !c.claim_pending());
-        told.then(|| st.next_seq - 1)
+        self.write_claims(st, true).then(|| st.next_seq - 1)
     }
 
     /// [`push_credits`](Self::push_credits) once a write is due.

@@ -31,13 +31,14 @@
 //! in the poster's call, and counts it in a word of the sender's (`claimed`, written before
 //! its next count of receives); the sender then completes the send. If instead a credit
 //! arrives first (the receive went to the device before the header landed), the held send
-//! goes as a SEND, and the header, naming a message the receiver has by then, is ignored. Either way one side decides: the receiver
-//! takes from the bounce area only with no receive on the device, and the sender sends only
-//! on a credit, that is, for a receive that is on the device. A claim reaches the sender before
-//! anything the receiver sends after taking the message (its sends and writes with immediate,
-//! and its own bounced messages, wait until the claim is written; the device delivers a write
-//! before what is posted after it), so a sender that closes as soon as the answer comes has
-//! seen its send taken; a receiver that closes first writes its claims before it disconnects.
+//! goes as a SEND, and the header, naming a message the receiver has by then, is ignored.
+//! Either way one side decides: the receiver takes from the bounce area only with no receive
+//! on the device, and the sender sends only on a credit, that is, for a receive that is on the
+//! device. A claim reaches the sender before anything the receiver sends after taking the
+//! message (its sends and writes with immediate, and its own bounced messages, wait until the
+//! claim is written; the device delivers a write before what is posted after it), so a sender
+//! that closes as soon as the answer comes has seen its send taken; a receiver that closes
+//! first writes its claims before it disconnects.
 //!
 //! Address exchange: the connect request has no room for an address and key (56 bytes, of
 //! which the caller may use 48), so the server puts its word's address and key in its accept
