@@ -23,6 +23,16 @@
  * RBR_OP_DISCONNECTED is a connection's last record: the loop then destroys
  * the connection, its region and its struct peer.
  *
+ * With -Q DEPTH the clients share one pool of receives instead (a shared
+ * receive queue, rbr_srq): one region of DEPTH slots, all posted to the pool
+ * at the start, named in every accept's rbr_conn_options.srq.  A message
+ * takes the pool's oldest receive whichever client sent it; its completion
+ * names the client as before, and its wr_id the pool's slot, from which it
+ * is echoed; the slot goes back to the pool once the echo's send completes
+ * (or is flushed).  The server's receive memory is then DEPTH slots whatever
+ * the number of clients; a client whose message finds the pool empty waits,
+ * in its library, until a slot comes back.
+ *
  * Accepting never waits for the client: rbr_request_accept_start returns at
  * once, the receives are posted while the connection connects, and its
  * establishment (over verbs: the client's confirmation, one network round
@@ -39,11 +49,14 @@
  * SIGINT and SIGTERM are blocked except inside epoll_pwait, so they end the
  * loop cleanly (with the summary) and never interrupt the library's threads.
  *
- * Usage: rbr_epoll_server [-a ADDR] [-s MAX_MSG] [-r RECVS] [-c N] [-t SECS]
- *                         [-v]
+ * Usage: rbr_epoll_server [-a ADDR] [-s MAX_MSG] [-r RECVS] [-Q DEPTH]
+ *                         [-c N] [-t SECS] [-v]
  *   -a ADDR     address to listen on (default shm://rdmabridge-demo)
  *   -s MAX_MSG  largest message in bytes, K/M suffixes (default 4096)
- *   -r RECVS    receives posted per connection (default 16)
+ *   -r RECVS    receives posted per connection (default 16); with -Q, the
+ *               send queue depth of each connection
+ *   -Q DEPTH    one shared receive queue of DEPTH receives for all
+ *               connections (default 0: receives per connection)
  *   -c N        exit once N clients have come and gone (default 0: serve
  *               until SIGINT or SIGTERM)
  *   -t SECS     give up with an error after SECS seconds (default 0: never)
@@ -87,6 +100,7 @@ struct server_opts {
     const char *addr;
     size_t max_msg;
     uint32_t recvs;
+    uint32_t pool;    /* -Q: 0 = receives per connection */
     uint64_t clients; /* -c: 0 = forever */
     uint64_t secs;    /* -t: 0 = no limit */
     int verbose;
@@ -95,7 +109,7 @@ struct server_opts {
 /* One accepted connection; the library hands it back as conn_context. */
 struct peer {
     rbr_conn *conn;
-    rbr_mr *mr;        /* `slots` receive slots of `stride` bytes */
+    rbr_mr *mr;        /* `slots` receive slots of `stride` bytes (NULL with -Q) */
     uint8_t *base;
     uint64_t id;       /* rbr_conn_id, for messages */
     uint32_t slots;    /* receives posted at accept, as granted */
@@ -111,6 +125,8 @@ struct server {
     rbr_ctx *ctx;
     rbr_cq *cq;
     rbr_listener *listener;
+    rbr_srq *srq;      /* -Q: the clients' one pool of receives */
+    rbr_mr *pool_mr;   /* -Q: its `o->pool` slots */
     size_t stride;
     struct peer *peers;
     uint64_t requests; /* requests taken */
@@ -121,6 +137,7 @@ struct server {
 };
 
 static volatile sig_atomic_t stop_signal;
+static int pool_lost; /* -Q: a slot could not go back to the pool */
 
 /* The longest single library call the loop made, and which; and per kind of
  * call, the longest and how many took over 1 ms. */
@@ -175,11 +192,13 @@ static void on_signal(int sig)
 static void usage(const char *argv0)
 {
     fprintf(stderr,
-            "usage: %s [-a ADDR] [-s MAX_MSG] [-r RECVS] [-c N] [-t SECS] "
-            "[-v]\n"
+            "usage: %s [-a ADDR] [-s MAX_MSG] [-r RECVS] [-Q DEPTH] [-c N] "
+            "[-t SECS] [-v]\n"
             "  -a ADDR     listen address (default %s)\n"
             "  -s MAX_MSG  largest message in bytes (default 4096)\n"
             "  -r RECVS    receives posted per connection (default 16)\n"
+            "  -Q DEPTH    one shared receive queue of DEPTH receives for all\n"
+            "              connections (default 0: receives per connection)\n"
             "  -c N        exit after N clients have come and gone (default\n"
             "              0: until SIGINT or SIGTERM)\n"
             "  -t SECS     give up with an error after SECS seconds\n"
@@ -196,10 +215,11 @@ static int parse_opts(int argc, char **argv, struct server_opts *o)
     o->addr = EX_DEFAULT_ADDR;
     o->max_msg = 4096;
     o->recvs = 16;
+    o->pool = 0;
     o->clients = 0;
     o->secs = 0;
     o->verbose = 0;
-    while ((ch = getopt(argc, argv, "a:s:r:c:t:vh")) != -1) {
+    while ((ch = getopt(argc, argv, "a:s:r:Q:c:t:vh")) != -1) {
         switch (ch) {
         case 'a':
             o->addr = optarg;
@@ -218,6 +238,13 @@ static int parse_opts(int argc, char **argv, struct server_opts *o)
                 return -1;
             }
             o->recvs = (uint32_t)v;
+            break;
+        case 'Q':
+            if (ex_parse_size(optarg, &v) != 0 || v == 0 || v > 16384) {
+                ex_error("bad pool depth '%s' (1..16384)", optarg);
+                return -1;
+            }
+            o->pool = (uint32_t)v;
             break;
         case 'c':
             if (ex_parse_size(optarg, &v) != 0) {
@@ -270,8 +297,24 @@ static void check_post(struct peer *p, rbr_status st, const char *what)
         peer_fail(p);
 }
 
+/* -Q: a slot of the pool is free again. */
+static void pool_post(const struct server *s, uint32_t slot)
+{
+    if (ex_check(TIMED("rbr_srq_post_recv",
+                       rbr_srq_post_recv(s->srq, s->pool_mr, (size_t)slot * s->stride,
+                                         s->o->max_msg, slot)),
+                 "rbr_srq_post_recv")) {
+        ex_error("slot %u of the pool is lost", (unsigned)slot);
+        pool_lost = 1;
+    }
+}
+
 static void post_recv(const struct server *s, struct peer *p, uint32_t slot)
 {
+    if (s->srq != NULL) {
+        pool_post(s, slot);
+        return;
+    }
     if (p->down || p->failed)
         return;
     check_post(p, TIMED("rbr_conn_post_recv",
@@ -294,6 +337,10 @@ static void peer_start(struct server *s, struct peer *p)
     s->peers = p;
     p->id = rbr_conn_id(p->conn);
     p->slots = s->o->recvs;
+    if (s->srq != NULL) {
+        p->slots = s->o->pool; /* the pool's slots, by wr_id */
+        return;
+    }
     for (i = 0; i < p->slots; i++)
         post_recv(s, p, i);
 }
@@ -312,10 +359,11 @@ static void peer_up(struct server *s, struct peer *p)
     }
     /* The library may grant less than asked: then the receives posted
      * beyond it failed (each has its record), and so does this client. */
-    if (info.recv_queue_depth < p->slots || info.send_queue_depth < p->slots) {
+    if (info.send_queue_depth < s->o->recvs ||
+        (s->srq == NULL && info.recv_queue_depth < p->slots)) {
         ex_error("connection %llu: granted queue depths %u/%u, asked for %u",
                  (unsigned long long)p->id, (unsigned)info.send_queue_depth,
-                 (unsigned)info.recv_queue_depth, (unsigned)p->slots);
+                 (unsigned)info.recv_queue_depth, (unsigned)s->o->recvs);
         peer_fail(p);
         return;
     }
@@ -352,15 +400,17 @@ static void accept_peer(struct server *s, rbr_request *req)
         ex_error("out of memory");
         goto out_request;
     }
-    if (ex_check(TIMED("rbr_mr_alloc",
-                       rbr_mr_alloc(s->ctx, s->stride * s->o->recvs,
-                                    RBR_ACCESS_LOCAL_WRITE, &p->mr)),
-                 "rbr_mr_alloc"))
-        goto out_peer;
-    p->base = rbr_mr_addr(p->mr);
-    if (p->base == NULL) {
-        ex_error("rbr_mr_addr returned NULL");
-        goto out_mr;
+    if (s->srq == NULL) {
+        if (ex_check(TIMED("rbr_mr_alloc",
+                           rbr_mr_alloc(s->ctx, s->stride * s->o->recvs,
+                                        RBR_ACCESS_LOCAL_WRITE, &p->mr)),
+                     "rbr_mr_alloc"))
+            goto out_peer;
+        p->base = rbr_mr_addr(p->mr);
+        if (p->base == NULL) {
+            ex_error("rbr_mr_addr returned NULL");
+            goto out_mr;
+        }
     }
 
     rbr_conn_options_init(&copts);
@@ -370,6 +420,7 @@ static void accept_peer(struct server *s, rbr_request *req)
     copts.private_data_len = strlen(EX_SERVER_HELLO);
     copts.timeout_ms = ACCEPT_TIMEOUT_MS;
     copts.context = p;
+    copts.srq = s->srq;
     if (ex_check(TIMED("rbr_request_accept_start",
                        rbr_request_accept_start(req, s->cq, &copts, &p->conn)),
                  "rbr_request_accept_start"))
@@ -463,8 +514,14 @@ static void handle_completion(struct server *s, const rbr_completion *c)
             peer_end(s, p, c);
         return;
     }
-    if (c->status == RBR_WC_FLUSHED)
-        return; /* the connection is going down; its record follows */
+    if (c->status == RBR_WC_FLUSHED) {
+        /* The connection is going down; its record follows.  A pool's slot
+         * it held (a flushed echo, a receive taken for a message that never
+         * came whole) goes back to the pool. */
+        if (s->srq != NULL && c->wr_id < p->slots)
+            pool_post(s, slot);
+        return;
+    }
     if (c->status != RBR_WC_SUCCESS ||
         (c->opcode != RBR_OP_RECV && c->opcode != RBR_OP_SEND) ||
         c->wr_id >= p->slots) {
@@ -475,13 +532,18 @@ static void handle_completion(struct server *s, const rbr_completion *c)
     if (c->opcode == RBR_OP_RECV) {
         /* Echo from the slot it arrived in; the slot is posted again once
          * the send completes. */
-        if (p->down || p->failed)
+        if (p->down || p->failed) {
+            if (s->srq != NULL)
+                pool_post(s, slot);
             return;
+        }
         check_post(p, TIMED("rbr_conn_post_send",
-                            rbr_conn_post_send(p->conn, p->mr,
+                            rbr_conn_post_send(p->conn, s->srq != NULL ? s->pool_mr : p->mr,
                                                (size_t)slot * s->stride, c->byte_len,
                                                slot, RBR_SEND_SIGNALED)),
                    "rbr_conn_post_send");
+        if ((p->down || p->failed) && s->srq != NULL)
+            pool_post(s, slot); /* not sent: the slot is free */
         if (!p->down && !p->failed) {
             p->echoed++;
             s->echoed++;
@@ -631,9 +693,9 @@ int main(int argc, char **argv)
     memset(&s, 0, sizeof s);
     s.o = &o;
     s.stride = ex_slot_stride(o.max_msg);
-    if (s.stride > SIZE_MAX / o.recvs) {
+    if (s.stride > SIZE_MAX / o.recvs || (o.pool != 0 && s.stride > SIZE_MAX / o.pool)) {
         ex_error("%u receives of %zu bytes do not fit in memory",
-                 (unsigned)o.recvs, o.max_msg);
+                 (unsigned)(o.pool != 0 ? o.pool : o.recvs), o.max_msg);
         return EXIT_FAILURE;
     }
 
@@ -659,9 +721,25 @@ int main(int argc, char **argv)
         goto out_signals;
     if (EX_CHECK(rbr_cq_create(&s.cq)))
         goto out_ctx;
+    if (o.pool != 0) {
+        rbr_srq_options qopts;
+        uint32_t i;
+
+        rbr_srq_options_init(&qopts);
+        qopts.depth = o.pool;
+        if (EX_CHECK(rbr_srq_create(s.ctx, &qopts, &s.srq)))
+            goto out_cq;
+        if (EX_CHECK(rbr_mr_alloc(s.ctx, s.stride * o.pool, RBR_ACCESS_LOCAL_WRITE,
+                                  &s.pool_mr)))
+            goto out_srq;
+        for (i = 0; i < o.pool; i++)
+            if (EX_CHECK(rbr_srq_post_recv(s.srq, s.pool_mr, (size_t)i * s.stride,
+                                           o.max_msg, i)))
+                goto out_srq;
+    }
     if (ex_check(rbr_listen(s.ctx, o.addr, LISTEN_BACKLOG, &s.listener),
                  "rbr_listen"))
-        goto out_cq;
+        goto out_srq;
     if (EX_CHECK(rbr_listener_fd(s.listener, &listener_fd)) ||
         EX_CHECK(rbr_cq_fd(s.cq, &cq_fd)))
         goto out_listener;
@@ -675,8 +753,16 @@ int main(int argc, char **argv)
     printf("listening on %s\n", o.addr);
     fflush(stdout);
 
-    if (event_loop(&s, ep, listener_fd, &old_mask) == 0 && s.failed == 0)
+    if (event_loop(&s, ep, listener_fd, &old_mask) == 0 && s.failed == 0 && !pool_lost)
         rc = EXIT_SUCCESS;
+    /* Every client gone: every slot is back in the pool. */
+    if (o.pool != 0 && s.peers == NULL && rbr_srq_len(s.srq) != o.pool) {
+        ex_error("%zu of the pool's %u slots came back", rbr_srq_len(s.srq),
+                 (unsigned)o.pool);
+        rc = EXIT_FAILURE;
+    }
+    if (o.pool != 0)
+        printf("one pool of %u receives for all clients\n", (unsigned)o.pool);
     printf("served %llu clients, echoed %llu messages (%llu bytes), "
            "%llu failed\n",
            (unsigned long long)s.served, (unsigned long long)s.echoed,
@@ -705,6 +791,10 @@ out_epoll:
     close(ep);
 out_listener:
     rbr_listener_destroy(s.listener);
+out_srq:
+    /* Destroyed after the connections that used it; NULL is ignored. */
+    rbr_srq_destroy(s.srq);
+    rbr_mr_destroy(s.pool_mr);
 out_cq:
     rbr_cq_destroy(s.cq);
 out_ctx:

@@ -170,6 +170,13 @@
 #define RBR_OP_CONNECTED 17
 
 /**
+ * Opcode (shared receive queue event), on the queue named in `rbr_srq_options.cq`: fewer
+ * receives are left in the pool than its armed limit (`rbr_srq_set_limit`). `wr_id` is the
+ * receives left, `conn_id` 0, `conn_context` the pool's `rbr_srq_options.context`.
+ */
+#define RBR_OP_SRQ_LIMIT 18
+
+/**
  * Completion status: success.
  */
 #define RBR_WC_SUCCESS 0
@@ -357,6 +364,27 @@ typedef struct rbr_mr rbr_mr;
 typedef struct rbr_request rbr_request;
 
 /**
+ * A shared receive queue: one pool of receives that many connections take their messages'
+ * receives from, so that receive memory follows the traffic rather than the number of peers
+ * (a verbs SRQ). Create with `rbr_srq_create`, name it in `rbr_conn_options.srq` when
+ * connecting or accepting, post receives with `rbr_srq_post_recv` (`rbr_conn_post_recv` on
+ * such a connection is RBR_ERR_INVALID), free with `rbr_srq_destroy`. Thread-safe.
+ *
+ * A message on any of its connections takes the oldest receive of the pool; the receive's
+ * completion (RBR_OP_RECV, or RBR_OP_RECV_WRITE_IMM) arrives on that connection's queue with
+ * the connection's `conn_id` and `conn_context`. A peer's send waits, in the peer's library,
+ * while the pool is empty, and is taken when a receive is posted: it never fails for it.
+ * When a connection ends, a receive it had taken for a message not yet whole completes
+ * RBR_WC_FLUSHED on its queue; the pool's other receives stay in the pool. Connections using
+ * the pool keep it alive: destroying the handle early only drops the caller's reference;
+ * receives still in the pool when it goes complete nowhere (their regions are let go then).
+ *
+ * Over shared memory only, for now: connecting or accepting over verbs with a pool fails
+ * with RBR_ERR_UNSUPPORTED.
+ */
+typedef struct rbr_srq rbr_srq;
+
+/**
  * The result of every fallible function: `RBR_OK` (0), `RBR_EMPTY` (1, nothing ready),
  * `RBR_IN_PROGRESS` (2, not finished yet), or a negative `RBR_ERR_*` code. Values are fixed
  * forever.
@@ -456,6 +484,30 @@ typedef struct rbr_completion {
 } rbr_completion;
 
 /**
+ * Options of `rbr_srq_create`. Fill with `rbr_srq_options_init`, then change fields. Fields
+ * are only ever added at the end; `struct_size` tells which exist.
+ */
+typedef struct rbr_srq_options {
+  /**
+   * `sizeof(rbr_srq_options)`, set by `rbr_srq_options_init`.
+   */
+  uint32_t struct_size;
+  /**
+   * Most receives the pool holds at once (1..=16384). Default 1024.
+   */
+  uint32_t depth;
+  /**
+   * Where the pool's events go (RBR_OP_SRQ_LIMIT, see `rbr_srq_set_limit`); NULL for none.
+   * The pool keeps the queue alive.
+   */
+  struct rbr_cq *cq;
+  /**
+   * Echoed as `conn_context` in the pool's events.
+   */
+  void *context;
+} rbr_srq_options;
+
+/**
  * Options of `rbr_connect` and `rbr_request_accept`. Fill with `rbr_conn_options_init`,
  * then change fields. Fields are only ever added at the end; `struct_size` tells which exist.
  */
@@ -534,6 +586,13 @@ typedef struct rbr_conn_options {
    * field, gets 0.)
    */
   uint32_t shm_ring_size;
+  /**
+   * The shared receive queue the connection takes its receives from (of the same
+   * context), instead of receives posted to it; NULL for none. `recv_queue_depth` is then
+   * unused. Over verbs not yet: RBR_ERR_UNSUPPORTED. Default NULL. (Since 2026-12: a
+   * caller built against an earlier header gets NULL.)
+   */
+  struct rbr_srq *srq;
 } rbr_conn_options;
 
 /**
@@ -983,6 +1042,68 @@ rbr_status rbr_cq_poll_wait(struct rbr_cq *cq,
  * `cq` must be a live queue; `fd` must be writable.
  */
 rbr_status rbr_cq_fd(const struct rbr_cq *cq, int32_t *fd);
+
+/**
+ * Fills `*opts` with the defaults. NULL is ignored.
+ *
+ * # Safety
+ * `opts` is NULL or writable.
+ */
+void rbr_srq_options_init(struct rbr_srq_options *opts);
+
+/**
+ * Creates a shared receive queue of `ctx` into `*out`; `opts` NULL means the defaults.
+ * RBR_ERR_INVALID: a depth out of range.
+ *
+ * # Safety
+ * `ctx` live; `opts` NULL or readable, its `cq` NULL or live; `out` writable.
+ */
+rbr_status rbr_srq_create(struct rbr_ctx *ctx,
+                          const struct rbr_srq_options *opts,
+                          struct rbr_srq **out);
+
+/**
+ * Posts a receive into `mr[offset..offset+len]` (the region, of the pool's context, needs
+ * RBR_ACCESS_LOCAL_WRITE) to the pool. Messages that waited for the pool are taken now, on
+ * this thread. RBR_ERR_QUEUE_FULL when the pool holds `depth` receives; RBR_ERR_ACCESS,
+ * RBR_ERR_RANGE and RBR_ERR_INVALID as for `rbr_conn_post_recv`.
+ *
+ * # Safety
+ * `srq`, `mr` live.
+ */
+rbr_status rbr_srq_post_recv(struct rbr_srq *srq,
+                             const struct rbr_mr *mr,
+                             size_t offset,
+                             size_t len,
+                             uint64_t wr_id);
+
+/**
+ * Arms the pool's limit: once fewer than `limit` receives are left in it, one record with
+ * opcode RBR_OP_SRQ_LIMIT goes to the pool's queue (`rbr_srq_options.cq`), with the receives
+ * left as its `wr_id`, and the limit is disarmed, as a verbs SRQ's limit event; at once when
+ * fewer are left already. 0 disarms it. RBR_ERR_INVALID: a pool without a queue, or a limit
+ * over its depth.
+ *
+ * # Safety
+ * `srq` live.
+ */
+rbr_status rbr_srq_set_limit(struct rbr_srq *srq, uint32_t limit);
+
+/**
+ * Receives posted to the pool that no connection has taken yet; 0 for NULL.
+ *
+ * # Safety
+ * `srq` is NULL or live.
+ */
+size_t rbr_srq_len(const struct rbr_srq *srq);
+
+/**
+ * Destroys a pool handle. NULL is ignored. Connections using the pool keep it alive.
+ *
+ * # Safety
+ * `srq` is NULL or a pool from `rbr_srq_create` not yet destroyed, not in use by another call.
+ */
+void rbr_srq_destroy(struct rbr_srq *srq);
 
 /**
  * Listens on `addr` (`shm://NAME`, `rdma://HOST:PORT` or `HOST:PORT`; see "Limits" above)

@@ -214,6 +214,11 @@ private:
     }
 };
 
+/** Options of a shared receive queue, filled with the defaults (see rbr_srq_options). */
+struct srq_options : rbr_srq_options {
+    srq_options() noexcept : rbr_srq_options() { rbr_srq_options_init(this); }
+};
+
 /** Options of a completion queue, filled with the defaults (see rbr_cq_options). */
 struct cq_options : rbr_cq_options {
     cq_options() noexcept : rbr_cq_options() { rbr_cq_options_init(this); }
@@ -599,6 +604,39 @@ public:
     }
 };
 
+/** A shared receive queue: one pool of receives for the connections whose options name it
+ *  (conn_options::srq = pool.get()); see rbr_srq. Made by rbr::context. */
+class shared_recv_queue : public detail::owner<rbr_srq, rbr_srq_destroy> {
+public:
+    using owner::owner;
+
+    /** Posts a receive into `mr` at `offset`, up to `len` bytes, to the pool. */
+    void post_recv(const memory_region &mr, std::size_t offset, std::size_t len,
+                   std::uint64_t wr_id)
+    {
+        detail::check(rbr_srq_post_recv(get(), mr.get(), offset, len, wr_id),
+                      "rbr_srq_post_recv");
+    }
+    bool post_recv(const memory_region &mr, std::size_t offset, std::size_t len,
+                   std::uint64_t wr_id, std::error_code &ec) noexcept
+    {
+        return detail::check(rbr_srq_post_recv(get(), mr.get(), offset, len, wr_id), ec);
+    }
+
+    /** Arms the limit event (RBR_OP_SRQ_LIMIT on the pool's queue); 0 disarms it. */
+    void set_limit(std::uint32_t limit)
+    {
+        detail::check(rbr_srq_set_limit(get(), limit), "rbr_srq_set_limit");
+    }
+    bool set_limit(std::uint32_t limit, std::error_code &ec) noexcept
+    {
+        return detail::check(rbr_srq_set_limit(get(), limit), ec);
+    }
+
+    /** Receives in the pool that no connection has taken yet. */
+    std::size_t size() const noexcept { return rbr_srq_len(get()); }
+};
+
 /** The parent of listeners, connections and regions. */
 class context : public detail::owner<rbr_ctx, rbr_ctx_destroy> {
 public:
@@ -647,6 +685,20 @@ public:
         return detail::check(rbr_mr_register(get(), addr, len, access, &raw), ec)
                    ? memory_region(raw)
                    : memory_region();
+    }
+
+    /** A shared receive queue of this context. */
+    shared_recv_queue create_srq(const srq_options &opts = srq_options())
+    {
+        rbr_srq *raw = nullptr;
+        detail::check(rbr_srq_create(get(), &opts, &raw), "rbr_srq_create");
+        return shared_recv_queue(raw);
+    }
+    shared_recv_queue create_srq(const srq_options &opts, std::error_code &ec) noexcept
+    {
+        rbr_srq *raw = nullptr;
+        return detail::check(rbr_srq_create(get(), &opts, &raw), ec) ? shared_recv_queue(raw)
+                                                                    : shared_recv_queue();
     }
 
     /** Listens on `addr` with room for `backlog` requests not yet taken. */

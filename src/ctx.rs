@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::addr;
-use crate::conn::{ConnOptions, Connection, Listener};
+use crate::conn::{ConnOptions, Connection, Listener, SharedRecvQueue, SrqOptions};
 use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 pub use crate::domain::ContextOptions;
@@ -93,6 +93,12 @@ impl Context {
         opts.validate()?;
         addr::resolve(addr)
             .and_then(|ep| transports::connect(self.inner.clone(), ep, cq.clone(), opts, records))
+    }
+
+    /// A shared receive queue: one pool of receives for the connections that name it in
+    /// [`ConnOptions::srq`] (see [`SharedRecvQueue`]).
+    pub fn shared_recv_queue(&self, opts: &SrqOptions) -> Result<SharedRecvQueue> {
+        SharedRecvQueue::new(self.inner.clone(), opts)
     }
 
     /// Allocates a zeroed memory region of `len` bytes that the library owns.

@@ -99,7 +99,7 @@ pub mod fuzzing {
 pub use conn::{
     ConnInfo, ConnOptions, ConnRequest, Connection, INLINE_MAX, Listener, PRIVATE_DATA_MAX,
     QUEUE_DEPTH_MAX, REMOTE_DESC_LEN, RemoteRegion, SGE_MAX, SHM_RING_DEFAULT, SHM_RING_MAX,
-    SHM_RING_MIN, SendFlags, Sge, Transport,
+    SHM_RING_MIN, SendFlags, Sge, SharedRecvQueue, SrqOptions, Transport,
 };
 pub use cq::{Completion, CompletionQueue, CqOptions, Opcode, Progress, WcStatus};
 pub use ctx::{Context, ContextOptions};

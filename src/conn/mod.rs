@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 mod end;
 mod remote;
 mod setup;
+mod srq;
 mod wr;
 
 pub(crate) use end::{
@@ -19,6 +20,9 @@ pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
 #[cfg(feature = "fuzzing")]
 pub(crate) use remote::{pack as pack_remote, unpack as unpack_remote};
 pub(crate) use setup::{Handshake, Setup, Started, Step};
+#[allow(unused_imports)] // the transports that take receives from a pool name them
+pub(crate) use srq::{PooledRecv, SrqInner, Waiter};
+pub use srq::{SharedRecvQueue, SrqOptions};
 #[allow(unused_imports)] // the transports' one-sided paths name it
 pub(crate) use wr::{LocalSeg, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest};
 pub use wr::{SendFlags, Sge};
@@ -104,6 +108,11 @@ pub struct ConnOptions {
     /// messages wait in it before sends wait for room in the sender's library, at that much
     /// memory per connection. Ignored by verbs.
     pub shm_ring_size: u32,
+    /// The pool the connection takes its receives from, instead of receives posted to it
+    /// (see [`SharedRecvQueue`]); of the same context. `recv_queue_depth` is then unused.
+    /// Shared memory only, for now: a verbs connection with one fails with
+    /// [`Error::Unsupported`].
+    pub srq: Option<SharedRecvQueue>,
 }
 
 impl Default for ConnOptions {
@@ -120,6 +129,7 @@ impl Default for ConnOptions {
             ack_timeout: 16,
             keepalive: Some(Duration::from_secs(1)),
             shm_ring_size: 0,
+            srq: None,
         }
     }
 }
@@ -502,6 +512,8 @@ impl Connection {
 
     /// Posts a receive of up to `len` bytes into `mr` at `offset` (needs
     /// [`crate::Access::LOCAL_WRITE`]). Messages fill receives in the order they were posted.
+    /// A connection created with a [`SharedRecvQueue`] takes its receives from there, and
+    /// this fails with [`Error::InvalidArgument`].
     #[inline]
     pub fn post_recv(
         &self,
@@ -510,6 +522,11 @@ impl Connection {
         len: usize,
         wr_id: u64,
     ) -> Result<()> {
+        if self.setup.pooled() {
+            return Err(Error::invalid(
+                "the connection takes its receives from its shared receive queue: post them there",
+            ));
+        }
         let wr = RecvRequest::new(&self.ctx, mr, offset, len, wr_id)?;
         match self.up.get() {
             Some(up) => up.imp.recv(wr),

@@ -84,6 +84,8 @@ pub(crate) struct Setup {
     records: bool,
     /// The receive queue's depth asked for: the most receives held while connecting.
     recv_depth: u32,
+    /// The connection takes its receives from a shared receive queue.
+    pooled: bool,
     /// The registration the handshake runs under, and the connection's work after it.
     reg: Registration,
     state: Mutex<State>,
@@ -109,6 +111,13 @@ impl Setup {
         peer: String,
         records: bool,
     ) -> Result<Arc<Setup>> {
+        if let Some(srq) = &opts.srq
+            && !srq.same_context(ctx)
+        {
+            return Err(Error::invalid(
+                "the shared receive queue belongs to another context",
+            ));
+        }
         let driver = ctx.driver.get().map_err(Error::Thread)?;
         let id = next_conn_id();
         Ok(Arc::new(Setup {
@@ -123,6 +132,7 @@ impl Setup {
             },
             records,
             recv_depth: opts.recv_queue_depth,
+            pooled: opts.srq.is_some(),
             reg: driver.registration(),
             state: Mutex::new(State::Connecting {
                 recvs: Vec::new(),
@@ -146,6 +156,11 @@ impl Setup {
 
     pub(crate) fn recv_depth(&self) -> u32 {
         self.recv_depth
+    }
+
+    /// Whether the connection takes its receives from a shared receive queue.
+    pub(crate) fn pooled(&self) -> bool {
+        self.pooled
     }
 
     pub(crate) fn transport(&self) -> Transport {

@@ -30,6 +30,11 @@ pub enum Opcode {
     /// Connection event: the connection is down and every work request it had has completed.
     /// It is the last record a connection ever produces.
     Disconnected,
+    /// A shared receive queue's event, on the queue named in its
+    /// [`crate::SrqOptions::cq`]: fewer receives are left in it than its armed limit
+    /// ([`crate::SharedRecvQueue::set_limit`]). `wr_id` is the receives left, `conn_id` 0,
+    /// `context` the pool's [`crate::SrqOptions::context`].
+    SrqLimit,
 }
 
 /// How a work request ended.

@@ -7,6 +7,7 @@ use crate::ffi::cq::rbr_cq;
 use crate::ffi::ctx::rbr_ctx;
 use crate::ffi::error::{RBR_IN_PROGRESS, RBR_OK, fail, rbr_status, status};
 use crate::ffi::mr::rbr_mr;
+use crate::ffi::srq::rbr_srq;
 use crate::ffi::{
     arg_ref, arg_str, bytes_arg, copy_out, ffi_body, ffi_body_or, grown_struct_arg, out_ptr,
     private_data_arg,
@@ -103,6 +104,11 @@ pub struct rbr_conn_options {
     /// (Since 2026-12: a caller built against an earlier header, whose struct ends before this
     /// field, gets 0.)
     pub shm_ring_size: u32,
+    /// The shared receive queue the connection takes its receives from (of the same
+    /// context), instead of receives posted to it; NULL for none. `recv_queue_depth` is then
+    /// unused. Over verbs not yet: RBR_ERR_UNSUPPORTED. Default NULL. (Since 2026-12: a
+    /// caller built against an earlier header gets NULL.)
+    pub srq: *mut rbr_srq,
 }
 
 /// `sizeof(rbr_conn_options)` before `shm_ring_size`, the first field added.
@@ -159,6 +165,7 @@ fn default_options() -> rbr_conn_options {
         ack_timeout: d.ack_timeout,
         keepalive_ms: d.keepalive.map_or(0, |k| k.as_millis() as u32),
         shm_ring_size: d.shm_ring_size,
+        srq: std::ptr::null_mut(),
     }
 }
 
@@ -193,6 +200,8 @@ pub(crate) fn options(opts: *const rbr_conn_options) -> Result<ConnOptions, rbr_
         ack_timeout: o.ack_timeout,
         keepalive: (o.keepalive_ms != 0).then(|| Duration::from_millis(o.keepalive_ms.into())),
         shm_ring_size: o.shm_ring_size,
+        // SAFETY: NULL or live (caller contract of every function taking options).
+        srq: unsafe { o.srq.as_ref() }.map(|s| s.inner.clone()),
     };
     r.validate().map_err(fail)?;
     Ok(r)

@@ -55,6 +55,10 @@ pub const RBR_OP_DISCONNECTED: u32 = 16;
 /// connection's CONNECTED record is its last: the receives posted while it connected complete
 /// RBR_WC_FLUSHED before it, and no RBR_OP_DISCONNECTED follows.
 pub const RBR_OP_CONNECTED: u32 = 17;
+/// Opcode (shared receive queue event), on the queue named in `rbr_srq_options.cq`: fewer
+/// receives are left in the pool than its armed limit (`rbr_srq_set_limit`). `wr_id` is the
+/// receives left, `conn_id` 0, `conn_context` the pool's `rbr_srq_options.context`.
+pub const RBR_OP_SRQ_LIMIT: u32 = 18;
 
 /// Completion status: success.
 pub const RBR_WC_SUCCESS: i32 = 0;
@@ -129,6 +133,7 @@ impl From<Completion> for rbr_completion {
                 Opcode::RecvWriteImm => RBR_OP_RECV_WRITE_IMM,
                 Opcode::Disconnected => RBR_OP_DISCONNECTED,
                 Opcode::Connected => RBR_OP_CONNECTED,
+                Opcode::SrqLimit => RBR_OP_SRQ_LIMIT,
             },
             status: match c.status {
                 WcStatus::Success => RBR_WC_SUCCESS,

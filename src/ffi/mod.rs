@@ -14,6 +14,8 @@ pub mod mr;
 
 pub mod cq;
 
+pub mod srq;
+
 pub mod listener;
 
 pub mod conn;

@@ -6,15 +6,15 @@
 
 use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
+use std::sync::{Arc, Weak};
 
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::conn::seam::ConnSeam;
 use crate::conn::{
     ConnInfo, ConnOptions, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest, Setup,
-    Transport,
+    Transport, Waiter,
 };
 use crate::cq::notice::Board;
 use crate::cq::{CompletionQueue, Progress, Reporter, Sink, SlotReservation, Source, WcStatus};
@@ -22,7 +22,7 @@ use crate::driver::Registration;
 use crate::error::Result;
 use crate::mr::MemoryRegion;
 use crate::shm::bell;
-use crate::shm::flow::{Flow, RecvWr, SendSrc, SharedRegions};
+use crate::shm::flow::{Flow, Pool, RecvWr, SendSrc, SharedRegions};
 use crate::shm::onesided::{self, Exports, Import, ImportCache, Shortcut, SocketReader};
 use crate::shm::segment::Segment;
 use crate::sync::{SpinGuard, SpinLock};
@@ -204,6 +204,28 @@ impl ConnState {
         if work {
             self.report.cq.ring_bell();
         }
+    }
+}
+
+impl ConnState {
+    /// After messages that waited for receives were taken on a poster's thread (the post of
+    /// a receive, or of the shared receive queue's): that may have ended the connection, or
+    /// read packets of the background work's from the socket, which then looks at them now.
+    fn after_taking(&self, mut flow: FlowGuard<'_>) {
+        let wake = flow.failed.is_some() || flow.take_inbox_news();
+        drop(flow);
+        if wake {
+            self.wake.wake();
+        }
+    }
+}
+
+/// The shared receive queue has receives again, posted on this thread.
+impl Waiter for ConnState {
+    fn pool_refilled(&self) {
+        let mut flow = self.lock();
+        flow.pool_refilled(&self.report);
+        self.after_taking(flow);
     }
 }
 
@@ -404,43 +426,52 @@ impl Unstarted {
         let inbox = Arc::new(Mutex::new(inbox));
         let imports = Arc::new(SpinLock::new(ImportCache::default()));
         let shortcut = Arc::new(Shortcut::new(seg.clone(), 1 - side));
-        let flow = Flow::new(
-            seg.clone(),
-            side,
-            sock.as_raw_fd(),
-            opts.send_queue_depth,
-            opts.recv_queue_depth,
-            peer_board,
-            peer_pid,
-            SharedRegions {
-                exports: exports.clone(),
-                inbox: inbox.clone(),
-            },
-        );
-        let sh = Arc::new(ConnState {
-            info,
-            report: Reporter {
-                cq,
-                conn_id: info.id,
-                context: opts.context,
-                peer: process_name(peer_proc),
-            },
-            gate: AtomicUsize::new(flow.gate()),
-            flow: SpinLock::new(flow),
-            imports,
-            shortcut,
-            seg,
-            side,
-            peer_pid,
-            caller_polls,
-            engine_sleeping: AtomicBool::new(false),
-            wake: setup.registration().clone(),
-            slot: slot.as_ref().map(|r| r.slot()),
-            idle_polls: AtomicU32::new(0),
-            polled_every_time: AtomicBool::new(false),
-            exports,
-            imports_forgotten,
-            inbox,
+        let sock_fd = sock.as_raw_fd();
+        // The flow names its connection as the waiter of its shared receive queue.
+        let sh = Arc::new_cyclic(|me: &Weak<ConnState>| {
+            let pool = opts
+                .srq
+                .as_ref()
+                .map(|q| Pool::new(q.inner.clone(), me.clone() as Weak<dyn Waiter>));
+            let flow = Flow::new(
+                seg.clone(),
+                side,
+                sock_fd,
+                opts.send_queue_depth,
+                opts.recv_queue_depth,
+                peer_board,
+                peer_pid,
+                SharedRegions {
+                    exports: exports.clone(),
+                    inbox: inbox.clone(),
+                },
+                pool,
+            );
+            ConnState {
+                info,
+                report: Reporter {
+                    cq,
+                    conn_id: info.id,
+                    context: opts.context,
+                    peer: process_name(peer_proc),
+                },
+                gate: AtomicUsize::new(flow.gate()),
+                flow: SpinLock::new(flow),
+                imports,
+                shortcut,
+                seg,
+                side,
+                peer_pid,
+                caller_polls,
+                engine_sleeping: AtomicBool::new(false),
+                wake: setup.registration().clone(),
+                slot: slot.as_ref().map(|r| r.slot()),
+                idle_polls: AtomicU32::new(0),
+                polled_every_time: AtomicBool::new(false),
+                exports,
+                imports_forgotten,
+                inbox,
+            }
         });
         Ok(Unstarted { sh, sock, slot })
     }
@@ -621,13 +652,7 @@ impl ConnSeam for Conn {
         };
         let mut flow = self.sh.lock();
         flow.post_recv(wr, &self.sh.report)?;
-        // Taking a message that waited for this receive may have ended the connection, or read
-        // packets of the background work's from the socket: it looks at them now.
-        let wake = flow.failed.is_some() || flow.take_inbox_news();
-        drop(flow);
-        if wake {
-            self.sh.wake.wake();
-        }
+        self.sh.after_taking(flow);
         Ok(())
     }
 

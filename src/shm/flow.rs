@@ -16,12 +16,15 @@
 //! [`WcStatus::RemoteError`].
 
 use std::os::fd::RawFd;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 
-use crate::conn::{End, Unfinished, admit_recv, admit_send, ensure_up, flush_outstanding};
+use crate::conn::{
+    End, PooledRecv, SrqInner, Unfinished, Waiter, admit_recv, admit_send, ensure_up,
+    flush_outstanding,
+};
 use crate::cq::notice::Board;
 use crate::cq::{Completion, Opcode, Reporter, Sink, WcStatus};
 use crate::error::{Error, Result};
@@ -104,6 +107,36 @@ pub(crate) struct RecvWr {
     pub(crate) len: usize,
 }
 
+impl From<PooledRecv> for RecvWr {
+    fn from(r: PooledRecv) -> Self {
+        RecvWr {
+            wr_id: r.wr_id,
+            mr: r.mr,
+            offset: r.offset,
+            len: r.len,
+        }
+    }
+}
+
+/// The shared receive queue a connection takes its receives from (see `conn/srq.rs`).
+pub(crate) struct Pool {
+    pub(crate) srq: Arc<SrqInner>,
+    /// The connection, as the pool's waiter.
+    pub(crate) me: Weak<dyn Waiter>,
+    /// The connection waits for the pool: a message found it empty.
+    waiting: bool,
+}
+
+impl Pool {
+    pub(crate) fn new(srq: Arc<SrqInner>, me: Weak<dyn Waiter>) -> Pool {
+        Pool {
+            srq,
+            me,
+            waiting: false,
+        }
+    }
+}
+
 /// One send fully in the ring, waiting for the peer to take it. Its bytes are no longer
 /// needed, so it holds no buffer.
 struct InFlight {
@@ -154,8 +187,11 @@ pub(crate) struct Flow {
     inflight: Fifo<InFlight>,
     /// How many of `inflight` report a completion when they end (see `sleep_request`).
     inflight_signaled: usize,
-    /// Posted receives; the front one has `filled` bytes of a message when `filling`.
+    /// Posted receives; the front one has `filled` bytes of a message when `filling`. With a
+    /// shared receive queue, the one receive taken from it for the message being taken.
     recvs: Fifo<RecvWr>,
+    /// The shared receive queue the receives come from, if any.
+    pool: Option<Pool>,
     filling: bool,
     filled: usize,
     /// Messages started, messages received.
@@ -193,6 +229,7 @@ impl Flow {
         peer_board: Option<(Arc<Board>, u32)>,
         peer_pid: Option<libc::pid_t>,
         regions: SharedRegions,
+        pool: Option<Pool>,
     ) -> Flow {
         let reads = if peer_pid.is_some() {
             READS_PEER_YES
@@ -225,7 +262,12 @@ impl Flow {
             copied: 0,
             inflight: Fifo::with_capacity(send_depth as usize),
             inflight_signaled: 0,
-            recvs: Fifo::with_capacity(recv_depth as usize),
+            recvs: Fifo::with_capacity(if pool.is_some() {
+                1
+            } else {
+                recv_depth as usize
+            }),
+            pool,
             filling: false,
             filled: 0,
             msgs_started: 0,
@@ -582,6 +624,11 @@ impl Flow {
     /// and the peer's send completes, with no wake-up of either side in between. A reason to
     /// end the connection found on the way is left in `failed` (the post itself succeeded).
     pub(crate) fn post_recv(&mut self, wr: RecvWr, report: &Reporter) -> Result<()> {
+        if self.pool.is_some() {
+            return Err(Error::invalid(
+                "the connection takes its receives from its shared receive queue",
+            ));
+        }
         admit_recv(self.down(), self.recvs.len(), self.recv_depth)?;
         let starved = self.recvs.is_empty();
         self.recvs.push_back(wr);
@@ -589,25 +636,73 @@ impl Flow {
         // messages are taken as they come. The look reads the stamp at our head, the line
         // the next poll reads anyway.
         if starved && self.rx.has_data().unwrap_or(true) {
-            let taken = match self.receive(report, usize::MAX, &mut Sink::queue(&report.cq)) {
-                Ok(taken) => taken,
-                Err(ReceiveError::Length) => {
-                    self.failed
-                        .get_or_insert(End::Failed(WcStatus::LocalLength));
-                    return Ok(());
-                }
-                Err(ReceiveError::Protocol) => {
-                    self.fail_protocol();
-                    return Ok(());
-                }
-            };
-            if taken {
-                // The peer's send completed and its ring has room: a doorbell if it sleeps
-                // waiting for that.
-                self.notify_peer(bell::TAKEN);
-            }
+            self.take_waiting(report);
         }
         Ok(())
+    }
+
+    /// The shared receive queue was refilled while a message waited for it: takes what
+    /// waits, as the post of a receive of the connection's own does.
+    pub(crate) fn pool_refilled(&mut self, report: &Reporter) {
+        if let Some(pool) = &mut self.pool {
+            pool.waiting = false;
+        }
+        if !self.down() {
+            self.take_waiting(report);
+        }
+    }
+
+    /// Takes the messages that waited for receives, on the thread that gave them one: their
+    /// completions go into the queue and the peer's sends complete, with no wake-up of either
+    /// side in between. A reason to end the connection found on the way is left in `failed`.
+    fn take_waiting(&mut self, report: &Reporter) {
+        let taken = match self.receive(report, usize::MAX, &mut Sink::queue(&report.cq)) {
+            Ok(taken) => taken,
+            Err(ReceiveError::Length) => {
+                self.failed
+                    .get_or_insert(End::Failed(WcStatus::LocalLength));
+                return;
+            }
+            Err(ReceiveError::Protocol) => {
+                self.fail_protocol();
+                return;
+            }
+        };
+        if taken {
+            // The peer's send completed and its ring has room: a doorbell if it sleeps
+            // waiting for that.
+            self.notify_peer(bell::TAKEN);
+        }
+    }
+
+    /// Whether a receive is there for the next message: one of the connection's own, or one
+    /// it takes from its shared receive queue now. Without one, the connection waits for the
+    /// pool (its next post hands it receives).
+    #[inline]
+    fn recv_ready(&mut self) -> bool {
+        if !self.recvs.is_empty() {
+            return true;
+        }
+        let Some(pool) = &mut self.pool else {
+            return false;
+        };
+        let waiter = (!pool.waiting).then_some(&pool.me);
+        match pool.srq.take(waiter) {
+            Some(r) => {
+                self.recvs.push_back(r.into());
+                true
+            }
+            None => {
+                pool.waiting = true;
+                false
+            }
+        }
+    }
+
+    /// Whether a message in the ring could find a receive now (a look, taking none).
+    #[inline]
+    fn recvs_available(&self) -> bool {
+        !self.recvs.is_empty() || self.pool.as_ref().is_some_and(|p| p.srq.available())
     }
 
     /// Records a protocol failure of the peer in our control words; the connection ends.
@@ -790,9 +885,12 @@ impl Flow {
         let mut moved = false;
         let mut done = 0;
         while done < limit
-            && !self.recvs.is_empty()
+            && (!self.recvs.is_empty() || self.pool.is_some())
             && let Some(rec) = self.rx.peek()?
         {
+            if !self.recv_ready() {
+                break;
+            }
             if rec.flags & WHOLE_MASK == ring::FIRST | ring::LAST && !self.filling {
                 self.take_whole(&rec, report, out)?;
                 done += 1;
@@ -1138,7 +1236,7 @@ impl Flow {
             return true;
         }
         // A message without a receive waits for one: the post of that receive takes it.
-        if !self.recvs.is_empty() && self.rx.has_data().unwrap_or(true) {
+        if self.recvs_available() && self.rx.has_data().unwrap_or(true) {
             return true;
         }
         if !self.inflight.is_empty() {

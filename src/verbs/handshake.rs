@@ -597,6 +597,7 @@ impl RequestSeam for Request {
     }
 
     fn start(self: Box<Self>, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Started> {
+        no_pool(opts)?;
         Ok(Started {
             handshake: Box::new(Accepting {
                 request: *self,
@@ -632,6 +633,16 @@ pub(super) struct Established {
 
 /// Starts connecting to `host:port`: making the channel and the id, resolving the address and
 /// the route and connecting are the handshake's turns.
+/// Shared receive queues are not built over verbs yet.
+fn no_pool(opts: &ConnOptions) -> Result<()> {
+    match opts.srq {
+        Some(_) => Err(Error::Unsupported(
+            "shared receive queues over verbs are not available yet".into(),
+        )),
+        None => Ok(()),
+    }
+}
+
 pub(crate) fn start_connect(
     ctx: Arc<ContextInner>,
     host: &str,
@@ -639,6 +650,7 @@ pub(crate) fn start_connect(
     cq: Arc<CompletionQueue>,
     opts: &ConnOptions,
 ) -> Result<Started> {
+    no_pool(opts)?;
     let (dst, _) = sockaddr(host, port)?;
     Ok(Started {
         handshake: Box::new(Connecting {

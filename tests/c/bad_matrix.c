@@ -386,6 +386,99 @@ static void matrix_cq(void)
     rbr_cq_destroy(NULL);
 }
 
+/* ---------------------------------------------------------------- srq */
+
+#define SENT_SRQ ((rbr_srq *)(uintptr_t)0x1000)
+
+/* The shared receive queue's calls against bad input; then a connection that
+ * takes its receives from a pool refuses receives of its own (shm), or is
+ * refused (verbs: not yet), and a pool of another context is refused. */
+static void matrix_srq(rbr_ctx *ctx, rbr_ctx *other, rbr_listener *l, const char *addr,
+                       rbr_cq *cq)
+{
+    rbr_srq_options o, bad;
+    rbr_srq *q = SENT_SRQ, *pool = NULL, *foreign = NULL;
+    rbr_mr *mr = NULL, *ro = NULL, *omr = NULL;
+    rbr_conn_options co;
+    rbr_conn *client = SENT_CONN, *server = NULL;
+    rbr_cq *scq = NULL;
+    int verbs = strncmp(addr, "rdma://", 7) == 0;
+
+    rbr_srq_options_init(NULL);
+    rbr_srq_options_init(&o);
+    CASE(rbr_srq_create(NULL, &o, &q), RBR_ERR_NULL, "rbr_srq_create NULL ctx");
+    CASE(rbr_srq_create(ctx, &o, NULL), RBR_ERR_NULL, "rbr_srq_create NULL out");
+    bad = o;
+    bad.struct_size = 0;
+    CASE(rbr_srq_create(ctx, &bad, &q), RBR_ERR_INVALID, "rbr_srq_create struct_size 0");
+    bad = o;
+    bad.depth = 0;
+    CASE(rbr_srq_create(ctx, &bad, &q), RBR_ERR_INVALID, "rbr_srq_create depth 0");
+    bad.depth = 16385;
+    CASE(rbr_srq_create(ctx, &bad, &q), RBR_ERR_INVALID, "rbr_srq_create depth 16385");
+    EXPECT_TRUE(q == SENT_SRQ, "rbr_srq_create wrote its out-parameter on failure");
+    EXPECT_TRUE(rbr_srq_len(NULL) == 0, "rbr_srq_len(NULL) is 0");
+
+    o.depth = 2;
+    if (EX_CHECK(rbr_srq_create(ctx, &o, &pool)) ||
+        EX_CHECK(rbr_srq_create(other, NULL, &foreign)) ||
+        EX_CHECK(rbr_mr_alloc(ctx, 4096, RBR_ACCESS_LOCAL_WRITE, &mr)) ||
+        EX_CHECK(rbr_mr_alloc(ctx, 4096, 0, &ro)) ||
+        EX_CHECK(rbr_mr_alloc(other, 4096, RBR_ACCESS_LOCAL_WRITE, &omr)) ||
+        EX_CHECK(rbr_cq_create(&scq)))
+        goto out;
+    CASE(rbr_srq_post_recv(NULL, mr, 0, 64, 1), RBR_ERR_NULL, "rbr_srq_post_recv NULL srq");
+    CASE(rbr_srq_post_recv(pool, NULL, 0, 64, 1), RBR_ERR_NULL, "rbr_srq_post_recv NULL mr");
+    CASE(rbr_srq_post_recv(pool, ro, 0, 64, 1), RBR_ERR_ACCESS,
+         "rbr_srq_post_recv region without LOCAL_WRITE");
+    CASE(rbr_srq_post_recv(pool, omr, 0, 64, 1), RBR_ERR_INVALID,
+         "rbr_srq_post_recv region of another context");
+    CASE(rbr_srq_post_recv(pool, mr, 4096, 1, 1), RBR_ERR_RANGE,
+         "rbr_srq_post_recv offset at the region's end");
+    CASE(rbr_srq_post_recv(pool, mr, 4000, 200, 1), RBR_ERR_RANGE,
+         "rbr_srq_post_recv range past the region's end");
+    EXPECT_TRUE(rbr_srq_len(pool) == 0, "refused receives reached the pool");
+    CASE(rbr_srq_post_recv(pool, mr, 0, 64, 1), RBR_OK, "rbr_srq_post_recv");
+    CASE(rbr_srq_post_recv(pool, mr, 64, 64, 2), RBR_OK, "rbr_srq_post_recv");
+    CASE(rbr_srq_post_recv(pool, mr, 128, 64, 3), RBR_ERR_QUEUE_FULL,
+         "rbr_srq_post_recv on a full pool");
+    EXPECT_TRUE(rbr_srq_len(pool) == 2, "the pool holds its two receives");
+    CASE(rbr_srq_set_limit(NULL, 1), RBR_ERR_NULL, "rbr_srq_set_limit NULL srq");
+    CASE(rbr_srq_set_limit(pool, 1), RBR_ERR_INVALID, "rbr_srq_set_limit without a queue");
+    CASE(rbr_srq_set_limit(pool, 0), RBR_OK, "rbr_srq_set_limit 0 without a queue");
+
+    rbr_conn_options_init(&co);
+    co.srq = foreign;
+    CASE(rbr_connect(ctx, addr, cq, &co, &client), RBR_ERR_INVALID,
+         "rbr_connect with a pool of another context");
+    co.srq = pool;
+    if (verbs) {
+        CASE(rbr_connect(ctx, addr, cq, &co, &client), RBR_ERR_UNSUPPORTED,
+             "rbr_connect with a pool over verbs");
+        EXPECT_TRUE(client == SENT_CONN, "rbr_connect wrote its out-parameter on failure");
+    } else if (make_pair(ctx, l, addr, cq, &co, scq, &client, &server) == 0) {
+        CASE(rbr_conn_post_recv(client, mr, 128, 64, 4), RBR_ERR_INVALID,
+             "rbr_conn_post_recv on a connection with a pool");
+        EXPECT_TRUE(rbr_srq_len(pool) == 2, "the pool holds its two receives");
+        expect_empty(cq, "rbr_conn_post_recv on a connection with a pool");
+        rbr_conn_destroy(client);
+        rbr_conn_destroy(server);
+        while (rbr_cq_wait(cq, 0) == RBR_OK) {
+            rbr_completion c;
+            size_t n;
+            rbr_cq_poll(cq, &c, 1, &n);
+        }
+    }
+out:
+    rbr_cq_destroy(scq);
+    rbr_mr_destroy(omr);
+    rbr_mr_destroy(ro);
+    rbr_mr_destroy(mr);
+    rbr_srq_destroy(foreign);
+    rbr_srq_destroy(pool);
+    rbr_srq_destroy(NULL);
+}
+
 /* ---------------------------------------------------------------- listener */
 
 static void matrix_listener(rbr_ctx *ctx, rbr_listener *live, const char *addr)
@@ -1163,6 +1256,7 @@ int main(int argc, char **argv)
     matrix_listener(ctx, l, addr);
     matrix_request(ctx, l, addr, acq);
     matrix_connect(ctx, addr, acq);
+    matrix_srq(ctx, ctx2, l, addr, acq);
 
     rbr_conn_options_init(&o);
     if (EX_CHECK(rbr_mr_alloc(ctx, 4096, RBR_ACCESS_LOCAL_WRITE, &amr)) ||

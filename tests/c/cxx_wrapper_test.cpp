@@ -382,6 +382,66 @@ void ownership(const std::string &prefix)
 
 } // namespace
 
+/* Two clients to one server whose connections take their receives from one pool; the
+ * pool's limit event comes on its queue; the C++ pool refuses bad input with error codes. */
+void shared_pool(const std::string &prefix)
+{
+    auto sctx = rbr::context::create();
+    auto scq = rbr::completion_queue::create();
+    auto events = rbr::completion_queue::create();
+    rbr::srq_options qo;
+    qo.depth = 4;
+    qo.cq = events.get();
+    auto pool = sctx.create_srq(qo);
+    auto rmr = sctx.alloc_mr(4 * 64, RBR_ACCESS_LOCAL_WRITE);
+    for (std::uint64_t i = 0; i < 4; i++)
+        pool.post_recv(rmr, i * 64, 64, i);
+    CHECK(pool.size() == 4);
+    std::error_code ec;
+    CHECK(!pool.post_recv(rmr, 0, 64, 9, ec) && ec.value() == RBR_ERR_QUEUE_FULL);
+    CHECK(!pool.set_limit(5, ec) && ec.value() == RBR_ERR_INVALID);
+    pool.set_limit(3);
+
+    auto l = sctx.listen(prefix + "-pool");
+    auto ctx = rbr::context::create();
+    auto ccq = rbr::completion_queue::create();
+    std::vector<rbr::connection> servers, clients;
+    for (int k = 0; k < 2; k++) {
+        std::thread t([&] {
+            rbr::conn_options so;
+            so.srq = pool.get();
+            auto req = l.get_request(5000ms);
+            if (req)
+                servers.push_back(req->accept(scq, so));
+        });
+        clients.push_back(ctx.connect(prefix + "-pool", ccq));
+        t.join();
+    }
+    CHECK(servers.size() == 2);
+    if (servers.size() != 2)
+        return;
+    CHECK(!servers[0].post_recv(rmr, 0, 64, 9, ec) && ec.value() == RBR_ERR_INVALID);
+    clients[0].post_send_inline(std::string("zero"), 0, 0);
+    clients[1].post_send_inline(std::string("one"), 1, 0);
+    for (int k = 0; k < 2; k++) {
+        auto r = next(scq);
+        CHECK(r && r->opcode == RBR_OP_RECV && r->status == RBR_WC_SUCCESS);
+        if (!r)
+            continue;
+        /* The pool's receives are taken oldest first, and the record names the connection. */
+        CHECK(r->wr_id == static_cast<std::uint64_t>(k));
+        const bool first = r->conn_id == servers[0].id();
+        CHECK(first || r->conn_id == servers[1].id());
+        const char *want = first ? "zero" : "one";
+        CHECK(r->byte_len == std::strlen(want) &&
+              std::memcmp(static_cast<unsigned char *>(rmr.data()) + r->wr_id * 64, want,
+                          r->byte_len) == 0);
+    }
+    CHECK(pool.size() == 2);
+    auto e = events.poll_one();
+    CHECK(e && e->opcode == RBR_OP_SRQ_LIMIT && e->wr_id == 2 && e->conn_id == 0);
+}
+
 int main(int argc, char **argv)
 {
     const std::string prefix = argc > 1 ? argv[1] : "shm://rbr-cxx-test";
@@ -392,6 +452,7 @@ int main(int argc, char **argv)
         exchange(prefix);
         one_sided(prefix);
         ownership(prefix);
+        shared_pool(prefix);
     } catch (const std::exception &e) {
         std::fprintf(stderr, "unexpected exception: %s\n", e.what());
         failures++;

@@ -1,0 +1,290 @@
+//! Shared receive queues: one pool of receives for many connections, so that a server's
+//! receive memory follows its traffic rather than the number of its peers (as a verbs SRQ,
+//! a libfabric shared receive context). A connection created with a pool in its options takes
+//! each message's receive from the pool, in the order the receives were posted there, and
+//! reports the receive's completion on its own queue, naming itself.
+//!
+//! A message that arrives while the pool is empty waits for it, as a message waits for a
+//! connection's own receive: its connection becomes a waiter of the pool, and the post that
+//! refills the pool hands the new receives to the waiters on the poster's thread, as a post of
+//! a connection's own receive takes a message that waited for it.
+//!
+//! Locks: a connection takes the pool's lock under its own (to take a receive, or to wait);
+//! a post takes the pool's lock alone, and calls the waiters with no lock held.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+
+use super::{QUEUE_DEPTH_MAX, RecvRequest};
+use crate::cq::{Completion, CompletionQueue, Opcode, WcStatus};
+use crate::domain::ContextInner;
+use crate::error::{Error, Result};
+use crate::mr::MemoryRegion;
+use crate::sync::SpinLock;
+
+/// Settings of a [`SharedRecvQueue`], for [`crate::Context::shared_recv_queue`].
+#[derive(Debug, Clone)]
+pub struct SrqOptions {
+    /// Most receives the pool holds at once (1..=16384). Default 1024.
+    pub depth: u32,
+    /// Where the pool's own events go (its limit, see [`SharedRecvQueue::set_limit`]); `None`
+    /// for no events.
+    pub cq: Option<Arc<CompletionQueue>>,
+    /// Echoed as the `context` of the pool's events.
+    pub context: usize,
+}
+
+impl Default for SrqOptions {
+    fn default() -> Self {
+        SrqOptions {
+            depth: 1024,
+            cq: None,
+            context: 0,
+        }
+    }
+}
+
+/// A pool of receives that many connections take their messages' receives from. Create it
+/// with [`crate::Context::shared_recv_queue`], name it in [`crate::ConnOptions::srq`] when
+/// connecting or accepting, and post receives to it with [`post_recv`](Self::post_recv)
+/// instead of to the connections (whose own [`crate::Connection::post_recv`] then fails with
+/// [`Error::InvalidArgument`]).
+///
+/// A message on any of the connections takes the oldest receive of the pool; its completion
+/// ([`Opcode::Recv`], or [`Opcode::RecvWriteImm`]) arrives on that connection's queue with the
+/// connection's id and context. A peer's send waits while the pool is empty, in the peer's
+/// library, and is taken when a receive is posted: it never fails for it. When a connection
+/// ends, a receive it had taken from the pool for a message not yet whole completes
+/// [`WcStatus::Flushed`] on its queue; the pool's other receives stay in the pool. Receives
+/// still in the pool when the pool goes (the last clone and the last connection using it are
+/// dropped) complete nowhere: their regions are let go then.
+///
+/// Over shared memory only, for now: a verbs connection with a pool is refused with
+/// [`Error::Unsupported`].
+///
+/// Cloning is cheap and gives the same pool.
+#[derive(Clone)]
+pub struct SharedRecvQueue {
+    pub(crate) inner: Arc<SrqInner>,
+}
+
+impl std::fmt::Debug for SharedRecvQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedRecvQueue")
+            .field("depth", &self.inner.depth)
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+/// A receive posted to a pool, until a connection takes it.
+pub(crate) struct PooledRecv {
+    pub(crate) wr_id: u64,
+    pub(crate) mr: Arc<MemoryRegion>,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+/// A connection with a message waiting for a receive of the pool.
+pub(crate) trait Waiter: Send + Sync {
+    /// The pool has receives again: take them for the waiting messages (on the poster's
+    /// thread, with no lock of the pool's held).
+    fn pool_refilled(&self);
+}
+
+pub(crate) struct SrqInner {
+    ctx: Arc<ContextInner>,
+    depth: usize,
+    events: Option<Arc<CompletionQueue>>,
+    context: usize,
+    /// How many receives the pool holds: read without the lock by connections deciding
+    /// whether a waiting message could move.
+    count: AtomicUsize,
+    state: SpinLock<PoolState>,
+}
+
+struct PoolState {
+    recvs: VecDeque<PooledRecv>,
+    /// Report an event once fewer than this many receives are left (0: disarmed).
+    limit: usize,
+    waiters: VecDeque<Weak<dyn Waiter>>,
+}
+
+impl SharedRecvQueue {
+    pub(crate) fn new(ctx: Arc<ContextInner>, opts: &SrqOptions) -> Result<Self> {
+        if opts.depth == 0 || opts.depth > QUEUE_DEPTH_MAX {
+            return Err(Error::invalid(format!(
+                "shared receive queue depth {} not in 1..={QUEUE_DEPTH_MAX}",
+                opts.depth
+            )));
+        }
+        Ok(SharedRecvQueue {
+            inner: Arc::new(SrqInner {
+                ctx,
+                depth: opts.depth as usize,
+                events: opts.cq.clone(),
+                context: opts.context,
+                count: AtomicUsize::new(0),
+                state: SpinLock::new(PoolState {
+                    recvs: VecDeque::new(),
+                    limit: 0,
+                    waiters: VecDeque::new(),
+                }),
+            }),
+        })
+    }
+
+    /// Posts a receive of up to `len` bytes into `mr` at `offset` (needs
+    /// [`crate::Access::LOCAL_WRITE`]) to the pool. Fails with [`Error::QueueFull`] when the
+    /// pool holds `depth` receives. Messages that waited for the pool are taken now, on this
+    /// thread.
+    pub fn post_recv(
+        &self,
+        mr: &Arc<MemoryRegion>,
+        offset: usize,
+        len: usize,
+        wr_id: u64,
+    ) -> Result<()> {
+        let wr = RecvRequest::new(&self.inner.ctx, mr, offset, len, wr_id)?;
+        let inner = &*self.inner;
+        {
+            let mut st = inner.state.lock();
+            if st.recvs.len() >= inner.depth {
+                return Err(Error::QueueFull("shared receive"));
+            }
+            st.recvs.push_back(PooledRecv {
+                wr_id: wr.wr_id,
+                mr: wr.mr.clone(),
+                offset: wr.offset,
+                len: wr.len,
+            });
+            // Relaxed: the lock orders it for those who take; a reader without the lock only
+            // decides whether to look.
+            inner.count.store(st.recvs.len(), Ordering::Relaxed);
+        }
+        // Hand the receives to the connections whose messages wait, oldest waiter first,
+        // while any are left. A waiter that finds none (another connection was quicker)
+        // waits again.
+        loop {
+            let waiter = {
+                let mut st = inner.state.lock();
+                if st.recvs.is_empty() {
+                    break;
+                }
+                match st.waiters.pop_front() {
+                    Some(w) => w,
+                    None => break,
+                }
+            };
+            if let Some(w) = waiter.upgrade() {
+                w.pool_refilled();
+            }
+        }
+        Ok(())
+    }
+
+    /// Arms the pool's limit: once fewer than `limit` receives are left in it, one
+    /// [`Opcode::SrqLimit`] record goes to the pool's queue ([`SrqOptions::cq`]), with the
+    /// receives left as its `wr_id`, and the limit is disarmed (as a verbs SRQ's limit event);
+    /// at once when fewer are left already. 0 disarms it. Fails with
+    /// [`Error::InvalidArgument`] for a pool without a queue or a limit over its depth.
+    pub fn set_limit(&self, limit: u32) -> Result<()> {
+        let inner = &*self.inner;
+        if limit != 0 && inner.events.is_none() {
+            return Err(Error::invalid(
+                "the shared receive queue has no completion queue for its events",
+            ));
+        }
+        if limit as usize > inner.depth {
+            return Err(Error::invalid(format!(
+                "limit {limit} over the shared receive queue's depth {}",
+                inner.depth
+            )));
+        }
+        let left = {
+            let mut st = inner.state.lock();
+            st.limit = limit as usize;
+            inner.low(&mut st)
+        };
+        if let Some(left) = left {
+            inner.report_low(left);
+        }
+        Ok(())
+    }
+
+    /// Receives posted to the pool that no connection has taken yet.
+    pub fn len(&self) -> usize {
+        self.inner.count.load(Ordering::Relaxed)
+    }
+
+    /// Whether the pool holds no receive.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Most receives the pool holds at once.
+    pub fn depth(&self) -> u32 {
+        self.inner.depth as u32
+    }
+
+    /// Whether the pool belongs to `ctx`.
+    pub(crate) fn same_context(&self, ctx: &Arc<ContextInner>) -> bool {
+        Arc::ptr_eq(&self.inner.ctx, ctx)
+    }
+}
+
+impl SrqInner {
+    /// Takes the oldest receive. When there is none and `waiter` is given, it becomes a
+    /// waiter of the pool: the next post calls it.
+    pub(crate) fn take(&self, waiter: Option<&Weak<dyn Waiter>>) -> Option<PooledRecv> {
+        let (r, left) = {
+            let mut st = self.state.lock();
+            let r = st.recvs.pop_front();
+            match &r {
+                Some(_) => self.count.store(st.recvs.len(), Ordering::Relaxed),
+                None => {
+                    if let Some(w) = waiter {
+                        st.waiters.push_back(w.clone());
+                    }
+                }
+            }
+            let left = if r.is_some() { self.low(&mut st) } else { None };
+            (r, left)
+        };
+        if let Some(left) = left {
+            self.report_low(left);
+        }
+        r
+    }
+
+    /// Whether the pool holds a receive now (a look without the lock).
+    #[inline]
+    pub(crate) fn available(&self) -> bool {
+        self.count.load(Ordering::Relaxed) != 0
+    }
+
+    /// The receives left, when they fell below the armed limit (which it disarms).
+    fn low(&self, st: &mut PoolState) -> Option<usize> {
+        let left = st.recvs.len();
+        if st.limit == 0 || left >= st.limit {
+            return None;
+        }
+        st.limit = 0;
+        Some(left)
+    }
+
+    fn report_low(&self, left: usize) {
+        if let Some(cq) = &self.events {
+            cq.push(Completion {
+                wr_id: left as u64,
+                conn_id: 0,
+                context: self.context,
+                opcode: Opcode::SrqLimit,
+                status: WcStatus::Success,
+                byte_len: 0,
+                imm: None,
+            });
+        }
+    }
+}
