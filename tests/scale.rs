@@ -32,24 +32,6 @@ fn threads_settled(expect: usize) -> usize {
     }
 }
 
-/// Raises this process's descriptor limit (soft, up to the hard one) to at least `want`.
-fn raise_fd_limit(want: u64) {
-    // SAFETY: reads and sets this process's own limit through a live local rlimit.
-    unsafe {
-        let mut r: libc::rlimit = std::mem::zeroed();
-        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
-        if r.rlim_cur < want {
-            r.rlim_cur = r.rlim_max.min(want);
-            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
-        }
-        assert!(
-            r.rlim_cur >= want,
-            "descriptor limit {} < {want}",
-            r.rlim_cur
-        );
-    }
-}
-
 /// Opens connections until `pairs` holds `upto` of them: (client in `cctx`, server in `sctx`).
 fn open(
     pairs: &mut Vec<(Connection, Connection)>,

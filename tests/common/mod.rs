@@ -173,6 +173,24 @@ pub fn pattern(k: u64, size: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Raises this process's descriptor limit (soft, up to the hard one) to at least `want`.
+pub fn raise_fd_limit(want: u64) {
+    // SAFETY: reads and sets this process's own limit through a live local rlimit.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        if r.rlim_cur < want {
+            r.rlim_cur = r.rlim_max.min(want);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+        }
+        assert!(
+            r.rlim_cur >= want,
+            "descriptor limit {} < {want}",
+            r.rlim_cur
+        );
+    }
+}
+
 /// Open descriptors of this process.
 pub fn fd_count() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
