@@ -372,15 +372,19 @@ typedef struct rbr_request rbr_request;
  *
  * A message on any of its connections takes the oldest receive of the pool; the receive's
  * completion (RBR_OP_RECV, or RBR_OP_RECV_WRITE_IMM) arrives on that connection's queue with
- * the connection's `conn_id` and `conn_context`. A peer's send waits, in the peer's library,
- * while the pool is empty, and is taken when a receive is posted: it never fails for it.
+ * the connection's `conn_id` and `conn_context`. A peer's send waits while the pool is
+ * empty, and is taken when a receive is posted: it never fails for it (over shm in the ring;
+ * over verbs in the peer's device, which sends it again every 0.64 ms: receiver-not-ready,
+ * with the peer's `rnr_retry_count`, 7 by default: without limit).
  * When a connection ends, a receive it had taken for a message not yet whole completes
  * RBR_WC_FLUSHED on its queue; the pool's other receives stay in the pool. Connections using
  * the pool keep it alive: destroying the handle early only drops the caller's reference;
  * receives still in the pool when it goes complete nowhere (their regions are let go then).
  *
- * Over shared memory only, for now: connecting or accepting over verbs with a pool fails
- * with RBR_ERR_UNSUPPORTED.
+ * Over verbs the pool is a shared receive queue of the device that serves connections this
+ * side accepted, on one device; `rbr_connect` with a pool over verbs, and one pool for shm and
+ * verbs connections both, fail with RBR_ERR_UNSUPPORTED for now. A verbs connection with a
+ * pool speaks no receive credits with its peer.
  */
 typedef struct rbr_srq rbr_srq;
 
@@ -554,8 +558,9 @@ typedef struct rbr_conn_options {
    */
   uint8_t retry_count;
   /**
-   * Verbs, toward plain librdmacm peers: retries of a send that found no receive posted
-   * (0..=7; 7 = without limit). Default 7. Between peers using this library a send waits
+   * Verbs, toward plain librdmacm peers and toward a peer that accepted with a shared
+   * receive queue: retries of a send that found no receive posted (0..=7; 7 = without
+   * limit). Default 7. Between peers using this library a send waits
    * for the peer's receive in the library (receive credits; over shm in the ring). When
    * this side accepts, the device uses what the connecting peer asked for instead. Ignored
    * by shm.
@@ -589,7 +594,8 @@ typedef struct rbr_conn_options {
   /**
    * The shared receive queue the connection takes its receives from (of the same
    * context), instead of receives posted to it; NULL for none. `recv_queue_depth` is then
-   * unused. Over verbs not yet: RBR_ERR_UNSUPPORTED. Default NULL. (Since 2026-12: a
+   * unused. Over verbs for `rbr_request_accept` only, for now (`rbr_connect`:
+   * RBR_ERR_UNSUPPORTED). Default NULL. (Since 2026-12: a
    * caller built against an earlier header gets NULL.)
    */
   struct rbr_srq *srq;

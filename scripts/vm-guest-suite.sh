@@ -74,6 +74,11 @@ epoll_burst() { # the epoll server (one thread, two descriptors) and a burst of 
     -a "rdma://$ip:7476" -s 4096 -- -n 20 -m 100 -t 240 -- -c 20 -t 270
 }
 
+epoll_pool_burst() { # the same, the clients sharing one pool of 64 receives (rbr_srq)
+  RUN_PAIR_TIMEOUT=300 tests/c/run_pair.sh "$build/rbr_epoll_server" "$build/rbr_burst_client" \
+    -a "rdma://$ip:7477" -s 4096 -- -n 20 -m 100 -w 8 -t 240 -- -c 20 -t 270 -Q 64
+}
+
 wait_listening() { # LOG: waits (up to 20 s) for the server's "listening on" line
   for _ in $(seq 100); do grep -q '^listening on' "$1" && return 0; sleep 0.2; done
   return 1
@@ -119,6 +124,8 @@ done
 step "C examples over verbs, progress threads, 2000 x 4096 B" \
   tests/c/run_pair.sh "$build/rbr_server" "$build/rbr_client" -a "rdma://$ip:7490" -n 2000 -s 4096 -v -p thread
 step "C epoll server, 20 clients x 100 x 4096 B at once over verbs" epoll_burst
+step "C epoll server with one shared receive queue of 64 for 20 clients x 8 outstanding over verbs" \
+  epoll_pool_burst
 step "C one-sided example over verbs: 100 rounds of 8 RDMA writes of 4096 B, each signaled by a write with immediate" \
   tests/c/run_pair.sh "$build/rbr_rdma_write" "$build/rbr_rdma_write" -a "rdma://$ip:7495" \
   -n 100 -z 4096 -- -c -- -s

@@ -1,224 +1,41 @@
-//! Shared receive queues over shared memory: many connections taking their receives from one
-//! pool, messages that wait for the pool, its limit event, and what it refuses.
+//! Shared receive queues over shared memory: the tests both transports run (common/pools.rs),
+//! and what is particular to shm: a message waiting in the ring is taken by the post that
+//! refills the pool, what a pool refuses, and a connection ending in the middle of a message.
 
 mod common;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Net, next, pair_between};
+use common::pools::{self, MSG, pool_of, pooled_pair};
+use common::{Net, next};
 use rdmabridge::{
-    Access, CompletionQueue, ConnOptions, Connection, Context, CqOptions, Error, Opcode, Progress,
-    SendFlags, SharedRecvQueue, SrqOptions, WcStatus,
+    Access, CompletionQueue, ConnOptions, Context, Error, Opcode, SendFlags, SrqOptions, WcStatus,
 };
 
-const MSG: usize = 256;
-
-/// `n` connections from `cctx` to one listener of `sctx`, the server's all on `scq` with
-/// `pool`, the clients' all on `ccq`.
-fn connect_many(
-    n: usize,
-    cctx: &Context,
-    sctx: &Context,
-    ccq: &Arc<CompletionQueue>,
-    scq: &Arc<CompletionQueue>,
-    pool: &SharedRecvQueue,
-) -> (Vec<Connection>, Vec<Connection>) {
-    let addr = Net::Shm.addr("srq");
-    let l = sctx.listen(&addr, 64).unwrap();
-    let sopts = ConnOptions {
-        srq: Some(pool.clone()),
-        ..Default::default()
-    };
-    let copts = ConnOptions {
-        send_queue_depth: 16,
-        ..Default::default()
-    };
-    std::thread::scope(|s| {
-        let h = s.spawn(|| {
-            (0..n)
-                .map(|_| {
-                    l.get_request(Some(Duration::from_secs(10)))
-                        .unwrap()
-                        .accept(scq, &sopts)
-                        .unwrap()
-                })
-                .collect::<Vec<_>>()
-        });
-        let clients = (0..n)
-            .map(|_| cctx.connect(&addr, ccq, &copts).unwrap())
-            .collect::<Vec<_>>();
-        (clients, h.join().unwrap())
-    })
-}
-
-fn message(conn: usize, seq: u64) -> [u8; MSG] {
-    let mut m = [0u8; MSG];
-    m[..8].copy_from_slice(&(conn as u64).to_le_bytes());
-    m[8..16].copy_from_slice(&seq.to_le_bytes());
-    for (i, b) in m[16..].iter_mut().enumerate() {
-        *b = (conn as u64 * 31 + seq * 7 + i as u64) as u8;
-    }
-    m
-}
-
-/// Takes the clients' send completions queued on `ccq`, each a success, counting them off
-/// `outstanding`.
-fn reap_sends(ccq: &CompletionQueue, clients: &[Connection], outstanding: &mut [usize]) {
-    while let Some(c) = ccq.poll() {
-        assert_eq!(
-            (c.opcode, c.status),
-            (Opcode::Send, WcStatus::Success),
-            "{c:?}"
-        );
-        let i = clients.iter().position(|k| k.id() == c.conn_id).unwrap();
-        outstanding[i] -= 1;
-    }
-}
-
-/// Takes the messages queued on the server's `scq`, each `len` bytes into a pool receive of
-/// `stride` bytes at its slot (`wr_id`), checks it is the next message of its connection
-/// (`index` maps the servers' ids to the clients' numbers), and posts the slot to `pool`
-/// again. Returns how many it took.
-fn take_messages(
-    scq: &CompletionQueue,
-    pool: &SharedRecvQueue,
-    rmr: &Arc<rdmabridge::MemoryRegion>,
-    stride: usize,
-    len: usize,
-    index: &HashMap<u64, usize>,
-    got: &mut [u64],
-) -> u64 {
-    let mut taken = 0;
-    while let Some(r) = scq.poll() {
-        assert_eq!(
-            (r.opcode, r.status, r.byte_len as usize),
-            (Opcode::Recv, WcStatus::Success, len),
-            "{r:?}"
-        );
-        let i = index[&r.conn_id];
-        let slot = r.wr_id as usize;
-        let mut b = vec![0u8; len];
-        unsafe { rmr.read(slot * stride, &mut b) }.unwrap();
-        assert_eq!(
-            b[..],
-            message(i, got[i])[..len],
-            "connection {i}, message {}",
-            got[i]
-        );
-        got[i] += 1;
-        taken += 1;
-        pool.post_recv(rmr, slot * stride, stride, slot as u64)
-            .unwrap();
-    }
-    taken
-}
-
-/// Many connections, one pool much smaller than what their senders have outstanding: every
-/// message arrives whole, in order per connection, its completion naming its connection, and
-/// no send fails for want of a receive (they wait until the pool is refilled).
 #[test]
 fn many_connections_take_their_receives_from_one_small_pool() {
-    for progress in [Progress::Caller, Progress::Thread] {
-        const N: usize = 32;
-        const PER_CONN: u64 = 200;
-        const POOL: usize = 64;
-        let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
-        let cq_opts = CqOptions {
-            progress,
-            ..Default::default()
-        };
-        let ccq = CompletionQueue::with_options(cq_opts).unwrap();
-        let scq = CompletionQueue::with_options(cq_opts).unwrap();
-        let pool = sctx
-            .shared_recv_queue(&SrqOptions {
-                depth: POOL as u32,
-                ..Default::default()
-            })
-            .unwrap();
-        let (clients, servers) = connect_many(N, &cctx, &sctx, &ccq, &scq, &pool);
-        let index: HashMap<u64, usize> = servers
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.id(), i))
-            .collect();
-        // The server's buffers: one slot per pool entry, named by wr_id.
-        let rmr = sctx.alloc_mr(POOL * MSG, Access::LOCAL_WRITE).unwrap();
-        for slot in 0..POOL {
-            pool.post_recv(&rmr, slot * MSG, MSG, slot as u64).unwrap();
-        }
-        assert_eq!(pool.len(), POOL);
-        let mut sent = [0u64; N];
-        let mut outstanding = [0usize; N];
-        let mut got = [0u64; N];
-        let total = N as u64 * PER_CONN;
-        let mut received = 0;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while received < total {
-            assert!(
-                Instant::now() < deadline,
-                "{progress:?}: {received} of {total} in 60 s"
-            );
-            for (i, c) in clients.iter().enumerate() {
-                while outstanding[i] < 16 && sent[i] < PER_CONN {
-                    let m = message(i, sent[i]);
-                    c.post_send_inline(&m[..64], sent[i], SendFlags::SIGNALED)
-                        .unwrap();
-                    sent[i] += 1;
-                    outstanding[i] += 1;
-                }
-            }
-            reap_sends(&ccq, &clients, &mut outstanding);
-            received += take_messages(&scq, &pool, &rmr, MSG, 64, &index, &mut got);
-        }
-        assert!(got.iter().all(|&g| g == PER_CONN), "{got:?}");
-        // Every send completes, none failed.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while outstanding.iter().any(|&o| o > 0) {
-            assert!(
-                Instant::now() < deadline,
-                "sends outstanding: {outstanding:?}"
-            );
-            reap_sends(&ccq, &clients, &mut outstanding);
-        }
-        assert_eq!(pool.len(), POOL);
-    }
+    pools::many_connections_take_their_receives_from_one_small_pool(&Net::Shm);
 }
 
-/// A pool of its own, `depth` deep, events on `cq`.
-fn pool_of(ctx: &Context, depth: u32, cq: Option<&Arc<CompletionQueue>>) -> SharedRecvQueue {
-    ctx.shared_recv_queue(&SrqOptions {
-        depth,
-        cq: cq.cloned(),
-        context: 77,
-    })
-    .unwrap()
+#[test]
+fn the_pool_reports_running_low_once_per_arming() {
+    pools::the_pool_reports_running_low_once_per_arming(&Net::Shm);
 }
 
-/// One connection pair whose server takes its receives from `pool`.
-fn pooled_pair(
-    cctx: &Context,
-    sctx: &Context,
-    pool: &SharedRecvQueue,
-) -> (
-    Connection,
-    Arc<CompletionQueue>,
-    Connection,
-    Arc<CompletionQueue>,
-) {
-    let sopts = ConnOptions {
-        srq: Some(pool.clone()),
-        ..Default::default()
-    };
-    pair_between(
-        &Net::Shm,
-        cctx,
-        sctx,
-        &ConnOptions::default(),
-        &sopts,
-        CqOptions::default(),
-    )
+#[test]
+fn pools_and_their_connections_leave_nothing() {
+    pools::pools_and_their_connections_leave_nothing(&Net::Shm);
+}
+
+#[test]
+fn sends_wait_for_an_empty_pool_as_long_as_it_takes() {
+    pools::sends_wait_for_an_empty_pool_as_long_as_it_takes(&Net::Shm);
+}
+
+#[test]
+fn a_thousand_connections_share_one_pool_of_four_thousand_receives() {
+    pools::a_thousand_connections_share_one_pool_of_four_thousand_receives(&Net::Shm);
 }
 
 /// Messages that found the pool empty wait in the ring; the post that refills the pool takes
@@ -228,8 +45,8 @@ fn pooled_pair(
 fn messages_that_wait_for_the_pool_are_taken_by_its_next_post() {
     let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
     let pool = pool_of(&sctx, 16, None);
-    let (c1, ccq1, s1, scq1) = pooled_pair(&cctx, &sctx, &pool);
-    let (c2, ccq2, s2, scq2) = pooled_pair(&cctx, &sctx, &pool);
+    let (c1, ccq1, s1, scq1) = pooled_pair(&Net::Shm, &cctx, &sctx, &pool);
+    let (c2, ccq2, s2, scq2) = pooled_pair(&Net::Shm, &cctx, &sctx, &pool);
     c1.post_send_inline(b"one", 1, SendFlags::SIGNALED).unwrap();
     c2.post_send_inline(b"two", 2, SendFlags::SIGNALED).unwrap();
     // Nothing to receive into: the servers' polls find the messages and wait for the pool.
@@ -279,53 +96,6 @@ fn messages_that_wait_for_the_pool_are_taken_by_its_next_post() {
     assert!(pool.is_empty());
 }
 
-/// The limit event: armed, it comes once, when fewer receives than the limit are left,
-/// carrying how many are; armed below what is left, at once; disarmed by 0.
-#[test]
-fn the_pool_reports_running_low_once_per_arming() {
-    let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
-    let events = CompletionQueue::new().unwrap();
-    let pool = pool_of(&sctx, 8, Some(&events));
-    let (c, _ccq, _s, scq) = pooled_pair(&cctx, &sctx, &pool);
-    let rmr = sctx.alloc_mr(8 * MSG, Access::LOCAL_WRITE).unwrap();
-    for slot in 0..8u64 {
-        pool.post_recv(&rmr, slot as usize * MSG, MSG, slot)
-            .unwrap();
-    }
-    pool.set_limit(4).unwrap();
-    for k in 0..6u64 {
-        c.post_send_inline(&k.to_le_bytes(), k, SendFlags(0))
-            .unwrap();
-        let r = next(&scq);
-        assert_eq!(
-            (r.opcode, r.status, r.wr_id),
-            (Opcode::Recv, WcStatus::Success, k)
-        );
-        let left = 8 - (k + 1);
-        match events.poll() {
-            Some(e) => {
-                assert_eq!(left, 3, "the event came at {left} left");
-                assert_eq!(
-                    (e.opcode, e.status, e.wr_id, e.conn_id, e.context),
-                    (Opcode::SrqLimit, WcStatus::Success, 3, 0, 77)
-                );
-            }
-            None => assert_ne!(left, 3, "no event at 3 left of a limit of 4"),
-        }
-    }
-    // Once per arming: 2 left now, no second event.
-    assert!(events.poll().is_none());
-    // Armed above what is left: at once.
-    pool.set_limit(3).unwrap();
-    let e = events.poll().expect("an event at once");
-    assert_eq!((e.opcode, e.wr_id), (Opcode::SrqLimit, 2));
-    // Disarmed: none.
-    pool.set_limit(0).unwrap();
-    c.post_send_inline(b"x", 9, SendFlags(0)).unwrap();
-    next(&scq);
-    assert!(events.poll().is_none());
-}
-
 /// What a pool refuses, with a clear error and nothing changed.
 #[test]
 fn pools_refuse_bad_input_and_change_nothing() {
@@ -365,7 +135,7 @@ fn pools_refuse_bad_input_and_change_nothing() {
     ));
     assert_eq!(pool.len(), 2);
     // A connection with a pool takes no receives of its own.
-    let (c, _ccq, s, scq) = pooled_pair(&cctx, &sctx, &pool);
+    let (c, _ccq, s, scq) = pooled_pair(&Net::Shm, &cctx, &sctx, &pool);
     assert!(matches!(
         s.post_recv(&rmr, 2 * MSG, MSG, 5),
         Err(Error::InvalidArgument(_))
@@ -402,7 +172,7 @@ fn a_connection_ending_mid_message_flushes_only_the_receive_it_took() {
     let pool = pool_of(&sctx, 4, None);
     let rmr = sctx.alloc_mr(4 * BIG, Access::LOCAL_WRITE).unwrap();
     {
-        let (c, _ccq, s, scq) = pooled_pair(&cctx, &sctx, &pool);
+        let (c, _ccq, s, scq) = pooled_pair(&Net::Shm, &cctx, &sctx, &pool);
         for slot in 0..4u64 {
             pool.post_recv(&rmr, slot as usize * BIG, BIG, slot)
                 .unwrap();
@@ -438,50 +208,4 @@ fn a_connection_ending_mid_message_flushes_only_the_receive_it_took() {
         1,
         "the pool let its receives' region go"
     );
-}
-
-/// 1,024 connections on one pool of 4,096 receives, every client sending more than its share
-/// at once: every message is delivered, verified and in order per connection, and every send
-/// succeeds (those that found the pool empty waited for it).
-#[test]
-fn a_thousand_connections_share_one_pool_of_four_thousand_receives() {
-    const N: usize = 1024;
-    const PER_CONN: u64 = 16;
-    const POOL: usize = 4096;
-    common::raise_fd_limit(16384);
-    let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
-    let ccq = CompletionQueue::new().unwrap();
-    let scq = CompletionQueue::new().unwrap();
-    let pool = pool_of(&sctx, POOL as u32, None);
-    let (clients, servers) = connect_many(N, &cctx, &sctx, &ccq, &scq, &pool);
-    let index: HashMap<u64, usize> = servers
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (s.id(), i))
-        .collect();
-    let rmr = sctx.alloc_mr(POOL * 16, Access::LOCAL_WRITE).unwrap();
-    for slot in 0..POOL {
-        pool.post_recv(&rmr, slot * 16, 16, slot as u64).unwrap();
-    }
-    // Four times what the pool holds, all at once.
-    for (i, c) in clients.iter().enumerate() {
-        for k in 0..PER_CONN {
-            c.post_send_inline(&message(i, k)[..16], k, SendFlags::SIGNALED)
-                .unwrap();
-        }
-    }
-    let mut got = vec![0u64; N];
-    let mut outstanding = vec![PER_CONN as usize; N];
-    let total = N as u64 * PER_CONN;
-    let mut received = 0;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while received < total || outstanding.iter().any(|&o| o > 0) {
-        assert!(
-            Instant::now() < deadline,
-            "{received} of {total} messages in 120 s"
-        );
-        reap_sends(&ccq, &clients, &mut outstanding);
-        received += take_messages(&scq, &pool, &rmr, 16, 16, &index, &mut got);
-    }
-    assert_eq!(pool.len(), POOL);
 }

@@ -18,6 +18,29 @@ macro_rules! suite_over_verbs {
 
 common::for_each_suite_test!(suite_over_verbs);
 
+/// Shared receive queues over verbs (common/pools.rs; tests/srq.rs runs them over shm).
+mod pools {
+    use super::*;
+
+    macro_rules! pools_over_verbs {
+        ($($name:ident),* $(,)?) => {$(
+            #[test]
+            #[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+            fn $name() {
+                common::pools::$name(&Net::verbs_from_env());
+            }
+        )*};
+    }
+
+    pools_over_verbs!(
+        many_connections_take_their_receives_from_one_small_pool,
+        the_pool_reports_running_low_once_per_arming,
+        a_thousand_connections_share_one_pool_of_four_thousand_receives,
+        sends_wait_for_an_empty_pool_as_long_as_it_takes,
+        pools_and_their_connections_leave_nothing,
+    );
+}
+
 /// The async API's tests (feature `tokio`) over verbs.
 #[cfg(feature = "tokio")]
 mod asyncs {

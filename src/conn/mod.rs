@@ -21,7 +21,7 @@ pub use remote::{REMOTE_DESC_LEN, RemoteRegion, SGE_MAX};
 pub(crate) use remote::{pack as pack_remote, unpack as unpack_remote};
 pub(crate) use setup::{Handshake, Setup, Started, Step};
 #[allow(unused_imports)] // the transports that take receives from a pool name them
-pub(crate) use srq::{PooledRecv, SrqInner, Waiter};
+pub(crate) use srq::{PoolDevice, PooledRecv, SrqInner, Waiter};
 pub use srq::{SharedRecvQueue, SrqOptions};
 #[allow(unused_imports)] // the transports' one-sided paths name it
 pub(crate) use wr::{LocalSeg, OneOp, Payload, RdmaOp, RdmaRequest, RecvRequest, SendRequest};
@@ -80,7 +80,8 @@ pub struct ConnOptions {
     /// connection fails (0..=7). Default 6: some devices (soft-RoCE) read 7 as "forever",
     /// which would leave a lost peer unnoticed. Ignored by shm.
     pub retry_count: u8,
-    /// Verbs, toward plain librdmacm peers: how often a send that found no receive posted is
+    /// Verbs, toward plain librdmacm peers and toward a peer whose connection takes its
+    /// receives from a shared receive queue: how often a send that found no receive posted is
     /// retried by the device (0..=7; 7 = without limit). Default 7. Between two peers using
     /// this library a send waits for the peer's receive in the library (receive credits; over
     /// shm a message waits in the ring) and never meets a missing receive. When this side
@@ -110,7 +111,7 @@ pub struct ConnOptions {
     pub shm_ring_size: u32,
     /// The pool the connection takes its receives from, instead of receives posted to it
     /// (see [`SharedRecvQueue`]); of the same context. `recv_queue_depth` is then unused.
-    /// Shared memory only, for now: a verbs connection with one fails with
+    /// Over verbs for accepted connections only, for now: connecting with one fails with
     /// [`Error::Unsupported`].
     pub srq: Option<SharedRecvQueue>,
 }

@@ -12,6 +12,7 @@
 //! Locks: a connection takes the pool's lock under its own (to take a receive, or to wait);
 //! a post takes the pool's lock alone, and calls the waiters with no lock held.
 
+use std::any::Any;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -53,15 +54,22 @@ impl Default for SrqOptions {
 ///
 /// A message on any of the connections takes the oldest receive of the pool; its completion
 /// ([`Opcode::Recv`], or [`Opcode::RecvWriteImm`]) arrives on that connection's queue with the
-/// connection's id and context. A peer's send waits while the pool is empty, in the peer's
-/// library, and is taken when a receive is posted: it never fails for it. When a connection
+/// connection's id and context. A peer's send waits while the pool is empty and is taken when
+/// a receive is posted: it never fails for it (over shm in the connection's ring, taken by the
+/// post; over verbs in the peer's device, which sends it again every 0.64 ms until the pool has
+/// a receive - receiver-not-ready, with the peer's `rnr_retry_count`: 7, the default, retries
+/// without limit). When a connection
 /// ends, a receive it had taken from the pool for a message not yet whole completes
 /// [`WcStatus::Flushed`] on its queue; the pool's other receives stay in the pool. Receives
 /// still in the pool when the pool goes (the last clone and the last connection using it are
 /// dropped) complete nowhere: their regions are let go then.
 ///
-/// Over shared memory only, for now: a verbs connection with a pool is refused with
-/// [`Error::Unsupported`].
+/// Over verbs the pool is a shared receive queue of the device (`ibv_srq`) that serves
+/// connections this side accepted, all on one device; connecting with a pool is refused with
+/// [`Error::Unsupported`] for now, as is one pool for shm and verbs connections both. Such a
+/// connection speaks no receive credits with its peer (the pool's receives are not one
+/// connection's to count), so a send of its peer that finds the pool empty waits in the
+/// peer's device rather than in its library.
 ///
 /// Cloning is cheap and gives the same pool.
 #[derive(Clone)]
@@ -86,6 +94,23 @@ pub(crate) struct PooledRecv {
     pub(crate) len: usize,
 }
 
+/// Where a pool's receives go when a transport keeps them on its device (verbs: a shared
+/// receive queue of the device's), which then reports them taken with
+/// [`SrqInner::taken_by_device`].
+pub(crate) trait PoolDevice: Send + Sync {
+    /// Hands a receive to the device (the pool's count already holds it).
+    fn post(&self, r: PooledRecv) -> Result<()>;
+}
+
+/// Who takes a pool's receives: the connections themselves (as over shm, with [`SrqInner::take`])
+/// or a device (for `key`, the transport's name of it).
+enum Binding {
+    None,
+    Local,
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    Device(usize, Arc<dyn PoolDevice>, Arc<dyn Any + Send + Sync>),
+}
+
 /// A connection with a message waiting for a receive of the pool.
 pub(crate) trait Waiter: Send + Sync {
     /// The pool has receives again: take them for the waiting messages (on the poster's
@@ -105,6 +130,7 @@ pub(crate) struct SrqInner {
 }
 
 struct PoolState {
+    binding: Binding,
     recvs: VecDeque<PooledRecv>,
     /// Report an event once fewer than this many receives are left (0: disarmed).
     limit: usize,
@@ -127,6 +153,7 @@ impl SharedRecvQueue {
                 context: opts.context,
                 count: AtomicUsize::new(0),
                 state: SpinLock::new(PoolState {
+                    binding: Binding::None,
                     recvs: VecDeque::new(),
                     limit: 0,
                     waiters: VecDeque::new(),
@@ -148,24 +175,44 @@ impl SharedRecvQueue {
     ) -> Result<()> {
         let wr = RecvRequest::new(&self.inner.ctx, mr, offset, len, wr_id)?;
         let inner = &*self.inner;
-        {
-            let mut st = inner.state.lock();
-            if st.recvs.len() >= inner.depth {
+        let r = PooledRecv {
+            wr_id: wr.wr_id,
+            mr: wr.mr.clone(),
+            offset: wr.offset,
+            len: wr.len,
+        };
+        let device = {
+            let st = inner.state.lock();
+            // Relaxed: every change is made under the lock.
+            let count = inner.count.load(Ordering::Relaxed);
+            if count >= inner.depth {
                 return Err(Error::QueueFull("shared receive"));
             }
-            st.recvs.push_back(PooledRecv {
-                wr_id: wr.wr_id,
-                mr: wr.mr.clone(),
-                offset: wr.offset,
-                len: wr.len,
-            });
             // Relaxed: the lock orders it for those who take; a reader without the lock only
             // decides whether to look.
-            inner.count.store(st.recvs.len(), Ordering::Relaxed);
+            inner.count.store(count + 1, Ordering::Relaxed);
+            match &st.binding {
+                Binding::Device(_, d, _) => Some(d.clone()),
+                _ => None,
+            }
+        };
+        let Some(d) = device else {
+            inner.state.lock().recvs.push_back(r);
+            return self.serve_waiters();
+        };
+        if let Err(e) = d.post(r) {
+            let _st = inner.state.lock();
+            inner.count.fetch_sub(1, Ordering::Relaxed);
+            return Err(e);
         }
-        // Hand the receives to the connections whose messages wait, oldest waiter first,
-        // while any are left. A waiter that finds none (another connection was quicker)
-        // waits again.
+        Ok(())
+    }
+
+    /// Hands the pool's receives to the connections whose messages wait, oldest waiter first,
+    /// while any are left. A waiter that finds none (another connection was quicker) waits
+    /// again.
+    fn serve_waiters(&self) -> Result<()> {
+        let inner = &*self.inner;
         loop {
             let waiter = {
                 let mut st = inner.state.lock();
@@ -235,6 +282,67 @@ impl SharedRecvQueue {
 }
 
 impl SrqInner {
+    /// Binds the pool to connections that take its receives themselves ([`take`](Self::take)).
+    /// Fails for a pool bound to a device.
+    pub(crate) fn bind_local(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        match st.binding {
+            Binding::Device(..) => Err(Error::Unsupported(
+                "the shared receive queue serves connections of an RDMA device".into(),
+            )),
+            _ => {
+                st.binding = Binding::Local;
+                Ok(())
+            }
+        }
+    }
+
+    /// Binds the pool to the device a transport names `key`, made by `make` on first use with
+    /// the receives posted so far (which it must take) and the pool's depth; returns it (as
+    /// the transport's own type, to downcast). Fails for a pool that serves connections
+    /// taking their receives themselves, or another device.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn bind_device<D: PoolDevice + Any>(
+        &self,
+        key: usize,
+        make: impl FnOnce(Vec<PooledRecv>, usize) -> Result<D>,
+    ) -> Result<Arc<dyn Any + Send + Sync>> {
+        let mut st = self.state.lock();
+        match &st.binding {
+            Binding::Device(k, _, a) if *k == key => return Ok(a.clone()),
+            Binding::Device(..) => {
+                return Err(Error::Unsupported(
+                    "the shared receive queue serves connections of another RDMA device".into(),
+                ));
+            }
+            Binding::Local => {
+                return Err(Error::Unsupported(
+                    "the shared receive queue serves shared-memory connections".into(),
+                ));
+            }
+            Binding::None => {}
+        }
+        let posted: Vec<PooledRecv> = st.recvs.drain(..).collect();
+        let d = Arc::new(make(posted, self.depth)?);
+        st.binding = Binding::Device(key, d.clone(), d.clone());
+        Ok(d)
+    }
+
+    /// The device took one of the pool's receives (for a message, or flushed it).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn taken_by_device(&self) {
+        let left = {
+            let mut st = self.state.lock();
+            // Relaxed: every change is made under the lock.
+            let n = self.count.load(Ordering::Relaxed).saturating_sub(1);
+            self.count.store(n, Ordering::Relaxed);
+            self.low(&mut st)
+        };
+        if let Some(left) = left {
+            self.report_low(left);
+        }
+    }
+
     /// Takes the oldest receive. When there is none and `waiter` is given, it becomes a
     /// waiter of the pool: the next post calls it.
     pub(crate) fn take(&self, waiter: Option<&Weak<dyn Waiter>>) -> Option<PooledRecv> {
@@ -258,6 +366,12 @@ impl SrqInner {
         r
     }
 
+    /// Most receives the pool holds at once.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    pub(crate) fn depth(&self) -> usize {
+        self.depth
+    }
+
     /// Whether the pool holds a receive now (a look without the lock).
     #[inline]
     pub(crate) fn available(&self) -> bool {
@@ -266,7 +380,8 @@ impl SrqInner {
 
     /// The receives left, when they fell below the armed limit (which it disarms).
     fn low(&self, st: &mut PoolState) -> Option<usize> {
-        let left = st.recvs.len();
+        // Relaxed: every change is made under the lock, which the caller holds.
+        let left = self.count.load(Ordering::Relaxed);
         if st.limit == 0 || left >= st.limit {
             return None;
         }

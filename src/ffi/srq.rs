@@ -17,15 +17,19 @@ use crate::{SharedRecvQueue, SrqOptions};
 ///
 /// A message on any of its connections takes the oldest receive of the pool; the receive's
 /// completion (RBR_OP_RECV, or RBR_OP_RECV_WRITE_IMM) arrives on that connection's queue with
-/// the connection's `conn_id` and `conn_context`. A peer's send waits, in the peer's library,
-/// while the pool is empty, and is taken when a receive is posted: it never fails for it.
+/// the connection's `conn_id` and `conn_context`. A peer's send waits while the pool is
+/// empty, and is taken when a receive is posted: it never fails for it (over shm in the ring;
+/// over verbs in the peer's device, which sends it again every 0.64 ms: receiver-not-ready,
+/// with the peer's `rnr_retry_count`, 7 by default: without limit).
 /// When a connection ends, a receive it had taken for a message not yet whole completes
 /// RBR_WC_FLUSHED on its queue; the pool's other receives stay in the pool. Connections using
 /// the pool keep it alive: destroying the handle early only drops the caller's reference;
 /// receives still in the pool when it goes complete nowhere (their regions are let go then).
 ///
-/// Over shared memory only, for now: connecting or accepting over verbs with a pool fails
-/// with RBR_ERR_UNSUPPORTED.
+/// Over verbs the pool is a shared receive queue of the device that serves connections this
+/// side accepted, on one device; `rbr_connect` with a pool over verbs, and one pool for shm and
+/// verbs connections both, fail with RBR_ERR_UNSUPPORTED for now. A verbs connection with a
+/// pool speaks no receive credits with its peer.
 pub struct rbr_srq {
     pub(crate) inner: SharedRecvQueue,
 }

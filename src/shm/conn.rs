@@ -413,7 +413,12 @@ impl Unstarted {
         let info = ConnInfo {
             id: setup.id(),
             send_queue_depth: opts.send_queue_depth,
-            recv_queue_depth: opts.recv_queue_depth,
+            // On a shared receive queue the connection has no receive queue of its own.
+            recv_queue_depth: if opts.srq.is_some() {
+                0
+            } else {
+                opts.recv_queue_depth
+            },
             max_inline: opts.max_inline,
             shm_ring_size: seg.cap() as u32,
             transport: Transport::Shm,
@@ -426,6 +431,9 @@ impl Unstarted {
         let inbox = Arc::new(Mutex::new(inbox));
         let imports = Arc::new(SpinLock::new(ImportCache::default()));
         let shortcut = Arc::new(Shortcut::new(seg.clone(), 1 - side));
+        if let Some(q) = &opts.srq {
+            q.inner.bind_local()?;
+        }
         let sock_fd = sock.as_raw_fd();
         // The flow names its connection as the waiter of its shared receive queue.
         let sh = Arc::new_cyclic(|me: &Weak<ConnState>| {

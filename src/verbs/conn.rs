@@ -135,6 +135,12 @@ pub(super) struct ConnState {
     /// from its bounce area (see [`note_held`](Self::note_held); changed under the state
     /// lock, read by pollers without it to find whom to pump).
     pub(super) has_held: AtomicBool,
+    /// The shared receive queue its queue pair takes its receives from, and its device
+    /// queue: completions of the pool's receives are reported from there (`dispatch.rs`).
+    pub(super) pool: Option<(
+        Arc<crate::conn::SrqInner>,
+        Arc<crate::verbs::srq::DevicePool>,
+    )>,
     /// How long the connection may be idle before a keepalive goes out: the option, toward a
     /// library peer (negotiated at connect); none toward a plain peer. A keepalive's
     /// acknowledgement, or its failure after `retry_count` resends, is how a peer whose host or

@@ -127,6 +127,7 @@ pub(super) fn attach(
             tag,
             qp_num: None,
             released: false,
+            pool: None,
         });
     }
     let d = DevCq::create(driver, cq, device, need)?;
@@ -137,6 +138,7 @@ pub(super) fn attach(
         tag: 0,
         qp_num: None,
         released: false,
+        pool: None,
     })
 }
 
@@ -263,6 +265,7 @@ impl DevCq {
                 size: unsafe { (*raw).cqe }.max(0) as u32,
                 need,
                 next_tag: 1,
+                pools: Vec::new(),
                 retired: false,
                 channel: Channel::default(),
             }),
@@ -290,7 +293,20 @@ impl DevCq {
 
     /// Makes room for one more connection needing `need` entries; returns its tag.
     fn reserve(&self, ps: &mut PollState, need: u32) -> Result<u64> {
-        let total = ps.need.saturating_add(need);
+        self.grow(ps, need)?;
+        ps.users += 1;
+        let tag = ps.next_tag;
+        // The last tag is never given out: a pool's receives carry it (`srq.rs`).
+        ps.next_tag = match ps.next_tag.wrapping_add(1) {
+            u16::MAX => 0,
+            t => t,
+        };
+        Ok(u64::from(tag) << TAG_SHIFT)
+    }
+
+    /// Makes room for `more` entries.
+    fn grow(&self, ps: &mut PollState, more: u32) -> Result<()> {
+        let total = ps.need.saturating_add(more);
         if total > self.max_cqe {
             return Err(too_big(total, self.max_cqe));
         }
@@ -312,10 +328,7 @@ impl DevCq {
             ps.size = unsafe { (*self.raw).cqe }.max(0) as u32;
         }
         ps.need = total;
-        ps.users += 1;
-        let tag = ps.next_tag;
-        ps.next_tag = ps.next_tag.wrapping_add(1);
-        Ok(u64::from(tag) << TAG_SHIFT)
+        Ok(())
     }
 
     /// Asks the device for an event on the next completion, unless that is already asked:
@@ -433,7 +446,13 @@ impl DevCq {
     /// One user fewer (blocking: `wait`; else only if the lock is free at once: `None` if it
     /// was not). When none is left the CQ retires: it leaves the queue's sources, and its turn
     /// destroys it (see [`gone`](Self::gone)); returns whether it did.
-    fn release(&self, need: u32, qp_num: Option<u32>, wait: bool) -> Option<bool> {
+    fn release(
+        &self,
+        need: u32,
+        qp_num: Option<u32>,
+        pool: Option<usize>,
+        wait: bool,
+    ) -> Option<bool> {
         let mut ps = if wait {
             self.lock()
         } else {
@@ -444,6 +463,15 @@ impl DevCq {
         }
         ps.users -= 1;
         ps.need -= need;
+        if let Some(key) = pool
+            && let Some(at) = ps.pools.iter().position(|p| p.0 == key)
+        {
+            ps.pools[at].2 -= 1;
+            if ps.pools[at].2 == 0 {
+                ps.need -= ps.pools[at].1;
+                ps.pools.swap_remove(at);
+            }
+        }
         let retire = ps.users == 0;
         if retire {
             ps.retired = true;
@@ -583,9 +611,27 @@ pub(super) struct Attachment {
     pub(super) tag: u64,
     qp_num: Option<u32>,
     released: bool,
+    /// The shared receive queue whose completions the CQ makes room for, once for all its
+    /// connections on it (see [`uses_pool`](Self::uses_pool)).
+    pool: Option<usize>,
 }
 
 impl Attachment {
+    /// The connection's queue pair takes its receives from the shared receive queue `key` of
+    /// `depth` receives: the CQ makes room for all of them once, for every connection of the
+    /// pool it serves, since they may all complete before a poll.
+    pub(super) fn uses_pool(&mut self, key: usize, depth: u32) -> Result<()> {
+        let mut ps = self.devcq.lock();
+        if let Some(p) = ps.pools.iter_mut().find(|p| p.0 == key) {
+            p.2 += 1;
+        } else {
+            self.devcq.grow(&mut ps, depth)?;
+            ps.pools.push((key, depth, 1));
+        }
+        self.pool = Some(key);
+        Ok(())
+    }
+
     /// The queue pair was made: its completions are collected (parked) from now on.
     pub(super) fn enter(&mut self, qp_num: u32) {
         let mut ps = self.devcq.lock();
@@ -628,7 +674,9 @@ impl Attachment {
     /// Gives the share back once the queue pair is destroyed, if the poll lock is free at
     /// once (`None`: try again later). Returns whether that retired the device CQ.
     pub(super) fn try_release(&mut self) -> Option<bool> {
-        let retired = self.devcq.release(self.need, self.qp_num, false)?;
+        let retired = self
+            .devcq
+            .release(self.need, self.qp_num, self.pool, false)?;
         self.released = true;
         Some(retired)
     }
@@ -637,7 +685,7 @@ impl Attachment {
 impl Drop for Attachment {
     fn drop(&mut self) {
         if !self.released {
-            self.devcq.release(self.need, self.qp_num, true);
+            self.devcq.release(self.need, self.qp_num, self.pool, true);
         }
     }
 }

@@ -18,6 +18,7 @@ use crate::idmap::IdMap;
 use crate::verbs::conn::{
     ConnState, HELLO_BIT, PostState, RECV_BIT, SEQ_MASK, TAG_MASK, at_or_before, try_lock,
 };
+use crate::verbs::srq::is_pool_wr;
 
 /// A work completion, copied out of the device's record.
 #[derive(Clone, Copy)]
@@ -100,6 +101,9 @@ pub(super) struct PollState {
     pub(super) size: u32,
     pub(super) need: u32,
     pub(super) next_tag: u16,
+    /// The shared receive queues whose receives may complete here (key, depth, connections),
+    /// each counted once in `need`.
+    pub(super) pools: Vec<(usize, u32, u32)>,
     /// No user is left: the CQ is being destroyed, and must not be touched.
     pub(super) retired: bool,
     /// The pollers' side of the completion channel (see `DevCq::arm_descriptor`).
@@ -132,7 +136,8 @@ pub(super) fn deliver(ps: &mut PollState, wc: Wc, blocking: bool, out: &mut Sink
     let Some(m) = members.get_mut(&wc.qp_num) else {
         return 0;
     };
-    if wc.wr_id & TAG_MASK != m.tag {
+    // A pool's receive carries no connection's tag (`srq.rs`).
+    if wc.wr_id & TAG_MASK != m.tag && !is_pool_wr(wc.wr_id) {
         return 0;
     }
     let Member {
@@ -216,6 +221,24 @@ pub(super) fn complete(sh: &ConnState, st: &mut PostState, wc: &Wc, out: &mut Si
         st.failed = Some(status);
     }
     let mut n = 0;
+    if is_pool_wr(wc.wr_id) {
+        // A receive of the connection's shared receive queue: the device took it from the
+        // pool for this connection's message (or flushed it there, as the queue pair failed
+        // in the middle of one).
+        if let Some((q, d)) = &sh.pool
+            && let Some(wr_id) = d.take(wc.wr_id)
+        {
+            q.taken_by_device();
+            let op = if wc.write_imm {
+                Opcode::RecvWriteImm
+            } else {
+                Opcode::Recv
+            };
+            out.put(sh.report.record(wr_id, op, status, wc.byte_len, wc.imm));
+            return 1;
+        }
+        return 0;
+    }
     if wc.wr_id & HELLO_BIT != 0 {
         // The client's hello: where this side's credit writes go from now on.
         if status == WcStatus::Success

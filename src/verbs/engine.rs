@@ -464,7 +464,12 @@ impl Conn {
         let info = ConnInfo {
             id: setup.id(),
             send_queue_depth: (res.caps.max_send_wr - INTERNAL_SLOTS).min(opts.send_queue_depth),
-            recv_queue_depth: (res.caps.max_recv_wr - 1).min(opts.recv_queue_depth),
+            // On a shared receive queue the connection has no receive queue of its own.
+            recv_queue_depth: if res.pool.is_some() {
+                0
+            } else {
+                (res.caps.max_recv_wr - 1).min(opts.recv_queue_depth)
+            },
             max_inline: res.caps.max_inline_data.min(opts.max_inline),
             shm_ring_size: 0,
             transport: Transport::Verbs,
@@ -506,6 +511,7 @@ impl Conn {
             }),
             reg: setup.registration().clone(),
             has_held: AtomicBool::new(false),
+            pool: res.pool.clone(),
             keepalive: opts.keepalive.filter(|_| library_peer),
         });
         if client_hello {

@@ -22,7 +22,7 @@ use rdma_sys as sys;
 use sys::rdma_cm_event_type::*;
 
 use crate::conn::seam::{ListenerSeam, RequestSeam};
-use crate::conn::{ConnOptions, ConnRequest, Handshake, Setup, Started, Step, Transport};
+use crate::conn::{ConnOptions, ConnRequest, Handshake, Setup, SrqInner, Started, Step, Transport};
 use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 use crate::driver::{Next, Ready, Registration};
@@ -35,6 +35,7 @@ use crate::verbs::devcq::{Attachment, attach};
 use crate::verbs::domain::Domain;
 use crate::verbs::preamble::{parse_credit_ext, parse_preamble, with_preamble};
 use crate::verbs::res::{DeviceEvents, Pd, device_events};
+use crate::verbs::srq::{self, DevicePool};
 
 /// `rdma_set_option` level and name for the ACK timeout (rdma_cma.h; not in the bindings).
 const RDMA_OPTION_ID: i32 = 0;
@@ -107,6 +108,9 @@ pub(super) struct Resources {
     /// The credit word toward a library peer: after the QP in drop order, since the peer's
     /// device may write into it while the QP lives.
     credit: Option<CreditMr>,
+    /// The shared receive queue the queue pair takes its receives from, with its device
+    /// queue: after the QP in drop order.
+    pub(super) pool: Option<(Arc<SrqInner>, Arc<DevicePool>)>,
 }
 
 /// What a device allows one-sided operations on a queue pair.
@@ -183,10 +187,24 @@ impl Resources {
         // queue pair in error reports every outstanding work request, signaled or not - the
         // caller's, the library's own (credit writes, keepalive, hello) and the server's hello
         // receive.
-        let need = opts.send_queue_depth + opts.recv_queue_depth + INTERNAL_SLOTS + 1;
+        let pool = match &opts.srq {
+            Some(q) => Some((q.inner.clone(), srq::bind(&q.inner, &pd)?)),
+            None => None,
+        };
+        // A queue pair on a shared receive queue has no receive queue of its own; the device
+        // CQ makes room for the pool's receives once (`uses_pool`).
+        let own_recvs = if pool.is_some() {
+            0
+        } else {
+            opts.recv_queue_depth + 1
+        };
+        let need = opts.send_queue_depth + INTERNAL_SLOTS + own_recvs;
         let driver = ctx.driver.get().map_err(Error::Thread)?;
         domain.watch_ports(device, &driver)?;
         let mut att = attach(&domain.devcqs, &driver, cq, device, need)?;
+        if let Some((q, d)) = &pool {
+            att.uses_pool(d.raw as usize, q.depth() as u32)?;
+        }
         // SAFETY: ibv_qp_init_attr is plain data; zero is a valid start.
         let mut attr: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         attr.send_cq = att.devcq.raw;
@@ -196,9 +214,12 @@ impl Resources {
         // Slots beyond the caller's: the library's own work (keepalive, hello, credit writes)
         // must never take the caller's, nor the server's hello receive.
         attr.cap.max_send_wr = opts.send_queue_depth + INTERNAL_SLOTS;
-        attr.cap.max_recv_wr = opts.recv_queue_depth + 1;
+        attr.cap.max_recv_wr = own_recvs;
         attr.cap.max_send_sge = max_send_sge;
         attr.cap.max_recv_sge = 1;
+        if let Some((_, d)) = &pool {
+            attr.srq = d.raw;
+        }
         attr.cap.max_inline_data = opts.max_inline;
         // SAFETY: live id, PD and attr (its CQ lives while `att` does); on success the id owns
         // the QP and attr.cap holds the granted capabilities.
@@ -223,6 +244,7 @@ impl Resources {
             id: id.take(),
             ch: ch.take(),
             credit: None,
+            pool,
         })
     }
 
@@ -258,6 +280,23 @@ impl Resources {
         self.qp = None;
         self.id = None;
         self.credit = None;
+    }
+
+    /// A queue pair on a shared receive queue answers a message that finds the pool empty
+    /// with receiver-not-ready, and the peer's device sends it again after the time this asks
+    /// for: 0.64 ms (RDMA CM leaves the device's default, 655 ms, an age for a server whose
+    /// pool is refilled as it polls).
+    fn shorten_rnr_wait(&self) -> Result<()> {
+        // SAFETY: plain data; zero is a valid start.
+        let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.min_rnr_timer = RNR_TIMER_640_US;
+        let mask = sys::ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER.0 as i32;
+        // SAFETY: the id owns a live QP in RTS, where the RNR timer may change.
+        let r = unsafe { sys::ibv_modify_qp(self.qp_raw(), &mut attr, mask) };
+        if r != 0 {
+            return Err(Error::Accept(io::Error::from_raw_os_error(r)));
+        }
+        Ok(())
     }
 
     /// Posts the server's internal receive for the client's hello into `credit`'s block.
@@ -448,7 +487,12 @@ impl Request {
     /// confirmation is to come on the request's channel.
     fn answer(&mut self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Resources> {
         let mut res = Resources::new(&self.ctx, cq, &mut self.id, &mut self.ch, opts)?;
-        let data = if self.library_peer {
+        let data = if self.library_peer && res.pool.is_some() {
+            // A queue pair on a shared receive queue has no receive of its own for the hello,
+            // and the pool's receives are not this connection's to count: no credits (see
+            // `srq.rs`); the peer's device waits for the pool's receives.
+            with_preamble(&opts.private_data, 0, &[])
+        } else if self.library_peer {
             // Credits: the client's hello must find a receive, so one is posted before the
             // accept (first in the receive queue); the accept tells the client where this side's
             // credit word is.
@@ -511,6 +555,9 @@ impl Accepting {
             return Ok(None);
         };
         let mut res = self.res.take().expect("accepted");
+        if res.pool.is_some() {
+            res.shorten_rnr_wait()?;
+        }
         // The server learns the client's word from the hello.
         let credits = res.credit.take().map(|c| (c, None));
         Ok(Some(Established {
@@ -597,7 +644,6 @@ impl RequestSeam for Request {
     }
 
     fn start(self: Box<Self>, cq: Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Started> {
-        no_pool(opts)?;
         Ok(Started {
             handshake: Box::new(Accepting {
                 request: *self,
@@ -633,11 +679,14 @@ pub(super) struct Established {
 
 /// Starts connecting to `host:port`: making the channel and the id, resolving the address and
 /// the route and connecting are the handshake's turns.
-/// Shared receive queues are not built over verbs yet.
+/// The encoding of 0.64 ms as a minimum RNR timer (InfiniBand's table of RNR NAK delays).
+const RNR_TIMER_640_US: u8 = 12;
+
+/// Over verbs a shared receive queue serves accepted connections only, for now.
 fn no_pool(opts: &ConnOptions) -> Result<()> {
     match opts.srq {
         Some(_) => Err(Error::Unsupported(
-            "shared receive queues over verbs are not available yet".into(),
+            "over verbs a shared receive queue serves accepted connections only".into(),
         )),
         None => Ok(()),
     }
@@ -780,10 +829,14 @@ impl Connecting {
                 };
                 let mut res = self.res.take().expect("made at the route");
                 let (library_peer, peer_data) = parse_preamble(&ev.private_data);
-                // Credits only if the server offers its word; otherwise plain RC.
+                // Credits only if the server offers its word; otherwise plain RC, and the
+                // block nobody will write goes (its registration with it).
                 let credits = match parse_credit_ext(&ev.private_data) {
                     Some(peer) => res.credit.take().map(|c| (c, Some(peer))),
-                    None => None,
+                    None => {
+                        res.credit = None;
+                        None
+                    }
                 };
                 return Ok(Some(Established {
                     cq: self.cq.clone(),

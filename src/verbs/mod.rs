@@ -21,6 +21,8 @@ mod handshake;
 mod preamble;
 #[cfg(feature = "verbs")]
 mod res;
+#[cfg(feature = "verbs")]
+mod srq;
 
 #[cfg(feature = "verbs")]
 pub(crate) use cm::sockaddr;

@@ -391,8 +391,9 @@ static void matrix_cq(void)
 #define SENT_SRQ ((rbr_srq *)(uintptr_t)0x1000)
 
 /* The shared receive queue's calls against bad input; then a connection that
- * takes its receives from a pool refuses receives of its own (shm), or is
- * refused (verbs: not yet), and a pool of another context is refused. */
+ * takes its receives from a pool refuses receives of its own (shm), connecting
+ * with one is refused over verbs (it serves accepted connections there), and a
+ * pool of another context is refused. */
 static void matrix_srq(rbr_ctx *ctx, rbr_ctx *other, rbr_listener *l, const char *addr,
                        rbr_cq *cq)
 {

@@ -12,6 +12,7 @@ pub mod asyncs;
 pub mod edge;
 pub mod faults;
 pub mod onesided;
+pub mod pools;
 pub mod starts;
 pub mod suite;
 
