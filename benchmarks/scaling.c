@@ -41,6 +41,13 @@
  *         and its pinned memory (VmPin: over verbs, what is registered
  *         with the device), and per connection: the growth since the first
  *         N over the connections added since.
+ * How the server's connections (all but the first, which carries the
+ * ping-pong and the control messages) receive: by default every receive goes
+ * into one buffer all share (what a connection costs besides its buffers);
+ * with -B each connection has buffers of its own, one per receive (what a
+ * server that posts receives per connection pays); with -Q DEPTH they take
+ * their receives from one shared receive queue of DEPTH, one buffer each
+ * (the pool's memory, whatever N is).
  * Both sides busy-poll with rbr_cq_poll, never rbr_cq_wait, as rbr_bench
  * does.  It also prints the client process's threads and open descriptors
  * at N (from /proc/self), which show what each connection costs besides
@@ -67,7 +74,7 @@
  *
  * Usage: rbr_scaling [-a ADDR] [-N LIST] [-s SIZE] [-n ITERS] [-b BATCHES]
  *                    [-c A,B] [-T SECS] [-r MSGS] [-w WARM] [-p MODE]
- *                    [-S US] [-m SIZE]
+ *                    [-S US] [-m SIZE] [-Q DEPTH] [-B]
  *   -a ADDR     address (default shm://rbr-scaling)
  *   -N LIST     comma list of connection counts, increasing (default
  *               1,16,256,1024)
@@ -84,6 +91,9 @@
  *   -w WARM     warm-up messages per connection of the rate run, at least
  *               (default 4096)
  *   -m SIZE     message size of the rate run (default 512, at least 64)
+ *   -Q DEPTH    the server's connections take their receives from one
+ *               shared receive queue of DEPTH receives (1..16384)
+ *   -B          each server connection receives into buffers of its own
  *   -p MODE, -S US: completion-queue options as in the C examples (both
  *               sides use them)
  *
@@ -156,6 +166,8 @@ struct opts {
     uint64_t rate_msgs;
     uint64_t rate_warm;
     size_t rate_size;
+    uint32_t pool;   /* -Q: the server's shared receive queue, 0: none */
+    int own_bufs;    /* -B: each connection's receives into buffers of its own */
     struct ex_cq_opts cq;
 };
 
@@ -173,6 +185,13 @@ struct side {
     uint64_t sends_done; /* signaled sends completed */
     int64_t timeout_ns;
     int rate; /* -r given: every connection has RATE_DEPTH */
+    /* The server's connections but the first: with -Q their receives come from one pool
+     * (`srq`, slots of `pool_mr`); with -B each has buffers of its own (`conn_mrs`, one
+     * slot per receive); else all share `recv_mr`. */
+    rbr_srq *srq;
+    rbr_mr *pool_mr;
+    rbr_mr **conn_mrs;
+    int own_bufs;
 };
 
 static void usage(const char *argv0)
@@ -180,7 +199,7 @@ static void usage(const char *argv0)
     fprintf(stderr,
             "usage: %s [-a ADDR] [-N LIST] [-s SIZE] [-n ITERS] [-b BATCHES]"
             " [-c A,B] [-T SECS]\n"
-            "          [-r MSGS] [-w WARM] [-p MODE] [-S US] [-m SIZE]\n"
+            "          [-r MSGS] [-w WARM] [-p MODE] [-S US] [-m SIZE] [-Q DEPTH] [-B]\n"
             "  -a ADDR     address (default %s)\n"
             "  -N LIST     connection counts, increasing (1,16,256,1024)\n"
             "  -s SIZE     ping-pong message size (64)\n"
@@ -191,6 +210,9 @@ static void usage(const char *argv0)
             "  -r MSGS     round-robin rate run of MSGS messages per count (0)\n"
             "  -w WARM     its warm-up messages per connection, at least (4096)\n"
             "  -m SIZE     its message size (512, at least 64)\n"
+            "  -Q DEPTH    the server's connections take their receives from one\n"
+            "              shared receive queue of DEPTH receives (the first aside)\n"
+            "  -B          each server connection receives into buffers of its own\n"
             EX_CQ_OPTS_USAGE,
             argv0, DEFAULT_ADDR);
 }
@@ -253,7 +275,7 @@ static int parse_opts(int argc, char **argv, struct opts *o)
     o->rate_size = RATE_SIZE;
     ex_cq_opts_init(&o->cq);
     parse_counts("1,16,256,1024", o);
-    while ((ch = getopt(argc, argv, "a:N:s:n:b:c:T:r:w:m:p:S:h")) != -1) {
+    while ((ch = getopt(argc, argv, "a:N:s:n:b:c:T:r:w:m:p:S:Q:Bh")) != -1) {
         switch (ch) {
         case 'a':
             o->addr = optarg;
@@ -321,6 +343,16 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             }
             o->rate_size = (size_t)v;
             break;
+        case 'Q':
+            if (ex_parse_size(optarg, &v) || v == 0 || v > 16384) {
+                ex_error("bad -Q '%s' (1..16384)", optarg);
+                return -1;
+            }
+            o->pool = (uint32_t)v;
+            break;
+        case 'B':
+            o->own_bufs = 1;
+            break;
         case 'p':
         case 'S':
             if (ex_cq_opt(ch, optarg, &o->cq))
@@ -333,6 +365,10 @@ static int parse_opts(int argc, char **argv, struct opts *o)
     }
     if (optind != argc) {
         usage(argv[0]);
+        return -1;
+    }
+    if (o->pool != 0 && o->own_bufs) {
+        ex_error("-Q and -B exclude each other");
         return -1;
     }
     return 0;
@@ -511,20 +547,42 @@ static int post_recv(struct side *s, rbr_conn *c)
                     "rbr_conn_post_recv");
 }
 
-/* Posts the receives of a new connection and adds it to the side. */
+/* Posts receive `slot` of the connection in place `k`: to the pool (-Q), into the
+ * connection's own buffers (-B), or into the buffer all share. */
+static int post_recv_at(struct side *s, size_t k, uint32_t slot)
+{
+    if (k > 0 && s->srq != NULL)
+        return ex_check(rbr_srq_post_recv(s->srq, s->pool_mr, (size_t)slot * s->buf_size,
+                                          s->buf_size, slot),
+                        "rbr_srq_post_recv");
+    if (k > 0 && s->own_bufs)
+        return ex_check(rbr_conn_post_recv(s->conns[k], s->conn_mrs[k],
+                                           (size_t)slot * s->buf_size, s->buf_size, slot),
+                        "rbr_conn_post_recv");
+    return post_recv(s, s->conns[k]);
+}
+
 static uint32_t conn_depth(const struct side *s)
 {
     return s->rate ? RATE_DEPTH : s->n_conns == 0 ? MAIN_DEPTH : IDLE_DEPTH;
 }
 
+/* Posts the receives of a new connection and adds it to the side. */
 static int add_conn(struct side *s, rbr_conn *c)
 {
     uint32_t depth = conn_depth(s);
+    size_t k = s->n_conns;
     uint32_t i;
 
     s->conns[s->n_conns++] = c;
+    if (k > 0 && s->srq != NULL)
+        return 0; /* the pool's receives are posted once, at the start */
+    if (k > 0 && s->own_bufs &&
+        EX_CHECK(rbr_mr_alloc(s->ctx, depth * s->buf_size, RBR_ACCESS_LOCAL_WRITE,
+                              &s->conn_mrs[k])))
+        return -1;
     for (i = 0; i < depth; i++)
-        if (post_recv(s, c))
+        if (post_recv_at(s, k, i))
             return -1;
     return 0;
 }
@@ -541,6 +599,8 @@ static void conn_opts(const struct side *s, rbr_conn_options *co)
      * in its completions, and names its place in `conns` (which it is about
      * to take) for the rate run. */
     co->context = s->n_conns == 0 ? NULL : (void *)&s->conns[s->n_conns];
+    if (s->n_conns > 0)
+        co->srq = s->srq;
 }
 
 static int side_init(struct side *s, const struct opts *o)
@@ -554,7 +614,8 @@ static int side_init(struct side *s, const struct opts *o)
     if (s->rate && s->buf_size < s->rate_size)
         s->buf_size = s->rate_size;
     s->conns = calloc((size_t)o->counts[o->n_counts - 1], sizeof *s->conns);
-    if (s->conns == NULL) {
+    s->conn_mrs = calloc((size_t)o->counts[o->n_counts - 1], sizeof *s->conn_mrs);
+    if (s->conns == NULL || s->conn_mrs == NULL) {
         ex_error("out of memory");
         return -1;
     }
@@ -574,13 +635,18 @@ static void side_fini(struct side *s)
 {
     size_t i;
 
-    for (i = s->n_conns; i > 0; i--)
+    for (i = s->n_conns; i > 0; i--) {
         rbr_conn_destroy(s->conns[i - 1]);
+        rbr_mr_destroy(s->conn_mrs[i - 1]);
+    }
+    rbr_srq_destroy(s->srq);
+    rbr_mr_destroy(s->pool_mr);
     rbr_mr_destroy(s->recv_mr);
     rbr_mr_destroy(s->send_mr);
     rbr_cq_destroy(s->cq);
     rbr_ctx_destroy(s->ctx);
     free(s->conns);
+    free(s->conn_mrs);
 }
 
 /* ------------------------------------------------------------- server */
@@ -631,7 +697,8 @@ static int serve(struct side *s, rbr_listener *l, const struct opts *o)
                 rbr_conn **c = wc[i].conn_context;
 
                 rate_left--;
-                if (post_recv(s, c == NULL ? s->conns[0] : *c))
+                if (post_recv_at(s, c == NULL ? 0 : (size_t)(c - s->conns),
+                                 (uint32_t)wc[i].wr_id))
                     return -1;
                 continue;
             }
@@ -719,6 +786,21 @@ static int server_main(const struct opts *o, int ready)
     memset(&s, 0, sizeof s);
     if (pin(o->cpu_server) || side_init(&s, o))
         goto out;
+    s.own_bufs = o->own_bufs;
+    if (o->pool != 0) {
+        rbr_srq_options qo;
+        uint32_t i;
+
+        rbr_srq_options_init(&qo);
+        qo.depth = o->pool;
+        if (EX_CHECK(rbr_srq_create(s.ctx, &qo, &s.srq)) ||
+            EX_CHECK(rbr_mr_alloc(s.ctx, o->pool * s.buf_size, RBR_ACCESS_LOCAL_WRITE,
+                                  &s.pool_mr)))
+            goto out;
+        for (i = 0; i < o->pool; i++)
+            if (post_recv_at(&s, 1, i))
+                goto out;
+    }
     if (EX_CHECK(rbr_listen(s.ctx, o->addr, 64, &l)))
         goto out;
     if (write(ready, &b, 1) != 1) {
