@@ -381,10 +381,9 @@ typedef struct rbr_request rbr_request;
  * the pool keep it alive: destroying the handle early only drops the caller's reference;
  * receives still in the pool when it goes complete nowhere (their regions are let go then).
  *
- * Over verbs the pool is a shared receive queue of the device that serves connections this
- * side accepted, on one device; `rbr_connect` with a pool over verbs, and one pool for shm and
- * verbs connections both, fail with RBR_ERR_UNSUPPORTED for now. A verbs connection with a
- * pool speaks no receive credits with its peer.
+ * Over verbs the pool is a shared receive queue of the device, for connections on one
+ * device; one pool for shm and verbs connections both is RBR_ERR_UNSUPPORTED. A verbs
+ * connection with a pool speaks no receive credits with its peer.
  */
 typedef struct rbr_srq rbr_srq;
 
@@ -558,7 +557,7 @@ typedef struct rbr_conn_options {
    */
   uint8_t retry_count;
   /**
-   * Verbs, toward plain librdmacm peers and toward a peer that accepted with a shared
+   * Verbs, toward plain librdmacm peers and toward a peer whose connection has a shared
    * receive queue: retries of a send that found no receive posted (0..=7; 7 = without
    * limit). Default 7. Between peers using this library a send waits
    * for the peer's receive in the library (receive credits; over shm in the ring). When
@@ -594,9 +593,8 @@ typedef struct rbr_conn_options {
   /**
    * The shared receive queue the connection takes its receives from (of the same
    * context), instead of receives posted to it; NULL for none. `recv_queue_depth` is then
-   * unused. Over verbs for `rbr_request_accept` only, for now (`rbr_connect`:
-   * RBR_ERR_UNSUPPORTED). Default NULL. (Since 2026-12: a
-   * caller built against an earlier header gets NULL.)
+   * unused. Default NULL. (Since 2026-12: a caller built against an earlier header gets
+   * NULL.)
    */
   struct rbr_srq *srq;
 } rbr_conn_options;

@@ -14,6 +14,7 @@ fn leak_checks_one_after_another() {
     expose_and_close_cycles_leak_nothing();
     a_dropped_region_is_unmapped_by_the_peer_while_the_connection_lives();
     large_messages_through_mappings_leak_nothing();
+    common::pools::pools_and_their_connections_leave_nothing(&common::Net::Shm);
     #[cfg(feature = "tokio")]
     common::asyncs::futures_dropped_midway_leak_nothing(&common::Net::Shm);
 }

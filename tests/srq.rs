@@ -24,8 +24,8 @@ fn the_pool_reports_running_low_once_per_arming() {
 }
 
 #[test]
-fn pools_and_their_connections_leave_nothing() {
-    pools::pools_and_their_connections_leave_nothing(&Net::Shm);
+fn a_connecting_side_takes_its_receives_from_a_pool() {
+    pools::a_connecting_side_takes_its_receives_from_a_pool(&Net::Shm);
 }
 
 #[test]

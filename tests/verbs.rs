@@ -38,6 +38,7 @@ mod pools {
         a_thousand_connections_share_one_pool_of_four_thousand_receives,
         sends_wait_for_an_empty_pool_as_long_as_it_takes,
         pools_and_their_connections_leave_nothing,
+        a_connecting_side_takes_its_receives_from_a_pool,
     );
 }
 

@@ -111,8 +111,6 @@ pub struct ConnOptions {
     pub shm_ring_size: u32,
     /// The pool the connection takes its receives from, instead of receives posted to it
     /// (see [`SharedRecvQueue`]); of the same context. `recv_queue_depth` is then unused.
-    /// Over verbs for accepted connections only, for now: connecting with one fails with
-    /// [`Error::Unsupported`].
     pub srq: Option<SharedRecvQueue>,
 }
 

@@ -64,10 +64,9 @@ impl Default for SrqOptions {
 /// still in the pool when the pool goes (the last clone and the last connection using it are
 /// dropped) complete nowhere: their regions are let go then.
 ///
-/// Over verbs the pool is a shared receive queue of the device (`ibv_srq`) that serves
-/// connections this side accepted, all on one device; connecting with a pool is refused with
-/// [`Error::Unsupported`] for now, as is one pool for shm and verbs connections both. Such a
-/// connection speaks no receive credits with its peer (the pool's receives are not one
+/// Over verbs the pool is a shared receive queue of the device (`ibv_srq`), for connections on
+/// one device; one pool for shm and verbs connections both is refused with
+/// [`Error::Unsupported`]. A verbs connection with a pool speaks no receive credits with its peer (the pool's receives are not one
 /// connection's to count), so a send of its peer that finds the pool empty waits in the
 /// peer's device rather than in its library.
 ///

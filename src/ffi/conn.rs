@@ -79,7 +79,7 @@ pub struct rbr_conn_options {
     /// Verbs: resends of an unacknowledged packet before the connection fails (0..=7).
     /// Default 6 (some devices, soft-RoCE among them, read 7 as "forever"). Ignored by shm.
     pub retry_count: u8,
-    /// Verbs, toward plain librdmacm peers and toward a peer that accepted with a shared
+    /// Verbs, toward plain librdmacm peers and toward a peer whose connection has a shared
     /// receive queue: retries of a send that found no receive posted (0..=7; 7 = without
     /// limit). Default 7. Between peers using this library a send waits
     /// for the peer's receive in the library (receive credits; over shm in the ring). When
@@ -107,9 +107,8 @@ pub struct rbr_conn_options {
     pub shm_ring_size: u32,
     /// The shared receive queue the connection takes its receives from (of the same
     /// context), instead of receives posted to it; NULL for none. `recv_queue_depth` is then
-    /// unused. Over verbs for `rbr_request_accept` only, for now (`rbr_connect`:
-    /// RBR_ERR_UNSUPPORTED). Default NULL. (Since 2026-12: a
-    /// caller built against an earlier header gets NULL.)
+    /// unused. Default NULL. (Since 2026-12: a caller built against an earlier header gets
+    /// NULL.)
     pub srq: *mut rbr_srq,
 }
 

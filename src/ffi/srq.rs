@@ -26,10 +26,9 @@ use crate::{SharedRecvQueue, SrqOptions};
 /// the pool keep it alive: destroying the handle early only drops the caller's reference;
 /// receives still in the pool when it goes complete nowhere (their regions are let go then).
 ///
-/// Over verbs the pool is a shared receive queue of the device that serves connections this
-/// side accepted, on one device; `rbr_connect` with a pool over verbs, and one pool for shm and
-/// verbs connections both, fail with RBR_ERR_UNSUPPORTED for now. A verbs connection with a
-/// pool speaks no receive credits with its peer.
+/// Over verbs the pool is a shared receive queue of the device, for connections on one
+/// device; one pool for shm and verbs connections both is RBR_ERR_UNSUPPORTED. A verbs
+/// connection with a pool speaks no receive credits with its peer.
 pub struct rbr_srq {
     pub(crate) inner: SharedRecvQueue,
 }

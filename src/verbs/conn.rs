@@ -8,7 +8,6 @@
 //! of the device CQ, which holds the connections' shared state: no module cycle.)
 
 use std::collections::VecDeque;
-use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -28,6 +27,7 @@ use crate::mr::MemoryRegion;
 use crate::verbs::credit::{
     BOUNCE, COUNT_MASK, CREDIT_WRITES_MAX, Credits, Regions, SIGNAL_EVERY, SendWork, Work,
 };
+use crate::verbs::res::post_error;
 
 /// Work-request ids the library hands the device: bit 63 marks a receive, bit 62 the server's
 /// internal receive for the client's hello; bits 46..62 carry the connection's tag (see
@@ -38,6 +38,16 @@ pub(super) const HELLO_BIT: u64 = 1 << 62;
 pub(super) const TAG_SHIFT: u32 = 46;
 pub(super) const TAG_MASK: u64 = 0xffff << TAG_SHIFT;
 pub(super) const SEQ_MASK: u64 = (1 << TAG_SHIFT) - 1;
+/// The id bits of a receive of a shared receive queue (`srq.rs`): a receive, the hello bit and
+/// every tag bit (a tag no connection is given, see `devcq.rs`), the pool's slot in the low
+/// bits.
+pub(super) const POOL_WR: u64 = RECV_BIT | HELLO_BIT | TAG_MASK;
+
+/// Whether a work-request id names a receive of a shared receive queue.
+#[inline]
+pub(super) fn is_pool_wr(wr_id: u64) -> bool {
+    wr_id & POOL_WR == POOL_WR
+}
 
 /// Whether the work request with sequence `e` was posted at or before the one with (masked)
 /// sequence `s`: modular, since far fewer than 2^45 work requests are ever outstanding at once.
@@ -1131,14 +1141,5 @@ fn rdma_wr(
         sys::ibv_send_flags::IBV_SEND_INLINE.0
     } else {
         0
-    }
-}
-
-/// ibv_post_* return the errno itself (they do not set errno).
-pub(super) fn post_error(r: i32, which: &'static str) -> Error {
-    if r == libc::ENOMEM {
-        Error::QueueFull(which)
-    } else {
-        Error::Connect(io::Error::from_raw_os_error(r))
     }
 }

@@ -16,9 +16,9 @@ use rdma_sys as sys;
 use crate::cq::{Opcode, Sink, WcStatus};
 use crate::idmap::IdMap;
 use crate::verbs::conn::{
-    ConnState, HELLO_BIT, PostState, RECV_BIT, SEQ_MASK, TAG_MASK, at_or_before, try_lock,
+    ConnState, HELLO_BIT, PostState, RECV_BIT, SEQ_MASK, TAG_MASK, at_or_before, is_pool_wr,
+    try_lock,
 };
-use crate::verbs::srq::is_pool_wr;
 
 /// A work completion, copied out of the device's record.
 #[derive(Clone, Copy)]

@@ -28,10 +28,11 @@ use crate::cq::{Reporter, Sink, WcStatus};
 use crate::driver::{Handler, Next, Ready};
 use crate::error::Result;
 use crate::verbs::cm::EventChannel;
-use crate::verbs::conn::{Conn, ConnState, PostState, post_error, try_lock};
+use crate::verbs::conn::{Conn, ConnState, PostState, try_lock};
 use crate::verbs::credit::{Credits, HELLO_LEN, INTERNAL_SLOTS};
 use crate::verbs::devcq::DevCq;
 use crate::verbs::handshake::{Established, Resources};
+use crate::verbs::res::post_error;
 
 /// How long a connection's turns first wait while sends wait for credits (or a credit write
 /// is owed), doubling up to [`CREDIT_POLL_MAX`].

@@ -29,11 +29,12 @@ use crate::driver::{Next, Ready, Registration};
 use crate::error::{Error, Result};
 use crate::verbs::cm::{CmEvent, CmId, EventChannel, sockaddr};
 use crate::verbs::conn::Conn;
-use crate::verbs::conn::{HELLO_BIT, RECV_BIT, post_error};
+use crate::verbs::conn::{HELLO_BIT, POOL_WR, RECV_BIT};
 use crate::verbs::credit::{CreditMr, FLAG_CREDITS, HELLO_LEN, INTERNAL_SLOTS, Remote};
 use crate::verbs::devcq::{Attachment, attach};
 use crate::verbs::domain::Domain;
-use crate::verbs::preamble::{parse_credit_ext, parse_preamble, with_preamble};
+use crate::verbs::preamble::{offers_credits, parse_credit_ext, parse_preamble, with_preamble};
+use crate::verbs::res::post_error;
 use crate::verbs::res::{DeviceEvents, Pd, device_events};
 use crate::verbs::srq::{self, DevicePool};
 
@@ -188,7 +189,7 @@ impl Resources {
         // caller's, the library's own (credit writes, keepalive, hello) and the server's hello
         // receive.
         let pool = match &opts.srq {
-            Some(q) => Some((q.inner.clone(), srq::bind(&q.inner, &pd)?)),
+            Some(q) => Some((q.inner.clone(), srq::bind(&q.inner, &pd, POOL_WR)?)),
             None => None,
         };
         // A queue pair on a shared receive queue has no receive queue of its own; the device
@@ -286,7 +287,7 @@ impl Resources {
     /// with receiver-not-ready, and the peer's device sends it again after the time this asks
     /// for: 0.64 ms (RDMA CM leaves the device's default, 655 ms, an age for a server whose
     /// pool is refilled as it polls).
-    fn shorten_rnr_wait(&self) -> Result<()> {
+    fn shorten_rnr_wait(&self) -> io::Result<()> {
         // SAFETY: plain data; zero is a valid start.
         let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.min_rnr_timer = RNR_TIMER_640_US;
@@ -294,7 +295,7 @@ impl Resources {
         // SAFETY: the id owns a live QP in RTS, where the RNR timer may change.
         let r = unsafe { sys::ibv_modify_qp(self.qp_raw(), &mut attr, mask) };
         if r != 0 {
-            return Err(Error::Accept(io::Error::from_raw_os_error(r)));
+            return Err(io::Error::from_raw_os_error(r));
         }
         Ok(())
     }
@@ -423,6 +424,7 @@ impl Listener {
                         id: Some(CmId(ev.id)),
                         ch: None,
                         library_peer,
+                        credits: offers_credits(&ev.private_data),
                         private_data,
                         peer_responder_resources: ev.responder_resources,
                         ctx: self.ctx.clone(),
@@ -455,6 +457,8 @@ pub(crate) struct Request {
     /// peer giving up can send any) go to the listener's, which drops them.
     ch: Option<EventChannel>,
     library_peer: bool,
+    /// The peer offers receive credits (not when its receives come from a shared queue).
+    credits: bool,
     private_data: Vec<u8>,
     /// How many RDMA reads and atomics the client accepts from this side at once.
     peer_responder_resources: u8,
@@ -487,10 +491,11 @@ impl Request {
     /// confirmation is to come on the request's channel.
     fn answer(&mut self, cq: &Arc<CompletionQueue>, opts: &ConnOptions) -> Result<Resources> {
         let mut res = Resources::new(&self.ctx, cq, &mut self.id, &mut self.ch, opts)?;
-        let data = if self.library_peer && res.pool.is_some() {
+        let data = if self.library_peer && (res.pool.is_some() || !self.credits) {
             // A queue pair on a shared receive queue has no receive of its own for the hello,
             // and the pool's receives are not this connection's to count: no credits (see
-            // `srq.rs`); the peer's device waits for the pool's receives.
+            // `srq.rs`), on either side's pool; the peer's device waits for the pool's
+            // receives.
             with_preamble(&opts.private_data, 0, &[])
         } else if self.library_peer {
             // Credits: the client's hello must find a receive, so one is posted before the
@@ -556,7 +561,7 @@ impl Accepting {
         };
         let mut res = self.res.take().expect("accepted");
         if res.pool.is_some() {
-            res.shorten_rnr_wait()?;
+            res.shorten_rnr_wait().map_err(Error::Accept)?;
         }
         // The server learns the client's word from the hello.
         let credits = res.credit.take().map(|c| (c, None));
@@ -682,16 +687,6 @@ pub(super) struct Established {
 /// The encoding of 0.64 ms as a minimum RNR timer (InfiniBand's table of RNR NAK delays).
 const RNR_TIMER_640_US: u8 = 12;
 
-/// Over verbs a shared receive queue serves accepted connections only, for now.
-fn no_pool(opts: &ConnOptions) -> Result<()> {
-    match opts.srq {
-        Some(_) => Err(Error::Unsupported(
-            "over verbs a shared receive queue serves accepted connections only".into(),
-        )),
-        None => Ok(()),
-    }
-}
-
 pub(crate) fn start_connect(
     ctx: Arc<ContextInner>,
     host: &str,
@@ -699,7 +694,6 @@ pub(crate) fn start_connect(
     cq: Arc<CompletionQueue>,
     opts: &ConnOptions,
 ) -> Result<Started> {
-    no_pool(opts)?;
     let (dst, _) = sockaddr(host, port)?;
     Ok(Started {
         handshake: Box::new(Connecting {
@@ -812,8 +806,14 @@ impl Connecting {
                 let res =
                     Resources::new(&self.ctx, &self.cq, &mut self.id, &mut self.ch, &self.opts)?;
                 let res = self.res.insert(res);
-                res.credit = Some(CreditMr::new(&res.pd)?);
-                let data = with_preamble(&self.opts.private_data, FLAG_CREDITS, &[]);
+                // A client on a shared receive queue offers no credits (see `srq.rs`).
+                let flags = if res.pool.is_some() {
+                    0
+                } else {
+                    res.credit = Some(CreditMr::new(&res.pd)?);
+                    FLAG_CREDITS
+                };
+                let data = with_preamble(&self.opts.private_data, flags, &[]);
                 res.set_ack_timeout(&self.opts)?;
                 let rd = (res.limits.responder_resources, res.limits.initiator_depth);
                 let mut param = res.conn_param(&data, &self.opts, rd);
@@ -828,6 +828,9 @@ impl Connecting {
                     return Ok(None);
                 };
                 let mut res = self.res.take().expect("made at the route");
+                if res.pool.is_some() {
+                    res.shorten_rnr_wait().map_err(cm_err("ibv_modify_qp"))?;
+                }
                 let (library_peer, peer_data) = parse_preamble(&ev.private_data);
                 // Credits only if the server offers its word; otherwise plain RC, and the
                 // block nobody will write goes (its registration with it).

@@ -25,6 +25,12 @@ pub(super) fn with_preamble(user: &[u8], flags: u8, ext: &[u8]) -> Vec<u8> {
     v
 }
 
+/// Whether a library peer's connect request offers receive credits (a client whose
+/// receives come from a shared receive queue does not).
+pub(super) fn offers_credits(data: &[u8]) -> bool {
+    parse_preamble(data).0 && data[5] & FLAG_CREDITS != 0
+}
+
 /// The credit extension of a library peer's accept: the peer's credit word, if it offers one.
 pub(super) fn parse_credit_ext(data: &[u8]) -> Option<Remote> {
     if !parse_preamble(data).0 || data[5] & FLAG_CREDITS == 0 {

@@ -209,3 +209,12 @@ impl DeviceEvents {
             .min()
     }
 }
+
+/// ibv_post_* return the errno itself (they do not set errno).
+pub(super) fn post_error(r: i32, which: &'static str) -> Error {
+    if r == libc::ENOMEM {
+        Error::QueueFull(which)
+    } else {
+        Error::Connect(io::Error::from_raw_os_error(r))
+    }
+}

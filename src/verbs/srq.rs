@@ -4,8 +4,8 @@
 //!
 //! Each receive posted to it gets a slot here that keeps its region alive and its `wr_id`
 //! until its completion comes, on the queue pair that took it, through the device CQ
-//! (`dispatch.rs`: a work-request id with [`POOL_WR`] set names the slot, not a connection's
-//! ledger). Toward its peers a connection with a pool speaks no receive credits: like any
+//! (`dispatch.rs`: a work-request id with the bits `conn::POOL_WR` set names the slot, not a
+//! connection's ledger). Toward its peers a connection with a pool speaks no receive credits: like any
 //! verbs SRQ, a message that finds the pool empty is retried by the peer's device
 //! (receiver-not-ready, with the peer's `rnr_retry_count`; 7, the default, retries without
 //! limit on conforming devices).
@@ -18,24 +18,14 @@ use rdma_sys as sys;
 use crate::conn::{PoolDevice, PooledRecv, SrqInner};
 use crate::error::{Error, Result};
 use crate::mr::MemoryRegion;
-use crate::verbs::conn::{HELLO_BIT, RECV_BIT, TAG_MASK, post_error};
-use crate::verbs::res::Pd;
-
-/// The work-request id bits of a pool's receive: a receive, the hello bit and every tag bit
-/// (a pattern no connection's work carries: tag `0xffff` is never given out, see `devcq.rs`),
-/// with the slot in the low bits.
-pub(super) const POOL_WR: u64 = RECV_BIT | HELLO_BIT | TAG_MASK;
-
-/// Whether a work-request id names a pool's receive.
-#[inline]
-pub(super) fn is_pool_wr(wr_id: u64) -> bool {
-    wr_id & POOL_WR == POOL_WR
-}
+use crate::verbs::res::{Pd, post_error};
 
 /// A pool's receives on one device.
 pub(crate) struct DevicePool {
     pub(super) raw: *mut sys::ibv_srq,
     pd: Arc<Pd>,
+    /// The bits every receive's work-request id carries, beside its slot.
+    wr_base: u64,
     /// The receives on the device, by slot: the caller's `wr_id` and the region, held until
     /// the receive's completion.
     slots: Mutex<Slots>,
@@ -56,7 +46,12 @@ unsafe impl Sync for DevicePool {}
 impl DevicePool {
     /// The device queue of `pool` in `pd`, holding `posted` (the receives posted so far), for
     /// at most `depth` receives.
-    fn new(pd: &Arc<Pd>, posted: Vec<PooledRecv>, depth: usize) -> Result<DevicePool> {
+    fn new(
+        pd: &Arc<Pd>,
+        posted: Vec<PooledRecv>,
+        depth: usize,
+        wr_base: u64,
+    ) -> Result<DevicePool> {
         // SAFETY: plain data; zero is a valid start.
         let mut attr: sys::ibv_srq_init_attr = unsafe { std::mem::zeroed() };
         attr.attr.max_wr = depth as u32;
@@ -72,6 +67,7 @@ impl DevicePool {
         let pool = DevicePool {
             raw,
             pd: pd.clone(),
+            wr_base,
             slots: Mutex::new(Slots::default()),
         };
         for r in posted {
@@ -82,7 +78,7 @@ impl DevicePool {
 
     /// Takes the slot of a completed receive: its caller's `wr_id` (its region let go).
     pub(super) fn take(&self, wr_id: u64) -> Option<u64> {
-        let slot = (wr_id & !POOL_WR) as usize;
+        let slot = (wr_id & !self.wr_base) as usize;
         let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let (id, mr) = s.taken.get_mut(slot)?.take()?;
         s.free.push(slot as u32);
@@ -110,7 +106,7 @@ impl PoolDevice for DevicePool {
             lkey,
         };
         let mut wr = sys::ibv_recv_wr {
-            wr_id: POOL_WR | slot as u64,
+            wr_id: self.wr_base | slot as u64,
             next: std::ptr::null_mut(),
             sg_list: &mut sge,
             num_sge: if r.len == 0 { 0 } else { 1 },
@@ -137,10 +133,10 @@ impl Drop for DevicePool {
 }
 
 /// The device queue of the shared receive queue `pool` in `pd` (made on first use; a pool
-/// serves one device).
-pub(super) fn bind(pool: &SrqInner, pd: &Arc<Pd>) -> Result<Arc<DevicePool>> {
+/// serves one device), its receives' work-request ids carrying `wr_base`.
+pub(super) fn bind(pool: &SrqInner, pd: &Arc<Pd>, wr_base: u64) -> Result<Arc<DevicePool>> {
     pool.bind_device(pd.raw as usize, |posted, depth| {
-        DevicePool::new(pd, posted, depth)
+        DevicePool::new(pd, posted, depth, wr_base)
     })?
     .downcast::<DevicePool>()
     .map_err(|_| Error::invalid("the shared receive queue is bound to another transport"))

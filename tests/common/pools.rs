@@ -406,3 +406,54 @@ pub fn pools_and_their_connections_leave_nothing(net: &Net) {
     };
     super::cycles_leave_nothing(net, 5, 30, cycle);
 }
+
+/// The connecting side may take its receives from a pool too: a server with receives of its
+/// own sends to clients whose receives come from one pool of theirs, including sends that
+/// find the pool empty and wait for it.
+pub fn a_connecting_side_takes_its_receives_from_a_pool(net: &Net) {
+    let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
+    let pool = pool_of(&cctx, 8, None);
+    let copts = ConnOptions {
+        srq: Some(pool.clone()),
+        ..Default::default()
+    };
+    let mut pairs = Vec::new();
+    for _ in 0..2 {
+        pairs.push(pair_between(
+            net,
+            &cctx,
+            &sctx,
+            &copts,
+            &ConnOptions::default(),
+            CqOptions::default(),
+        ));
+    }
+    // Both servers send before the clients' pool has a receive.
+    for (k, (_, _, s, _)) in pairs.iter().enumerate() {
+        for m in 0..3u64 {
+            s.post_send_inline(&message(k, m)[..32], m, SendFlags::SIGNALED)
+                .unwrap();
+        }
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let rmr = cctx.alloc_mr(6 * MSG, Access::LOCAL_WRITE).unwrap();
+    for slot in 0..6u64 {
+        pool.post_recv(&rmr, slot as usize * MSG, MSG, slot)
+            .unwrap();
+    }
+    for (k, (c, ccq, _, scq)) in pairs.iter().enumerate() {
+        for m in 0..3u64 {
+            let r = next(ccq);
+            assert_eq!(
+                (r.opcode, r.status, r.conn_id, r.byte_len),
+                (Opcode::Recv, WcStatus::Success, c.id(), 32)
+            );
+            let mut b = [0u8; 32];
+            unsafe { rmr.read(r.wr_id as usize * MSG, &mut b) }.unwrap();
+            assert_eq!(b[..], message(k, m)[..32], "connection {k}, message {m}");
+            let sc = next(scq);
+            assert_eq!((sc.opcode, sc.status), (Opcode::Send, WcStatus::Success));
+        }
+    }
+    assert!(pool.is_empty());
+}
