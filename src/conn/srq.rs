@@ -180,23 +180,28 @@ impl SharedRecvQueue {
             offset: wr.offset,
             len: wr.len,
         };
+        let mut r = Some(r);
         let device = {
-            let st = inner.state.lock();
+            let mut st = inner.state.lock();
             // Relaxed: every change is made under the lock.
             let count = inner.count.load(Ordering::Relaxed);
             if count >= inner.depth {
                 return Err(Error::QueueFull("shared receive"));
             }
+            let device = match &st.binding {
+                Binding::Device(_, d, _) => Some(d.clone()),
+                _ => {
+                    // In the same hold as the count: a taker sets the count from the list.
+                    st.recvs.extend(r.take());
+                    None
+                }
+            };
             // Relaxed: the lock orders it for those who take; a reader without the lock only
             // decides whether to look.
             inner.count.store(count + 1, Ordering::Relaxed);
-            match &st.binding {
-                Binding::Device(_, d, _) => Some(d.clone()),
-                _ => None,
-            }
+            device
         };
-        let Some(d) = device else {
-            inner.state.lock().recvs.push_back(r);
+        let (Some(d), Some(r)) = (device, r) else {
             return self.serve_waiters();
         };
         if let Err(e) = d.post(r) {
