@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::conn::{ConnOptions, ConnRequest, Connection, RemoteRegion, SendFlags, Sge};
+use crate::conn::{
+    ConnOptions, ConnRequest, Connection, RemoteRegion, SendFlags, Sge, SharedRecvQueue,
+};
 use crate::cq::Completion;
 use crate::ctx::Context;
 use crate::error::Result;
@@ -259,6 +261,44 @@ impl AsyncConnection {
             *words = Buf::alloc_many(&self.ctx, WORDS, 8)?;
         }
         Ok(words.pop().expect("a word, just made if there was none"))
+    }
+}
+
+/// A [`SharedRecvQueue`] whose receives are futures: [`recv`](Self::recv) posts a buffer to
+/// the pool and resolves, with the buffer, once a message of any of the pool's connections
+/// filled it; the record's `conn_id` (and `context`) says which connection. Its connections
+/// must complete on `router`'s queue.
+///
+/// Dropping a receive's future keeps its buffer with the router until a message fills it:
+/// unlike a connection's, a pool's receive is not flushed when a connection ends, so that may
+/// be as late as the router's end (receives still in the pool then complete nowhere).
+#[derive(Debug, Clone)]
+pub struct AsyncRecvQueue {
+    pool: SharedRecvQueue,
+    router: Arc<Router>,
+}
+
+impl AsyncRecvQueue {
+    /// `pool`, whose connections complete on `router`'s queue, with futures for its receives.
+    pub fn new(pool: SharedRecvQueue, router: Arc<Router>) -> Self {
+        AsyncRecvQueue { pool, router }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SharedRecvQueue {
+        &self.pool
+    }
+
+    /// Posts the buffer to the pool; resolves, with the buffer (its length set to the
+    /// message's), once a message filled it. As [`AsyncConnection::recv`] but for any of the
+    /// pool's connections: the messages take the pool's receives in the order they were
+    /// posted.
+    pub fn recv(&self, buf: Buf) -> Op<(Result<Completion>, Buf)> {
+        Op::post(&self.router, Some(buf), received, |token, b| {
+            let b = b.expect("the buffer");
+            let (mr, off) = b.region();
+            self.pool.post_recv(mr, off, b.capacity(), token)
+        })
     }
 }
 

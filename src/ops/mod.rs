@@ -16,7 +16,9 @@
 //! comes, then releases it; the record itself is dropped. Nothing leaks, and nothing else can
 //! reach the buffer's bytes while the device or the peer may still use them. Every operation
 //! gets its record in bounded time, since a connection that goes down flushes its work (and
-//! dropping the [`AsyncConnection`] disconnects it).
+//! dropping the [`AsyncConnection`] disconnects it) - except a receive of a shared receive
+//! queue ([`AsyncRecvQueue`]), which waits in the pool for a message of any of its
+//! connections.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -31,7 +33,7 @@ mod conn;
 mod router;
 
 pub use buf::Buf;
-pub use conn::{AsyncConnection, CmpSwap, FetchAdd, Remote};
+pub use conn::{AsyncConnection, AsyncRecvQueue, CmpSwap, FetchAdd, Remote};
 pub use router::Router;
 
 /// What an operation's future turns its record (or the failure of its post) into, with the

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::{Net, pair};
-use rdmabridge::ops::{AsyncConnection, Buf, CmpSwap, FetchAdd, Remote};
+use rdmabridge::ops::{AsyncConnection, AsyncRecvQueue, Buf, CmpSwap, FetchAdd, Remote};
 use rdmabridge::tokio::{Listener, Queue};
 use rdmabridge::{Access, ConnOptions, Context, Error, Opcode, SendFlags, WcStatus};
 
@@ -20,6 +20,7 @@ macro_rules! for_each_async_test {
             operations_sit_in_select_beside_timers,
             a_listener_accepts_as_a_future,
             connect_and_accept_are_futures_with_the_blocking_calls_errors,
+            a_pool_receives_as_futures,
         );
     };
 }
@@ -225,6 +226,84 @@ pub fn a_listener_accepts_as_a_future(net: &Net) {
             accepted += a.await.unwrap().len();
         }
         assert_eq!(accepted, clients);
+        for d in dialers {
+            d.join().unwrap();
+        }
+    });
+}
+
+/// A server's connections take their receives from one pool whose receives are futures
+/// ([`AsyncRecvQueue`]): each resolves, with its buffer, to a message of whichever client
+/// came first, in order per client, its record naming the connection.
+pub fn a_pool_receives_as_futures(net: &Net) {
+    use std::collections::HashMap;
+    runtime().block_on(async {
+        const CLIENTS: usize = 4;
+        const EACH: u64 = 3;
+        let ctx = Context::new().unwrap();
+        let addr = net.addr("tokio-pool");
+        let l = Listener::bind(&ctx, &addr, 16).unwrap();
+        let q = Queue::new().unwrap();
+        let pool = ctx
+            .shared_recv_queue(&rdmabridge::SrqOptions::default())
+            .unwrap();
+        let pooled = AsyncRecvQueue::new(pool.clone(), q.router().clone());
+        // Receives first: every client's messages find one.
+        let recvs: Vec<_> = (0..CLIENTS as u64 * EACH)
+            .map(|_| pooled.recv(Buf::alloc(&ctx, 64).unwrap()))
+            .collect();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let done_rx = std::sync::Arc::new(std::sync::Mutex::new(done_rx));
+        let dialers: Vec<_> = (0..CLIENTS)
+            .map(|k| {
+                let (ctx, addr, done) = (ctx.clone(), addr.clone(), done_rx.clone());
+                std::thread::spawn(move || {
+                    let cq = rdmabridge::CompletionQueue::new().unwrap();
+                    let c = ctx.connect(&addr, &cq, &ConnOptions::default()).unwrap();
+                    for m in 0..EACH {
+                        let msg = [k as u8, m as u8];
+                        c.post_send_inline(&msg, m, SendFlags::SIGNALED).unwrap();
+                        assert_eq!(super::next(&cq).status, WcStatus::Success);
+                    }
+                    // Up until the server has taken everything.
+                    let _ = done.lock().unwrap().recv();
+                })
+            })
+            .collect();
+        let opts = ConnOptions {
+            srq: Some(pool.clone()),
+            ..Default::default()
+        };
+        let mut conns = HashMap::new();
+        for _ in 0..CLIENTS {
+            let req = tokio::time::timeout(Duration::from_secs(10), l.accept())
+                .await
+                .expect("a request within 10 s")
+                .unwrap();
+            let c = q.accept(req, &opts).await.unwrap();
+            conns.insert(c.id(), c);
+        }
+        let mut next_of: HashMap<u64, HashMap<u8, u8>> = HashMap::new();
+        for r in recvs {
+            let (rec, buf) = tokio::time::timeout(Duration::from_secs(10), r)
+                .await
+                .expect("a message within 10 s");
+            let rec = rec.unwrap();
+            assert_eq!((rec.opcode, buf.len()), (Opcode::Recv, 2));
+            assert!(conns.contains_key(&rec.conn_id));
+            let (k, m) = (buf[0], buf[1]);
+            let seen = next_of
+                .entry(rec.conn_id)
+                .or_default()
+                .entry(k)
+                .or_insert(0);
+            assert_eq!(m, *seen, "client {k}: messages in order");
+            *seen += 1;
+        }
+        assert_eq!(next_of.len(), CLIENTS, "every connection delivered");
+        for _ in 0..CLIENTS {
+            done_tx.send(()).unwrap();
+        }
         for d in dialers {
             d.join().unwrap();
         }
