@@ -163,9 +163,11 @@
  * `rbr_request_accept_start`: the connection is established (`status` RBR_WC_SUCCESS; sends
  * and one-sided operations may be posted from now on), or it could not be
  * (RBR_WC_CONNECT_FAILED; `rbr_conn_status` returns the status the blocking call would have,
- * and after a rejection `rbr_conn_private_data` has the listener's private data). A failed
- * connection's CONNECTED record is its last: the receives posted while it connected complete
- * RBR_WC_FLUSHED before it, and no RBR_OP_DISCONNECTED follows.
+ * and after a rejection `rbr_conn_private_data` has the listener's private data). A
+ * successful CONNECTED record is the connection's first: none of its completions come before
+ * it (with a shared receive queue, none of its messages). A failed connection's CONNECTED
+ * record is its last: the receives posted while it connected complete RBR_WC_FLUSHED before
+ * it, and no RBR_OP_DISCONNECTED follows.
  */
 #define RBR_OP_CONNECTED 17
 

@@ -29,6 +29,11 @@ fn a_connecting_side_takes_its_receives_from_a_pool() {
 }
 
 #[test]
+fn a_pooled_connection_reports_connected_before_its_messages() {
+    pools::a_pooled_connection_reports_connected_before_its_messages(&Net::Shm);
+}
+
+#[test]
 fn sends_wait_for_an_empty_pool_as_long_as_it_takes() {
     pools::sends_wait_for_an_empty_pool_as_long_as_it_takes(&Net::Shm);
 }

@@ -39,6 +39,7 @@ mod pools {
         sends_wait_for_an_empty_pool_as_long_as_it_takes,
         pools_and_their_connections_leave_nothing,
         a_connecting_side_takes_its_receives_from_a_pool,
+        a_pooled_connection_reports_connected_before_its_messages,
     );
 }
 

@@ -894,6 +894,10 @@ pub(crate) mod seam {
         fn send(&self, wr: SendRequest<'_>) -> Result<()>;
         /// Posts a receive that passed the core's checks ([`wr`]).
         fn recv(&self, wr: RecvRequest<'_>) -> Result<()>;
+        /// The connection is up and its [`crate::Opcode::Connected`] record (if it reports one) is on
+        /// its queue: its completions may follow from now on, never before. Called once,
+        /// before the receives held while it connected are posted.
+        fn connected(&self);
         /// Lets the peer reach `mr` (which has remote access bits and belongs to the
         /// connection's context) with one-sided operations; returns the key its accesses
         /// carry. Calling it again for the same region returns the same key.

@@ -199,6 +199,7 @@ impl Setup {
             ..
         } = std::mem::replace(&mut *st, State::Up(None))
         else {
+            imp.connected();
             *st = State::Up(Some(imp));
             return;
         };
@@ -206,7 +207,9 @@ impl Setup {
             self.report
                 .complete(0, Opcode::Connected, WcStatus::Success, 0, None);
         }
-        // After the record: none of these can complete before it.
+        // After the record: none of the connection's completions can come before it (a shared
+        // receive queue's receives are taken from here on; these are posted from here on).
+        imp.connected();
         for r in recvs {
             let posted = RecvRequest::new(&self.ctx, &r.mr, r.offset, r.len, r.wr_id)
                 .and_then(|wr| imp.recv(wr));

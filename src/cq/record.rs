@@ -23,9 +23,11 @@ pub enum Opcode {
     /// Connection event, only for connections started with
     /// [`crate::Context::connect_start`] or [`crate::ConnRequest::accept_start`]: the
     /// connection is established ([`WcStatus::Success`]), or it could not be
-    /// ([`WcStatus::ConnectFailed`]; [`crate::Connection::established`] says why). A failed one
-    /// is the connection's last record: the receives posted while it connected complete
-    /// [`WcStatus::Flushed`] before it, and no [`Opcode::Disconnected`] follows.
+    /// ([`WcStatus::ConnectFailed`]; [`crate::Connection::established`] says why). A successful
+    /// one is the connection's first record: none of its completions come before it (with a
+    /// shared receive queue, none of its messages). A failed one is the connection's last
+    /// record: the receives posted while it connected complete [`WcStatus::Flushed`] before
+    /// it, and no [`Opcode::Disconnected`] follows.
     Connected,
     /// Connection event: the connection is down and every work request it had has completed.
     /// It is the last record a connection ever produces.

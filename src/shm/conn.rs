@@ -664,6 +664,15 @@ impl ConnSeam for Conn {
         Ok(())
     }
 
+    /// Opens the shared receive queue to the connection's messages (one that came first waits
+    /// in the ring and is taken now).
+    fn connected(&self) {
+        let mut flow = self.sh.lock();
+        if flow.open_pool(&self.sh.report) {
+            self.sh.after_taking(flow);
+        }
+    }
+
     /// Lets the peer reach `mr` with one-sided operations; returns its key (see
     /// `onesided/`: the offer is in the peer's socket when this returns).
     fn expose(&self, mr: &Arc<MemoryRegion>) -> Result<u64> {

@@ -125,6 +125,10 @@ pub(crate) struct Pool {
     pub(crate) me: Weak<dyn Waiter>,
     /// The connection waits for the pool: a message found it empty.
     waiting: bool,
+    /// The connection's messages may take the pool's receives: its `Connected` record is on
+    /// the queue, which none of its completions may precede (before, messages wait in the
+    /// ring, as for a connection whose receives are not posted yet).
+    open: bool,
 }
 
 impl Pool {
@@ -133,6 +137,7 @@ impl Pool {
             srq,
             me,
             waiting: false,
+            open: false,
         }
     }
 }
@@ -624,11 +629,8 @@ impl Flow {
     /// and the peer's send completes, with no wake-up of either side in between. A reason to
     /// end the connection found on the way is left in `failed` (the post itself succeeded).
     pub(crate) fn post_recv(&mut self, wr: RecvWr, report: &Reporter) -> Result<()> {
-        if self.pool.is_some() {
-            return Err(Error::invalid(
-                "the connection takes its receives from its shared receive queue",
-            ));
-        }
+        // The core refuses a pooled connection's own receives before they get here.
+        debug_assert!(self.pool.is_none());
         admit_recv(self.down(), self.recvs.len(), self.recv_depth)?;
         let starved = self.recvs.is_empty();
         self.recvs.push_back(wr);
@@ -650,6 +652,17 @@ impl Flow {
         if !self.down() {
             self.take_waiting(report);
         }
+    }
+
+    /// Lets the connection's messages take the pool's receives, and takes those that waited.
+    /// Returns whether the connection has a pool.
+    pub(crate) fn open_pool(&mut self, report: &Reporter) -> bool {
+        let Some(pool) = &mut self.pool else {
+            return false;
+        };
+        pool.open = true;
+        self.pool_refilled(report);
+        true
     }
 
     /// Takes the messages that waited for receives, on the thread that gave them one: their
@@ -683,7 +696,7 @@ impl Flow {
         if !self.recvs.is_empty() {
             return true;
         }
-        let Some(pool) = &mut self.pool else {
+        let Some(pool) = self.pool.as_mut().filter(|p| p.open) else {
             return false;
         };
         let waiter = (!pool.waiting).then_some(&pool.me);
@@ -702,7 +715,11 @@ impl Flow {
     /// Whether a message in the ring could find a receive now (a look, taking none).
     #[inline]
     fn recvs_available(&self) -> bool {
-        !self.recvs.is_empty() || self.pool.as_ref().is_some_and(|p| p.srq.available())
+        !self.recvs.is_empty()
+            || self
+                .pool
+                .as_ref()
+                .is_some_and(|p| p.open && p.srq.available())
     }
 
     /// Records a protocol failure of the peer in our control words; the connection ends.

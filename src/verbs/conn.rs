@@ -653,10 +653,19 @@ impl ConnState {
     }
 }
 
+/// Hands a queue pair's completions to its connection (the device CQ's, `devcq.rs`): done
+/// once the connection's `Connected` record is on its queue, so that none of its completions
+/// (a shared receive queue's receive, taken by the device before then) precedes it.
+pub(super) trait Join: Send {
+    fn join(&self, sh: &Arc<ConnState>);
+}
+
 /// The user's handle of a verbs connection. Dropping it tears the connection down.
 pub(crate) struct Conn {
     pub(super) sh: Arc<ConnState>,
     pub(super) private_data: Vec<u8>,
+    /// Taken when the connection is up ([`ConnSeam::connected`]).
+    pub(super) join: Mutex<Option<Box<dyn Join>>>,
 }
 
 impl std::fmt::Debug for Conn {
@@ -867,6 +876,12 @@ impl ConnSeam for Conn {
                 self.post_send_raw(ptr, len, lkey, wr.wr_id, signaled, false, Some(mr.clone()))
             }
             Payload::Inline(_) => self.send_inline(ptr, len, wr.wr_id, signaled),
+        }
+    }
+
+    fn connected(&self) {
+        if let Some(j) = self.join.lock().take() {
+            j.join(&self.sh);
         }
     }
 

@@ -43,7 +43,7 @@ use crate::driver::{Driver, Handler, Next, Ready, Registration};
 use crate::error::{Error, Result};
 use crate::idmap::IdMap;
 use crate::verbs::cm::set_nonblocking;
-use crate::verbs::conn::{ConnState, PostState, TAG_SHIFT, try_lock};
+use crate::verbs::conn::{ConnState, Join, PostState, TAG_SHIFT, try_lock};
 use crate::verbs::dispatch::{Channel, Member, PollState, Wc, complete, deliver, unpark};
 
 /// Smallest device CQ made: room for a few connections before the first resize.
@@ -646,25 +646,12 @@ impl Attachment {
         self.qp_num = Some(qp_num);
     }
 
-    /// The connection started: its completions go to `sh`, those parked until now first.
-    pub(super) fn join(&self, sh: &Arc<ConnState>) {
-        let mut ps = self.devcq.lock();
-        let PollState {
-            members, parked, ..
-        } = &mut *ps;
-        let Some(m) = self.qp_num.and_then(|q| members.get_mut(&q)) else {
-            return;
-        };
-        m.sh = Some(sh.clone());
-        let mut st = sh.lock();
-        let cq = &self.devcq.cq;
-        while let Some(p) = m.parked.pop_front() {
-            *parked -= 1;
-            complete(sh, &mut st, &p, &mut Sink::queue(cq));
-        }
-        if st.credits.is_some() {
-            sh.push_credits(&mut st);
-        }
+    /// What hands the queue pair's completions to its connection once it is up.
+    pub(super) fn joiner(&self) -> Box<dyn Join> {
+        Box::new(Joiner {
+            devcq: self.devcq.clone(),
+            qp_num: self.qp_num,
+        })
     }
 
     pub(super) fn qp_num(&self) -> Option<u32> {
@@ -686,6 +673,35 @@ impl Drop for Attachment {
     fn drop(&mut self) {
         if !self.released {
             self.devcq.release(self.need, self.qp_num, self.pool, true);
+        }
+    }
+}
+
+/// Hands a queue pair's completions to its connection (see [`Join`]).
+struct Joiner {
+    devcq: Arc<DevCq>,
+    qp_num: Option<u32>,
+}
+
+impl Join for Joiner {
+    /// The connection is up: its completions go to `sh`, those parked until now first.
+    fn join(&self, sh: &Arc<ConnState>) {
+        let mut ps = self.devcq.lock();
+        let PollState {
+            members, parked, ..
+        } = &mut *ps;
+        let Some(m) = self.qp_num.and_then(|q| members.get_mut(&q)) else {
+            return;
+        };
+        m.sh = Some(sh.clone());
+        let mut st = sh.lock();
+        let cq = &self.devcq.cq;
+        while let Some(p) = m.parked.pop_front() {
+            *parked -= 1;
+            complete(sh, &mut st, &p, &mut Sink::queue(cq));
+        }
+        if st.credits.is_some() {
+            sh.push_credits(&mut st);
         }
     }
 }

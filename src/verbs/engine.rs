@@ -532,8 +532,9 @@ impl Conn {
                 return Err(post_error(r, "send"));
             }
         }
-        // From here the device CQ's completions of this queue pair go to `sh`.
-        res.att.join(&sh);
+        // Until the connection is up (`Conn::connected`), the device CQ parks this queue pair's
+        // completions; then they go to `sh`.
+        let join = parking_lot::Mutex::new(Some(res.att.joiner()));
         let ch = res.ch.take().expect("the connection's event channel");
         let engine = Engine {
             devcq: res.att.devcq.clone(),
@@ -552,6 +553,7 @@ impl Conn {
         let conn = Conn {
             sh,
             private_data: peer_data,
+            join,
         };
         Ok((conn, Box::new(engine)))
     }

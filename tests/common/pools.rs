@@ -457,3 +457,87 @@ pub fn a_connecting_side_takes_its_receives_from_a_pool(net: &Net) {
     }
     assert!(pool.is_empty());
 }
+
+/// A connection accepted without blocking reports `Connected` before any of its messages,
+/// even when its peer sends at once and the pool's receives are there first: over verbs the
+/// device takes them as soon as the queue pair can receive, over shm the connection could
+/// take them before the handshake's last step. The server is one thread that accepts and
+/// polls its queue in turns, as an event loop does; each client sends right after its connect
+/// returns.
+pub fn a_pooled_connection_reports_connected_before_its_messages(net: &Net) {
+    const N: usize = 48;
+    const PER_CONN: u64 = 4;
+    let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
+    let ccq = CompletionQueue::new().unwrap();
+    let scq = CompletionQueue::new().unwrap();
+    let slots = N * PER_CONN as usize;
+    let pool = pool_of(&sctx, slots as u32, None);
+    let rmr = sctx.alloc_mr(slots * 16, Access::LOCAL_WRITE).unwrap();
+    for slot in 0..slots {
+        pool.post_recv(&rmr, slot * 16, 16, slot as u64).unwrap();
+    }
+    let addr = net.addr("srq-order");
+    let l = sctx.listen(&addr, 64).unwrap();
+    let sopts = ConnOptions {
+        srq: Some(pool.clone()),
+        ..Default::default()
+    };
+    std::thread::scope(|s| {
+        let server = s.spawn(|| {
+            let mut servers = Vec::new();
+            // Per connection: whether its Connected came, and its messages.
+            let mut seen: HashMap<u64, (bool, u64)> = HashMap::new();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let whole = |seen: &HashMap<u64, (bool, u64)>| {
+                seen.len() == N && seen.values().all(|&(up, m)| up && m == PER_CONN)
+            };
+            while !whole(&seen) {
+                assert!(Instant::now() < deadline, "{seen:?} after 60 s");
+                if servers.len() < N
+                    && let Some(r) = l.try_get_request().unwrap()
+                {
+                    servers.push(r.accept_start(&scq, &sopts).unwrap());
+                }
+                while let Some(r) = scq.poll() {
+                    assert_eq!(r.status, WcStatus::Success, "{r:?}");
+                    let e = seen.entry(r.conn_id).or_insert((false, 0));
+                    match r.opcode {
+                        Opcode::Connected => e.0 = true,
+                        Opcode::Recv => {
+                            assert!(
+                                e.0,
+                                "a message of connection {} before its Connected",
+                                r.conn_id
+                            );
+                            e.1 += 1;
+                        }
+                        op => panic!("unexpected {op:?}: {r:?}"),
+                    }
+                }
+            }
+            servers
+        });
+        let copts = ConnOptions {
+            send_queue_depth: 16,
+            ..Default::default()
+        };
+        let clients: Vec<Connection> = (0..N)
+            .map(|i| {
+                let c = cctx.connect(&addr, &ccq, &copts).unwrap();
+                for k in 0..PER_CONN {
+                    c.post_send_inline(&message(i, k)[..16], k, SendFlags::SIGNALED)
+                        .unwrap();
+                }
+                c
+            })
+            .collect();
+        let mut outstanding = vec![PER_CONN as usize; N];
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while outstanding.iter().any(|&o| o > 0) {
+            assert!(Instant::now() < deadline, "sends outstanding after 60 s");
+            reap_sends(&ccq, &clients, &mut outstanding);
+        }
+        let servers = server.join().unwrap();
+        assert_eq!(servers.len(), N);
+    });
+}
