@@ -58,17 +58,16 @@ impl Default for SrqOptions {
 /// a receive is posted: it never fails for it (over shm in the connection's ring, taken by the
 /// post; over verbs in the peer's device, which sends it again every 0.64 ms until the pool has
 /// a receive - receiver-not-ready, with the peer's `rnr_retry_count`: 7, the default, retries
-/// without limit). When a connection
-/// ends, a receive it had taken from the pool for a message not yet whole completes
-/// [`WcStatus::Flushed`] on its queue; the pool's other receives stay in the pool. Receives
-/// still in the pool when the pool goes (the last clone and the last connection using it are
-/// dropped) complete nowhere: their regions are let go then.
+/// without limit). When a connection ends, a receive it had taken from the pool for a message
+/// not yet whole completes [`WcStatus::Flushed`] on its queue; the pool's other receives stay
+/// in the pool. Receives still in the pool when the pool goes (the last clone and the last
+/// connection using it are dropped) complete nowhere: their regions are let go then.
 ///
 /// Over verbs the pool is a shared receive queue of the device (`ibv_srq`), for connections on
 /// one device; one pool for shm and verbs connections both is refused with
-/// [`Error::Unsupported`]. A verbs connection with a pool speaks no receive credits with its peer (the pool's receives are not one
-/// connection's to count), so a send of its peer that finds the pool empty waits in the
-/// peer's device rather than in its library.
+/// [`Error::Unsupported`]. A verbs connection with a pool speaks no receive credits with its
+/// peer (the pool's receives are not one connection's to count), so a send of its peer that
+/// finds the pool empty waits in the peer's device rather than in its library.
 ///
 /// Cloning is cheap and gives the same pool.
 #[derive(Clone)]
@@ -202,7 +201,8 @@ impl SharedRecvQueue {
             device
         };
         let (Some(d), Some(r)) = (device, r) else {
-            return self.serve_waiters();
+            self.serve_waiters();
+            return Ok(());
         };
         if let Err(e) = d.post(r) {
             let _st = inner.state.lock();
@@ -215,7 +215,7 @@ impl SharedRecvQueue {
     /// Hands the pool's receives to the connections whose messages wait, oldest waiter first,
     /// while any are left. A waiter that finds none (another connection was quicker) waits
     /// again.
-    fn serve_waiters(&self) -> Result<()> {
+    fn serve_waiters(&self) {
         let inner = &*self.inner;
         loop {
             let waiter = {
@@ -232,7 +232,6 @@ impl SharedRecvQueue {
                 w.pool_refilled();
             }
         }
-        Ok(())
     }
 
     /// Arms the pool's limit: once fewer than `limit` receives are left in it, one
@@ -253,14 +252,7 @@ impl SharedRecvQueue {
                 inner.depth
             )));
         }
-        let left = {
-            let mut st = inner.state.lock();
-            st.limit = limit as usize;
-            inner.low(&mut st)
-        };
-        if let Some(left) = left {
-            inner.report_low(left);
-        }
+        inner.update(|st| st.limit = limit as usize);
         Ok(())
     }
 
@@ -335,23 +327,17 @@ impl SrqInner {
     /// The device took one of the pool's receives (for a message, or flushed it).
     #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn taken_by_device(&self) {
-        let left = {
-            let mut st = self.state.lock();
+        self.update(|_| {
             // Relaxed: every change is made under the lock.
             let n = self.count.load(Ordering::Relaxed).saturating_sub(1);
             self.count.store(n, Ordering::Relaxed);
-            self.low(&mut st)
-        };
-        if let Some(left) = left {
-            self.report_low(left);
-        }
+        });
     }
 
     /// Takes the oldest receive. When there is none and `waiter` is given, it becomes a
     /// waiter of the pool: the next post calls it.
     pub(crate) fn take(&self, waiter: Option<&Weak<dyn Waiter>>) -> Option<PooledRecv> {
-        let (r, left) = {
-            let mut st = self.state.lock();
+        self.update(|st| {
             let r = st.recvs.pop_front();
             match &r {
                 Some(_) => self.count.store(st.recvs.len(), Ordering::Relaxed),
@@ -361,13 +347,8 @@ impl SrqInner {
                     }
                 }
             }
-            let left = if r.is_some() { self.low(&mut st) } else { None };
-            (r, left)
-        };
-        if let Some(left) = left {
-            self.report_low(left);
-        }
-        r
+            r
+        })
     }
 
     /// Most receives the pool holds at once.
@@ -380,6 +361,22 @@ impl SrqInner {
     #[inline]
     pub(crate) fn available(&self) -> bool {
         self.count.load(Ordering::Relaxed) != 0
+    }
+
+    /// Runs `f` on the pool's state under its lock, then reports the limit event (outside the
+    /// lock: the pool's queue may wake a waiter) when the receives left fell below the armed
+    /// limit. Every change of the count goes through here or is a post, which only raises it.
+    fn update<T>(&self, f: impl FnOnce(&mut PoolState) -> T) -> T {
+        let (out, left) = {
+            let mut st = self.state.lock();
+            let out = f(&mut st);
+            let left = self.low(&mut st);
+            (out, left)
+        };
+        if let Some(left) = left {
+            self.report_low(left);
+        }
+        out
     }
 
     /// The receives left, when they fell below the armed limit (which it disarms).
