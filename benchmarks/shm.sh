@@ -21,7 +21,8 @@
 #            512 B messages round-robin over all N connections, polling after each send, the
 #            server taking them into 16 receives per connection; each N against one connection
 #            in passes side by side (target: at least 0.7x), and after it each process's resident
-#            memory and its growth per connection (target: at most 64 KiB a connection)
+#            memory and its growth per connection (target: at most 64 KiB a connection); the
+#            same again with the server's connections on one shared receive queue (-Q 4096)
 #   setup:   rbr_setup (benchmarks/setup.c): connections one after another, each connected,
 #            accepted, carrying a 64 B message each way and closed; and the same with 64
 #            connections in flight from one client thread (rbr_connect_start), the server
@@ -92,7 +93,7 @@ if [ "$quick" = 1 ]; then
   lat_n=300 ucx_lat_warm=30 bw_bytes=$((8 << 20)) max_msgs=20000 fi_n=300
   limits_args=(-n 20000 -r 1) tmo=30
   scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60 setup_n=50 first_n=10
-  scaling_rate_args=(-N 1,16 -n 100 -b 1 -r 20000 -w 64)
+  scaling_rate_args=(-N 1,16 -n 100 -b 1 -r 20000 -w 64) scaling_pool=256
   setup_inflight=16 setup_inflight_n=200
 else
   lat_sizes=(2 64 1024 4096 65536 1048576)
@@ -103,7 +104,7 @@ else
   limits_args=(-n 1000000 -r 5) tmo=180
   # With progress threads a round trip takes ~0.1-5 ms at 1,024 connections: minutes.
   scaling_args=(-N 1,16,256,1024 -n 10000 -b 11) scaling_tmo=900 setup_n=2000 first_n=50
-  scaling_rate_args=(-N 1,16,256,1024 -n 1000 -b 1 -r 1000000)
+  scaling_rate_args=(-N 1,16,256,1024 -n 1000 -b 1 -r 1000000) scaling_pool=4096
   setup_inflight=64 setup_inflight_n=20000
 fi
 join() { local IFS=,; echo "$*"; }
@@ -343,17 +344,22 @@ run_scaling() {
   [ "$rc" -eq 0 ] || fail "rbr_scaling -p $mode failed (status $rc, see $log)"
 }
 
-# run_scaling_rate: rbr_scaling -r, caller progress: the round-robin message rate per N.
+# run_scaling_rate [POOL]: rbr_scaling -r, caller progress: the round-robin message rate per N;
+# with POOL, the server's connections take their receives from one shared receive queue of
+# POOL receives (-Q) instead of 16 each of their own, recorded as scaling_rate_pool and
+# scaling_mem_pool.
 run_scaling_rate() {
-  local log=$out/logs/r$round-scaling-rate.log rc=0
+  local pool=${1:-} suffix="" extra=() log rc=0
+  if [ -n "$pool" ]; then suffix=_pool extra=(-Q "$pool"); fi
+  log=$out/logs/r$round-scaling-rate$suffix.log
   timeout "$scaling_tmo" "$scaling" -p caller -c 0,1 -a "shm://$shm_name-scaling-rate" \
-    "${scaling_rate_args[@]}" >"$log" 2>&1 &
+    "${scaling_rate_args[@]}" "${extra[@]}" >"$log" 2>&1 &
   cpid=$!
   wait "$cpid" || rc=$?
   cpid=""
-  awk -v r="$round" '$1 == "RESULT" && ($2 == "scaling-rate" || $2 == "scaling-mem") {
-      $1 = r " ours"; sub("-", "_", $2); print }' "$log" >>"$raw"
-  [ "$rc" -eq 0 ] || fail "rbr_scaling -r failed (status $rc, see $log)"
+  awk -v r="$round" -v s="$suffix" '$1 == "RESULT" && ($2 == "scaling-rate" || $2 == "scaling-mem") {
+      $1 = r " ours"; sub("-", "_", $2); $2 = $2 s; print }' "$log" >>"$raw"
+  [ "$rc" -eq 0 ] || fail "rbr_scaling -r ${extra[*]} failed (status $rc, see $log)"
 }
 
 # Each measurement of ours runs right next to the anchors' measurements of the same kind and size,
@@ -416,7 +422,7 @@ for round in $(seq "$rounds"); do
     echo "shm.sh: round $round/$rounds: scaling (1 to ${scaling_args[1]##*,} connections)"
     in_turn $round "run_scaling caller" "run_scaling thread"
     echo "shm.sh: round $round/$rounds: round-robin message rate over 1 to ${scaling_rate_args[1]##*,} connections"
-    run_scaling_rate
+    in_turn $round "run_scaling_rate" "run_scaling_rate $scaling_pool"
     echo "shm.sh: round $round/$rounds: connection setup"
     in_turn $round "run_setup in_turn" "run_setup in_flight"
     echo "shm.sh: round $round/$rounds: first round trips and a message that waits for its receive"

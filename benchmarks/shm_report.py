@@ -222,27 +222,30 @@ def main():
                 if r and r[0] is not None:
                     lines.append("  empty poll with 1024 connections / with 1: %.2fx (target "
                                  "at most 2x: %s)" % (r[0], "met" if r[0] <= 2 else "missed"))
-    counts = sizes("ours", "scaling_rate")
-    if counts:
-        lines.append("round-robin 512 B message rate (rbr_scaling -r; N connections on one queue, "
-                     "against N = 1 and against one connection side by side; target at least "
-                     "0.7x): " + "; ".join(
-                         "N=%d: %s msgs/s, %.2fx of N=1, %.2fx side by side" % (
-                             n, fmt(med("ours", "scaling_rate", n, "msgs_per_s")[0]),
-                             med("ours", "scaling_rate", n, "ratio")[0] or 0,
-                             med("ours", "scaling_rate", n, "side_ratio")[0] or 0) for n in counts))
-    counts = sizes("ours", "scaling_mem")
-    if counts:
-        lines.append("resident memory after the rate run (VmRSS, shared memory touched included; "
-                     "per connection: the growth since the first N; target at most 64 KiB): " +
-                     "; ".join("N=%d: client %s KiB, server %s KiB%s" % (
-                         n, fmt(med("ours", "scaling_mem", n, "client_kib")[0]),
-                         fmt(med("ours", "scaling_mem", n, "server_kib")[0]),
-                         "" if med("ours", "scaling_mem", n, "client_kib_per_conn")[0] is None
-                         else ", per connection %s / %s KiB" % (
-                             fmt(med("ours", "scaling_mem", n, "client_kib_per_conn")[0]),
-                             fmt(med("ours", "scaling_mem", n, "server_kib_per_conn")[0])))
-                         for n in counts))
+    for suffix, how in (("", "16 receives per connection"),
+                        ("_pool", "one shared receive queue for the server's connections")):
+        rate, mem = "scaling_rate" + suffix, "scaling_mem" + suffix
+        counts = sizes("ours", rate)
+        if counts:
+            lines.append("round-robin 512 B message rate, %s (rbr_scaling -r; N connections on "
+                         "one queue, against N = 1 and against one connection side by side; "
+                         "target at least 0.7x): " % how + "; ".join(
+                             "N=%d: %s msgs/s, %.2fx of N=1, %.2fx side by side" % (
+                                 n, fmt(med("ours", rate, n, "msgs_per_s")[0]),
+                                 med("ours", rate, n, "ratio")[0] or 0,
+                                 med("ours", rate, n, "side_ratio")[0] or 0) for n in counts))
+        counts = sizes("ours", mem)
+        if counts:
+            lines.append("  resident memory after it (VmRSS, shared memory touched included; "
+                         "per connection: the growth since the first N; target at most 64 "
+                         "KiB): " + "; ".join("N=%d: client %s KiB, server %s KiB%s" % (
+                             n, fmt(med("ours", mem, n, "client_kib")[0]),
+                             fmt(med("ours", mem, n, "server_kib")[0]),
+                             "" if med("ours", mem, n, "client_kib_per_conn")[0] is None
+                             else ", per connection %s / %s KiB" % (
+                                 fmt(med("ours", mem, n, "client_kib_per_conn")[0]),
+                                 fmt(med("ours", mem, n, "server_kib_per_conn")[0])))
+                             for n in counts))
     for s in sizes("ours", "setup"):
         lines.append("connection setup (rbr_setup: one after another, each connected, accepted, "
                      "given a %s message each way and closed; no stock tool measures this over "

@@ -30,7 +30,9 @@
 #               steady one (RBR_BENCH_MEASURES=first runs only these)
 #   scale:      rbr_scaling's round-robin rate over 1, 16 and 256 connections on one queue,
 #               each against one connection side by side, and the resident and registered
-#               (pinned) memory each connection adds on each side (RBR_BENCH_MEASURES=scale)
+#               (pinned) memory each connection adds on each side; then the same with the
+#               server's connections on one shared receive queue of 4,096 receives
+#               (RBR_BENCH_MEASURES=scale)
 # rdmabridge runs as rbr-caller (progress on the caller's thread, the default), rbr-thread
 # (progress threads) and rbr-caller-busy (caller progress, rbr_cq_wait never sleeping), all
 # three the C example (rbr_client/rbr_server: streaming there is echoed, so both directions
@@ -53,12 +55,12 @@ port=18000 results=/tmp/bench-results
 : >"$results"
 
 # Sizes and counts. Streaming moves about 64 MiB per run (at least 64 messages).
-lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100 inflight=64 first_n=10 scale_n=1,16,256
+lat_sizes="2 4096" bw_sizes="65536 262144 1048576" conns=100 inflight=64 first_n=10 scale_n=1,16,256 scale_pool=4096
 lat_n() { [ "$1" -ge 4096 ] && echo 300 || echo 1000; } # ib_send_lat hangs on rxe at 4 KiB x 1000
 bw_n() { local n=$((64 * 1048576 / $1)); [ "$n" -ge 64 ] && echo "$n" || echo 64; }
 variants=${RBR_BENCH_VARIANTS:-"caller/- thread/- caller/1000000"}
 if [ "$quick" = --quick ]; then
-  rounds=1 bw_sizes=65536 conns=10 inflight=10 first_n=2 scale_n=1,16
+  rounds=1 bw_sizes=65536 conns=10 inflight=10 first_n=2 scale_n=1,16 scale_pool=256
   lat_n() { echo 100; }
   bw_n() { echo 50; }
   variants=${RBR_BENCH_VARIANTS:-"caller/-"}
@@ -300,35 +302,41 @@ event_pairs() {
 
 # scale_pairs: rbr_scaling's round-robin run (one client sending 512 B messages round-robin over
 # N connections on one queue to a server polling one queue, each N against one connection
-# side by side) at N = 1, 16 and 256 (scale_n); and, from the second N on, what each connection added to each
-# process's resident memory and to its pinned memory (what it registered with the device).
+# side by side) at N = 1, 16 and 256 (scale_n); and, from the second N on, what each connection
+# added to each process's resident memory and to its pinned memory (what it registered with the
+# device). Twice: the server's connections with 16 receives each (measures rrN, rrmemN), then
+# taking their receives from one shared receive queue of scale_pool (rrqN, rrqmemN).
 scale_pairs() {
-  local out line n rate side
-  next_port
-  if ! out=$(timeout 900 "$build/rbr_scaling" -a "rdma://$ip:$port" -N "$scale_n" -n 200 -b 1 \
-    -r 20000 -w 32 -m 512 -p caller -c 0,1 -T 60 2>&1); then
-    echo "rbr_scaling failed:" >&2; echo "$out" >&2
-    return 1
-  fi
-  while read -r line; do
-    set -- $line
-    n=$3
-    case $2 in
-      scaling-rate)
-        rate=$(echo "$line" | sed -n 's/.* msgs_per_s=\([0-9.]*\).*/\1/p')
-        side=$(echo "$line" | sed -n 's/.* side_ratio=\([0-9.]*\).*/\1/p')
-        record "rr$n" rbr-one-conn rate "$(awk -v r="$rate" -v s="$side" 'BEGIN { printf "%.0f", r / s }')"
-        record "rr$n" rbr-n-conns rate "$rate"
-        ;;
-      scaling-mem)
-        echo "$line" | grep -q per_conn || continue
-        record "rrmem$n" client-resident kib "$(echo "$line" | sed -n 's/.* client_kib_per_conn=\([0-9.-]*\).*/\1/p')"
-        record "rrmem$n" server-resident kib "$(echo "$line" | sed -n 's/.* server_kib_per_conn=\([0-9.-]*\).*/\1/p')"
-        record "rrmem$n" client-registered kib "$(echo "$line" | sed -n 's/.* client_pin_kib_per_conn=\([0-9.-]*\).*/\1/p')"
-        record "rrmem$n" server-registered kib "$(echo "$line" | sed -n 's/.* server_pin_kib_per_conn=\([0-9.-]*\).*/\1/p')"
-        ;;
-    esac
-  done < <(echo "$out" | grep -E '^RESULT scaling-(rate|mem) ')
+  local out line n rate side pool m
+  for pool in "" "$scale_pool"; do
+    next_port
+    m=rr
+    [ -z "$pool" ] || m=rrq
+    if ! out=$(timeout 900 "$build/rbr_scaling" -a "rdma://$ip:$port" -N "$scale_n" -n 200 -b 1 \
+      -r 20000 -w 32 -m 512 -p caller -c 0,1 -T 60 ${pool:+-Q "$pool"} 2>&1); then
+      echo "rbr_scaling ${pool:+-Q $pool }failed:" >&2; echo "$out" >&2
+      return 1
+    fi
+    while read -r line; do
+      set -- $line
+      n=$3
+      case $2 in
+        scaling-rate)
+          rate=$(echo "$line" | sed -n 's/.* msgs_per_s=\([0-9.]*\).*/\1/p')
+          side=$(echo "$line" | sed -n 's/.* side_ratio=\([0-9.]*\).*/\1/p')
+          record "$m$n" rbr-one-conn rate "$(awk -v r="$rate" -v s="$side" 'BEGIN { printf "%.0f", r / s }')"
+          record "$m$n" rbr-n-conns rate "$rate"
+          ;;
+        scaling-mem)
+          echo "$line" | grep -q per_conn || continue
+          record "${m}mem$n" client-resident kib "$(echo "$line" | sed -n 's/.* client_kib_per_conn=\([0-9.-]*\).*/\1/p')"
+          record "${m}mem$n" server-resident kib "$(echo "$line" | sed -n 's/.* server_kib_per_conn=\([0-9.-]*\).*/\1/p')"
+          record "${m}mem$n" client-registered kib "$(echo "$line" | sed -n 's/.* client_pin_kib_per_conn=\([0-9.-]*\).*/\1/p')"
+          record "${m}mem$n" server-registered kib "$(echo "$line" | sed -n 's/.* server_pin_kib_per_conn=\([0-9.-]*\).*/\1/p')"
+          ;;
+      esac
+    done < <(echo "$out" | grep -E '^RESULT scaling-(rate|mem) ')
+  done
 }
 
 # first_pairs: rbr_first both ways and the stock tool's first round trips (above); the late
@@ -478,7 +486,9 @@ awk '
     if (m ~ /^firstone/) return "the first round trip after the connect, " substr(m, 9) " B"
     if (m ~ /^first/) return "slowest of the first round trips, " substr(m, 6) " B"
     if (m ~ /^inflight/) return "connection setup, " substr(m, 9) " in flight"
+    if (m ~ /^rrqmem/) return "memory added per connection, " substr(m, 7) " connections, one shared receive queue"
     if (m ~ /^rrmem/) return "memory added per connection, " substr(m, 6) " connections"
+    if (m ~ /^rrq/) return "round-robin message rate, 512 B, " substr(m, 4) " connections on one shared receive queue against one"
     if (m ~ /^rr/) return "round-robin message rate, 512 B, " substr(m, 3) " connections against one"
     return "connection setup"
   }
@@ -497,8 +507,8 @@ awk '
     printf "| --- | --- | --- | --- | --- | --- | --- |\n"
     for (i = 1; i <= nm; i++) {
       m = order[i]; split(substr(tools[m], 2), ts, " ")
-      field = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : (m ~ /^rrmem/ ? "kib" : (m ~ /^rr/ ? "rate" : "cps")))
-      unit = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : (m ~ /^rrmem/ ? " KiB" : (m ~ /^rr/ ? " msg/s" : " conn/s")))
+      field = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? "p50" : (m ~ /^[wr]?bw/ ? "mbs" : (m ~ /^rrq?mem/ ? "kib" : (m ~ /^rr/ ? "rate" : "cps")))
+      unit = m ~ /^([wre]?lat|rkern|ruser|late|first)/ ? " us" : (m ~ /^[wr]?bw/ ? " MB/s" : (m ~ /^rrq?mem/ ? " KiB" : (m ~ /^rr/ ? " msg/s" : " conn/s")))
       ref = ts[1]; r50 = med(m SUBSEP ref SUBSEP field); r99 = med(m SUBSEP ref SUBSEP "p99")
       for (j = 1; (j in ts); j++) {
         t = ts[j]; k = m SUBSEP t SUBSEP field
@@ -516,12 +526,12 @@ if [ -n "$outdir" ]; then
 fi
 # Every tool must have produced every round's figure.
 nv=$(echo $variants | wc -w) nl=$(echo $lat_sizes | wc -w) nb=$(echo $bw_sizes | wc -w)
-ns=$(echo "$scale_n" | tr , ' ' | wc -w); ns=$((2 * ns + 4 * (ns - 1)))
+ns=$(echo "$scale_n" | tr , ' ' | wc -w); ns=$((2 * (2 * ns + 4 * (ns - 1))))
 # (one-sided: write and read, each the stock tool and ours: 2 x 2 x 2 latency figures per
 # size, 2 x 2 bandwidth figures per size; the read's split: 2 figures of each tool; rbr_first:
 # 3 figures of the late message, 3 of the slowest first round trips and 3 of the very first,
-# and the stock tool's first and steady round trips; the round-robin run: 2 rates at each N
-# and 4 memory figures at each N but the first;
+# and the stock tool's first and steady round trips; the round-robin run, without and with the
+# shared receive queue: 2 rates at each N and 4 memory figures at each N but the first;
 # setup: 2 pairs; asleep between
 # messages: 2 figures of each of 3 tools per size)
 if [ "$measures" = setup ]; then

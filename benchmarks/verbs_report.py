@@ -35,7 +35,7 @@ STOCK = {
     # The stock tool's first round trip against its own steady one.
     "firststock": "ib_send_lat-steady",
     # The round-robin rate over N connections against one connection's, side by side.
-    "rr": "rbr-one-conn",
+    "rr": "rbr-one-conn", "rrq": "rbr-one-conn",
 }
 
 
