@@ -276,6 +276,67 @@ fn plain_client_without_rnr_retries_fails_a_send_that_finds_no_receive() {
     let _ = client.wait();
 }
 
+/// A plain librdmacm client - the stock `rdma_client`, which posts one receive, connects,
+/// sends 16 bytes and waits for its send and a 16-byte reply - served by a connection that
+/// takes its receives from a shared receive queue: the client's message takes one of the
+/// pool's receives, the reply reaches it, and it exits 0.
+#[test]
+#[ignore = "needs an RDMA device: runs on soft-RoCE via scripts/vm-test.sh"]
+fn plain_client_served_from_a_shared_receive_queue() {
+    use rdmabridge::{Access, CompletionQueue, ConnOptions, Context, Opcode, SendFlags, WcStatus};
+    use std::time::Duration;
+    let net = Net::verbs_from_env();
+    let addr = net.addr("rdma_client");
+    let port = addr.rsplit(':').next().unwrap().to_owned();
+    let Net::Verbs(ip) = &net else { unreachable!() };
+    let ctx = Context::new().unwrap();
+    let pool = common::pools::pool_of(&ctx, 8, None);
+    let mr = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+    for slot in 0..8u64 {
+        pool.post_recv(&mr, slot as usize * 64, 64, 100 + slot)
+            .unwrap();
+    }
+    let l = ctx.listen(&addr, 4).unwrap();
+    let mut client = std::process::Command::new("timeout")
+        .args(["30", "rdma_client", "-s", ip, "-p", &port])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("rdma_client (rdmacm-utils) must be installed in the VM");
+    let cq = CompletionQueue::new().unwrap();
+    let opts = ConnOptions {
+        srq: Some(pool.clone()),
+        ..Default::default()
+    };
+    let conn = l
+        .get_request(Some(Duration::from_secs(20)))
+        .unwrap()
+        .accept(&cq, &opts)
+        .unwrap();
+    let c = common::next(&cq);
+    assert_eq!(
+        (c.opcode, c.status, c.byte_len, c.conn_id),
+        (Opcode::Recv, WcStatus::Success, 16, conn.id()),
+        "{c:?}"
+    );
+    assert!((100..108).contains(&c.wr_id), "{c:?}");
+    assert_eq!(pool.len(), 7);
+    conn.post_send(&mr, 2048, 16, 1, SendFlags::SIGNALED)
+        .unwrap();
+    let c = common::next(&cq);
+    assert_eq!(
+        (c.opcode, c.status, c.wr_id),
+        (Opcode::Send, WcStatus::Success, 1),
+        "{c:?}"
+    );
+    let status = client.wait().unwrap();
+    assert!(status.success(), "rdma_client: {status}");
+    // The client disconnects once it has the reply.
+    let c = common::next(&cq);
+    assert_eq!(c.opcode, Opcode::Disconnected, "{c:?}");
+    drop(conn);
+    assert_eq!(pool.len(), 7, "the pool's other receives stay in it");
+}
+
 /// Allocations made by the current thread (counted by [`Counting`]).
 mod alloc_count {
     use std::alloc::{GlobalAlloc, Layout, System};
