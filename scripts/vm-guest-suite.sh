@@ -20,16 +20,19 @@
 #   7. rdmabridge-info's view of the VM (scripts/vm-guest-info-check.sh)
 #   8. the local link taken down under idle connections
 # Usage (in the guest): scripts/vm-guest-suite.sh VERBS_TEST_BINARY C_BUILD_DIR SCALE_TEST_BINARY
-# Prints one line per step and a closing "N passed, N failed"; exits non-zero if any failed.
+# Prints one line per step and a closing "N passed, N failed" naming the failed steps (the
+# last line is what a log's tail shows); exits non-zero if any failed.
 set -u
 verbs_bin=$1 build=$2 scale_bin=$3
 ip=${RBR_TEST_ADDR:?RBR_TEST_ADDR is unset: run me through scripts/vm-test.sh}
 cd "$(dirname "$0")/.."
-passed=0 failed=0
+passed=0 failed=0 failed_names=""
 step() { # NAME COMMAND...
   local name=$1; shift
   echo "=== $name"
-  if "$@"; then echo "=== $name: ok"; passed=$((passed + 1)); else echo "=== $name: FAILED ($?)"; failed=$((failed + 1)); fi
+  if "$@"; then echo "=== $name: ok"; passed=$((passed + 1)); else
+    echo "=== $name: FAILED ($?)"; failed=$((failed + 1)); failed_names+="${failed_names:+; }$name"
+  fi
 }
 
 stock_client() { # our server, stock rdma_client; RBR_LOG names the client's address
@@ -151,5 +154,5 @@ step "empty poll with 1 and 1,024 idle verbs connections (figures printed)" \
 # Last, since it takes the interface down for a while.
 step "local link down under idle connections" "$verbs_bin" --ignored --exact \
   local_link_down_fails_idle_connections_within_bound --nocapture
-echo "vm-guest-suite: $passed passed, $failed failed"
+echo "vm-guest-suite: $passed passed, $failed failed${failed_names:+ ($failed_names)}"
 [ "$failed" -eq 0 ]
