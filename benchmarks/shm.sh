@@ -22,7 +22,9 @@
 #            server taking them into 16 receives per connection; each N against one connection
 #            in passes side by side (target: at least 0.7x), and after it each process's resident
 #            memory and its growth per connection (target: at most 64 KiB a connection); the
-#            same again with the server's connections on one shared receive queue (-Q 4096)
+#            same again with the server's connections on one shared receive queue (-Q 4096),
+#            and UCX's side: one client sending round-robin over N endpoints to one server
+#            worker (benchmarks/ucx_scaling.c; ucx_perftest has no such mode)
 #   setup:   rbr_setup (benchmarks/setup.c): connections one after another, each connected,
 #            accepted, carrying a 64 B message each way and closed; and the same with 64
 #            connections in flight from one client thread (rbr_connect_start), the server
@@ -72,7 +74,7 @@ started=$(date +%s)
 
 # ------------------------------------------------------------------ what it needs
 bash scripts/setup.sh
-packages=(ucx-utils libfabric-bin gnuplot-nox python3 iproute2 util-linux coreutils)
+packages=(ucx-utils libucx-dev libfabric-bin gnuplot-nox python3 iproute2 util-linux coreutils)
 bash scripts/install-packages.sh shm.sh "${packages[@]}"
 
 build=$root/build-shm-bench
@@ -82,7 +84,8 @@ timeout 1800 cargo build --release --quiet --features tokio --example tokio_lat
 tokio_lat=${CARGO_TARGET_DIR:-$root/target}/release/examples/tokio_lat
 timeout 300 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
 timeout 900 cmake --build "$build" -j2 --target rbr_bench rbr_rma_bench rbr_limits rbr_scaling \
-  rbr_setup rbr_first >/dev/null
+  rbr_setup rbr_first ucx_scaling >/dev/null
+ucx_scaling=$build/ucx_scaling
 bench=$build/rbr_bench rma=$build/rbr_rma_bench limits=$build/rbr_limits scaling=$build/rbr_scaling
 setup_bin=$build/rbr_setup first_bin=$build/rbr_first
 
@@ -94,6 +97,7 @@ if [ "$quick" = 1 ]; then
   limits_args=(-n 20000 -r 1) tmo=30
   scaling_args=(-N 1,16 -n 300 -b 3) scaling_tmo=60 setup_n=50 first_n=10
   scaling_rate_args=(-N 1,16 -n 100 -b 1 -r 20000 -w 64) scaling_pool=256
+  ucx_scaling_args=(-N 1,16 -n 20000 -p 1)
   setup_inflight=16 setup_inflight_n=200
 else
   lat_sizes=(2 64 1024 4096 65536 1048576)
@@ -105,6 +109,7 @@ else
   # With progress threads a round trip takes ~0.1-5 ms at 1,024 connections: minutes.
   scaling_args=(-N 1,16,256,1024 -n 10000 -b 11) scaling_tmo=900 setup_n=2000 first_n=50
   scaling_rate_args=(-N 1,16,256,1024 -n 1000 -b 1 -r 1000000) scaling_pool=4096
+  ucx_scaling_args=(-N 1,16,256,1024 -n 200000 -p 5)
   setup_inflight=64 setup_inflight_n=20000
 fi
 join() { local IFS=,; echo "$*"; }
@@ -362,6 +367,20 @@ run_scaling_rate() {
   [ "$rc" -eq 0 ] || fail "rbr_scaling -r ${extra[*]} failed (status $rc, see $log)"
 }
 
+# run_ucx_scaling: UCX's side of the round-robin run (benchmarks/ucx_scaling.c: N endpoints of
+# one client to one server worker), recorded as ucx scaling_rate and scaling_mem.
+run_ucx_scaling() {
+  local log=$out/logs/r$round-ucx-scaling.log rc=0
+  UCX_TLS=posix,self timeout "$scaling_tmo" "$ucx_scaling" "${ucx_scaling_args[@]}" >"$log" 2>&1 &
+  cpid=$!
+  wait "$cpid" || rc=$?
+  cpid=""
+  awk -v r="$round" '$1 == "RESULT" && ($2 == "ucx-rate" || $2 == "ucx-mem") {
+      $1 = r " ucx"; $2 = ($2 == "ucx-rate" ? "scaling_rate" : "scaling_mem"); print }' \
+    "$log" >>"$raw"
+  [ "$rc" -eq 0 ] || fail "ucx_scaling failed (status $rc, see $log)"
+}
+
 # Each measurement of ours runs right next to the anchors' measurements of the same kind and size,
 # the order rotating with the size and the round, so that a change in the machine's load between
 # them is as short-lived as it can be; the report pairs them round by round.
@@ -422,7 +441,7 @@ for round in $(seq "$rounds"); do
     echo "shm.sh: round $round/$rounds: scaling (1 to ${scaling_args[1]##*,} connections)"
     in_turn $round "run_scaling caller" "run_scaling thread"
     echo "shm.sh: round $round/$rounds: round-robin message rate over 1 to ${scaling_rate_args[1]##*,} connections"
-    in_turn $round "run_scaling_rate" "run_scaling_rate $scaling_pool"
+    in_turn $round "run_scaling_rate" "run_scaling_rate $scaling_pool" run_ucx_scaling
     echo "shm.sh: round $round/$rounds: connection setup"
     in_turn $round "run_setup in_turn" "run_setup in_flight"
     echo "shm.sh: round $round/$rounds: first round trips and a message that waits for its receive"

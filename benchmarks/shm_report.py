@@ -246,6 +246,33 @@ def main():
                                  fmt(med("ours", mem, n, "client_kib_per_conn")[0]),
                                  fmt(med("ours", mem, n, "server_kib_per_conn")[0])))
                              for n in counts))
+    counts = sizes("ucx", "scaling_rate")
+    if counts:
+        lines.append("UCX, the same round-robin run over N endpoints of one client to one server "
+                     "worker (benchmarks/ucx_scaling.c): " + "; ".join(
+                         "N=%d: %s msgs/s, %.2fx side by side" % (
+                             n, fmt(med("ucx", "scaling_rate", n, "msgs_per_s")[0]),
+                             med("ucx", "scaling_rate", n, "side_ratio")[0] or 0)
+                         for n in counts))
+    counts = sizes("ucx", "scaling_mem")
+    if counts:
+        def um(n, key):
+            return fmt(med("ucx", "scaling_mem", n, key)[0])
+        lines.append("  UCX's memory after it (the server makes no endpoints; resident memory "
+                     "counts the server's segments once per endpoint that maps them, the "
+                     "proportional set size once): " +
+                     "; ".join("N=%d: client %s KiB resident, %s KiB proportional; server %s / "
+                               "%s KiB%s" % (
+                                   n, um(n, "client_kib"), um(n, "client_pss_kib"),
+                                   um(n, "server_kib"), um(n, "server_pss_kib"),
+                                   "" if med("ucx", "scaling_mem", n,
+                                             "client_kib_per_conn")[0] is None
+                                   else ", per endpoint: client %s / %s KiB, server %s / %s KiB"
+                                   % (um(n, "client_kib_per_conn"),
+                                      um(n, "client_pss_kib_per_conn"),
+                                      um(n, "server_kib_per_conn"),
+                                      um(n, "server_pss_kib_per_conn")))
+                               for n in counts))
     for s in sizes("ours", "setup"):
         lines.append("connection setup (rbr_setup: one after another, each connected, accepted, "
                      "given a %s message each way and closed; no stock tool measures this over "
