@@ -179,30 +179,26 @@ impl SharedRecvQueue {
             offset: wr.offset,
             len: wr.len,
         };
-        let mut r = Some(r);
-        let device = {
+        let d = {
             let mut st = inner.state.lock();
             // Relaxed: every change is made under the lock.
             let count = inner.count.load(Ordering::Relaxed);
             if count >= inner.depth {
                 return Err(Error::QueueFull("shared receive"));
             }
-            let device = match &st.binding {
-                Binding::Device(_, d, _) => Some(d.clone()),
-                _ => {
-                    // In the same hold as the count: a taker sets the count from the list.
-                    st.recvs.extend(r.take());
-                    None
-                }
-            };
             // Relaxed: the lock orders it for those who take; a reader without the lock only
             // decides whether to look.
             inner.count.store(count + 1, Ordering::Relaxed);
-            device
-        };
-        let (Some(d), Some(r)) = (device, r) else {
-            self.serve_waiters();
-            return Ok(());
+            match &st.binding {
+                Binding::Device(_, d, _) => d.clone(),
+                _ => {
+                    // In the same hold as the count: a taker sets the count from the list.
+                    st.recvs.push_back(r);
+                    drop(st);
+                    self.serve_waiters();
+                    return Ok(());
+                }
+            }
         };
         if let Err(e) = d.post(r) {
             let _st = inner.state.lock();

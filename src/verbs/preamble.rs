@@ -33,7 +33,7 @@ pub(super) fn offers_credits(data: &[u8]) -> bool {
 
 /// The credit extension of a library peer's accept: the peer's credit word, if it offers one.
 pub(super) fn parse_credit_ext(data: &[u8]) -> Option<Remote> {
-    if !parse_preamble(data).0 || data[5] & FLAG_CREDITS == 0 {
+    if !offers_credits(data) {
         return None;
     }
     let at = PREAMBLE + data[6] as usize;

@@ -5,10 +5,10 @@
 //! Each receive posted to it gets a slot here that keeps its region alive and its `wr_id`
 //! until its completion comes, on the queue pair that took it, through the device CQ
 //! (`dispatch.rs`: a work-request id with the bits `conn::POOL_WR` set names the slot, not a
-//! connection's ledger). Toward its peers a connection with a pool speaks no receive credits: like any
-//! verbs SRQ, a message that finds the pool empty is retried by the peer's device
-//! (receiver-not-ready, with the peer's `rnr_retry_count`; 7, the default, retries without
-//! limit on conforming devices).
+//! connection's ledger). Toward its peers a connection with a pool speaks no receive
+//! credits: like any verbs SRQ, a message that finds the pool empty is retried by the peer's
+//! device (receiver-not-ready, with the peer's `rnr_retry_count`; 7, the default, retries
+//! without limit on conforming devices).
 
 use std::io;
 use std::sync::{Arc, Mutex};
