@@ -9,8 +9,9 @@
  * endpoint, PASSES passes of MSGS messages, each right after a pass of as many
  * over the first endpoint alone; it prints the median rate over N endpoints,
  * the ratio of the medians (N endpoints to one, side by side), and each
- * process's memory with its growth per endpoint since the first N.  The server makes no endpoints: it only receives (a UCP worker
- * takes any peer's tagged messages without one).
+ * process's memory with its growth per endpoint since the first N.  The
+ * server makes no endpoints: it only receives (a UCP worker takes any peer's
+ * tagged messages without one).
  *
  *   UCX_TLS=posix,self ucx_scaling [-N LIST] [-m SIZE] [-n MSGS] [-p PASSES]
  *   defaults: -N 1,16,256,1024 -m 512 -n 1000000 -p 5
@@ -242,22 +243,22 @@ int main(int argc, char **argv)
         double m = many[passes / 2], o = one[passes / 2];
         printf("RESULT ucx-rate %zu msgs_per_s=%.0f side_ratio=%.3f\n", n, m, m / o);
         uint64_t q = UINT64_MAX;
-        long c[2], sv_[2];
-        mem(c);
+        long cmem[2], smem[2];
+        mem(cmem);
         xwrite(sock, &q, sizeof q);
-        xread(sock, sv_, sizeof sv_);
+        xread(sock, smem, sizeof smem);
         printf("RESULT ucx-mem %zu client_kib=%ld server_kib=%ld client_pss_kib=%ld "
-               "server_pss_kib=%ld", n, c[0], sv_[0], c[1], sv_[1]);
+               "server_pss_kib=%ld", n, cmem[0], smem[0], cmem[1], smem[1]);
         if (first_n == 0) {
             first_n = n;
-            memcpy(first_c, c, sizeof c);
-            memcpy(first_s, sv_, sizeof sv_);
+            memcpy(first_c, cmem, sizeof cmem);
+            memcpy(first_s, smem, sizeof smem);
         } else {
             double k = (double)(n - first_n);
             printf(" client_kib_per_conn=%.1f server_kib_per_conn=%.1f"
                    " client_pss_kib_per_conn=%.1f server_pss_kib_per_conn=%.1f",
-                   (c[0] - first_c[0]) / k, (sv_[0] - first_s[0]) / k, (c[1] - first_c[1]) / k,
-                   (sv_[1] - first_s[1]) / k);
+                   (cmem[0] - first_c[0]) / k, (smem[0] - first_s[0]) / k,
+                   (cmem[1] - first_c[1]) / k, (smem[1] - first_s[1]) / k);
         }
         printf("\n");
         fflush(stdout);

@@ -203,6 +203,19 @@ fn local_link_down_fails_idle_connections_within_bound() {
     drop((c, s));
 }
 
+/// Starts the rdmacm-utils client `tool` toward our listener at `addr` (`-s HOST -p PORT`, then
+/// `extra`), given 30 s at most, its output dropped.
+fn stock_client(net: &Net, addr: &str, tool: &str, extra: &[&str]) -> std::process::Child {
+    let Net::Verbs(ip) = net else { unreachable!() };
+    let port = addr.rsplit(':').next().unwrap();
+    std::process::Command::new("timeout")
+        .args(["30", tool, "-s", ip, "-p", port])
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{tool} (rdmacm-utils) must be installed in the VM: {e}"))
+}
+
 /// Toward a plain librdmacm client the library's accepting side takes its RNR retry count from
 /// the client's connect request (docs/transports.md, "Verbs"): the stock `ucmatose` asks for none,
 /// so a send of ours that finds no receive posted fails at once with TRANSPORT, and the
@@ -215,17 +228,9 @@ fn plain_client_without_rnr_retries_fails_a_send_that_finds_no_receive() {
     use std::time::{Duration, Instant};
     let net = Net::verbs_from_env();
     let addr = net.addr("ucmatose");
-    let port = addr.rsplit(':').next().unwrap().to_owned();
-    let Net::Verbs(ip) = &net else { unreachable!() };
     let ctx = Context::new().unwrap();
     let l = ctx.listen(&addr, 4).unwrap();
-    let mut client = std::process::Command::new("timeout")
-        .args([
-            "30", "ucmatose", "-s", ip, "-p", &port, "-C", "1", "-S", "100",
-        ])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("ucmatose (rdmacm-utils) must be installed in the VM");
+    let mut client = stock_client(&net, &addr, "ucmatose", &["-C", "1", "-S", "100"]);
     let cq = CompletionQueue::new().unwrap();
     let conn = l
         .get_request(Some(Duration::from_secs(20)))
@@ -287,8 +292,6 @@ fn plain_client_served_from_a_shared_receive_queue() {
     use std::time::Duration;
     let net = Net::verbs_from_env();
     let addr = net.addr("rdma_client");
-    let port = addr.rsplit(':').next().unwrap().to_owned();
-    let Net::Verbs(ip) = &net else { unreachable!() };
     let ctx = Context::new().unwrap();
     let pool = common::pools::pool_of(&ctx, 8, None);
     let mr = ctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
@@ -297,11 +300,7 @@ fn plain_client_served_from_a_shared_receive_queue() {
             .unwrap();
     }
     let l = ctx.listen(&addr, 4).unwrap();
-    let mut client = std::process::Command::new("timeout")
-        .args(["30", "rdma_client", "-s", ip, "-p", &port])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("rdma_client (rdmacm-utils) must be installed in the VM");
+    let mut client = stock_client(&net, &addr, "rdma_client", &[]);
     let cq = CompletionQueue::new().unwrap();
     let opts = ConnOptions {
         srq: Some(pool.clone()),
