@@ -17,7 +17,7 @@ use rdmabridge::{
 /// The wire format of the handshake and the layout of the shared segment, as documented in
 /// `src/shm/wire.rs` and `src/shm/segment.rs`: a hostile peer knows them too.
 const MAGIC: u32 = 0x3152_4252;
-const VERSION: u16 = 4;
+const VERSION: u16 = 5;
 const HELLO: u16 = 1;
 const ACCEPT: u16 = 2;
 const NO_SLOT: u32 = u32::MAX;
@@ -67,6 +67,12 @@ fn connect_by_hand(addr: &str) -> Hostile {
 
 /// [`connect_by_hand`], the hello asking for rings of `ring` bytes (0: none asked).
 fn connect_asking(addr: &str, ring: u32) -> Hostile {
+    connect_offering(addr, ring, &[])
+}
+
+/// [`connect_asking`], the hello offering the segments `offers` (inode numbers) as kept from
+/// earlier connections; the accept must bring a new segment all the same.
+fn connect_offering(addr: &str, ring: u32, offers: &[u64]) -> Hostile {
     let sock = raw_shm_peer(addr);
     let mut hello = Vec::new();
     hello.extend_from_slice(&MAGIC.to_le_bytes());
@@ -77,6 +83,10 @@ fn connect_asking(addr: &str, ring: u32) -> Hostile {
     hello.extend_from_slice(&NO_SLOT.to_le_bytes());
     hello.extend_from_slice(&[0; 16]); // probe word: none
     hello.extend_from_slice(&0u16.to_le_bytes()); // no private data
+    hello.push(offers.len() as u8);
+    for ino in offers {
+        hello.extend_from_slice(&ino.to_le_bytes());
+    }
     let mut buf = [0u8; 256];
     let mut cbuf = [0u64; 8];
     // SAFETY: plain socket calls on our socket; every buffer is a live local of the size
@@ -98,6 +108,11 @@ fn connect_asking(addr: &str, ring: u32) -> Hostile {
         let n = libc::recvmsg(sock.as_raw_fd(), &mut mh, libc::MSG_CMSG_CLOEXEC);
         assert!(n >= 38, "an accept: {n}");
         assert_eq!(u16::from_le_bytes([buf[6], buf[7]]), ACCEPT);
+        assert_eq!(
+            u32::from_le_bytes(buf[12..16].try_into().unwrap()),
+            0,
+            "no offered segment taken up"
+        );
         let mut fds = Vec::new();
         let mut c = libc::CMSG_FIRSTHDR(&mh);
         while !c.is_null() {
@@ -135,6 +150,42 @@ fn connect_asking(addr: &str, ring: u32) -> Hostile {
         len,
         cap,
     }
+}
+
+/// A listener keeps the segments of closed connections for the next connection from the same
+/// client process. A peer that names them in its hello without being that process (here: the
+/// same process id, but not the library's random probe word) gets a new segment, never one
+/// another peer mapped.
+#[test]
+fn a_peer_offering_segments_kept_for_another_gets_a_new_one() {
+    let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
+    let opts = ConnOptions::default();
+    let mut kept = std::collections::BTreeSet::new();
+    for _ in 0..3 {
+        let (c, _ccq, s, _scq) =
+            pair_between(&Net::Shm, &cctx, &sctx, &opts, &opts, Default::default());
+        kept.extend(segment_inodes());
+        drop((c, s));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let offers: Vec<u64> = kept.iter().copied().take(4).collect();
+    let addr = unique_addr("offers");
+    let l = sctx.listen(&addr, 4).unwrap();
+    let cq = CompletionQueue::new().unwrap();
+    std::thread::scope(|s| {
+        let server = s.spawn(|| {
+            let req = l.get_request(Some(Duration::from_secs(10))).unwrap();
+            req.accept(&cq, &ConnOptions::default()).unwrap()
+        });
+        let peer = connect_offering(&addr, 0, &offers);
+        let server = server.join().unwrap();
+        let ino = segment_inodes()
+            .difference(&kept)
+            .copied()
+            .collect::<Vec<_>>();
+        assert_eq!(ino.len(), 1, "one new segment for the peer: {ino:?}");
+        drop((server, peer));
+    });
 }
 
 /// Accepts the next request on `addr` on a fresh completion queue, while `peer` connects.

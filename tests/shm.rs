@@ -114,7 +114,7 @@ fn listener_survives_garbage_and_refuses_other_versions() {
         );
         assert_eq!(
             u32::from_le_bytes(reply[8..12].try_into().unwrap()),
-            4,
+            5,
             "names our version"
         );
         let cq = CompletionQueue::new().unwrap();
@@ -1605,4 +1605,79 @@ fn ring_is_the_larger_asked_for_and_messages_beyond_it_wait_in_order() {
     assert!(scq.poll().is_none(), "a message delivered twice");
     drop((c, s));
     drop(regions);
+}
+
+/// A closed connection's segment is kept and serves the next connection between the same two
+/// processes (here, two contexts of one), as new: the next connection gets exactly its own
+/// messages, even though the one before left messages in the ring that were never received
+/// (their records still stamped there).
+#[test]
+fn a_closed_connections_segment_serves_the_next_one_as_new() {
+    use rdmabridge::{Access, Opcode, SendFlags, WcStatus};
+    const ROUNDS: u64 = 20;
+    let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
+    let opts = ConnOptions {
+        max_inline: 256,
+        ..Default::default()
+    };
+    let message = |round: u64, k: u64| pattern(round * 100 + k, 64 + k as usize);
+    let mut reused = 0;
+    for round in 0..ROUNDS {
+        let before = segment_inodes();
+        let (c, ccq, s, scq) =
+            pair_between(&Net::Shm, &cctx, &sctx, &opts, &opts, Default::default());
+        if segment_inodes().is_subset(&before) {
+            reused += 1;
+        }
+        let rmr = sctx.alloc_mr(4096, Access::LOCAL_WRITE).unwrap();
+        // A receive waits before anything is sent: what the ring held before must not pass
+        // for a message.
+        s.post_recv(&rmr, 0, 4096, 0).unwrap();
+        for _ in 0..100 {
+            if let Some(r) = scq.poll() {
+                panic!("round {round}: {r:?} before anything was sent");
+            }
+        }
+        for k in 0..5 {
+            c.post_send_inline(&message(round, k), k, SendFlags::SIGNALED)
+                .unwrap();
+        }
+        // Three are received; two stay in the ring.
+        for k in 0..3 {
+            if k > 0 {
+                s.post_recv(&rmr, 0, 4096, k).unwrap();
+            }
+            let r = next(&scq);
+            assert_eq!(
+                (r.opcode, r.status, r.wr_id, r.byte_len as usize),
+                (Opcode::Recv, WcStatus::Success, k, 64 + k as usize),
+                "round {round}, message {k}"
+            );
+            let mut got = vec![0u8; 64 + k as usize];
+            unsafe { rmr.read(0, &mut got) }.unwrap();
+            assert!(
+                got == message(round, k),
+                "round {round}, message {k}'s bytes"
+            );
+        }
+        // A send completes once its message is received.
+        for k in 0..3 {
+            let sc = next(&ccq);
+            assert_eq!((sc.status, sc.wr_id), (WcStatus::Success, k));
+        }
+        drop((c, s, rmr));
+        while let Some(r) = scq.poll() {
+            assert_eq!(
+                r.opcode,
+                Opcode::Disconnected,
+                "round {round}: nothing but the close after the messages received"
+            );
+        }
+        // The segment is let go of on each side's library thread, after the close.
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        reused > 0,
+        "no connection of {ROUNDS} took up a segment kept from the one before"
+    );
 }

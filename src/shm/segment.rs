@@ -95,12 +95,31 @@ pub(crate) const FATAL_PROTOCOL: u64 = 2;
 /// A one-sided operation named memory the other side did not let it reach.
 pub(crate) const FATAL_ACCESS: u64 = 3;
 
-/// A mapped segment. Unmapped on drop.
-#[derive(Debug)]
+/// What takes a dropped segment's mapping instead of its being unmapped (see `peers.rs`).
+pub(crate) type Keeper = Box<dyn FnOnce(Segment) + Send + Sync>;
+
+/// A mapped segment. Unmapped on drop, or kept for the next connection with the same peer
+/// process (see [`Segment::keep_with`]).
 pub(crate) struct Segment {
     base: NonNull<u8>,
     len: usize,
     cap: usize,
+    /// The memfd's inode: how the two sides name a segment they both kept.
+    ino: u64,
+    /// Where the mapping goes when the segment is dropped, instead of being unmapped.
+    keep: Option<Keeper>,
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .field("cap", &self.cap)
+            .field("ino", &self.ino)
+            .field("kept", &self.keep.is_some())
+            .finish()
+    }
 }
 
 // SAFETY: the mapping is process-wide memory; all shared words are accessed through atomics and
@@ -120,15 +139,26 @@ impl Segment {
         }
         let len = DATA + 2 * cap;
         let fd = crate::sys::sealed_memfd(c"rdmabridge-shm", len).map_err(Error::SharedMemory)?;
-        let seg = Segment::map(&fd, len, cap)?;
-        // SAFETY: the header page is ours alone until the descriptor is sent; offsets 0, 8 and
-        // 12 are inside it and aligned for their types.
-        unsafe {
-            seg.base.as_ptr().cast::<u64>().write(MAGIC);
-            seg.base.as_ptr().add(8).cast::<u32>().write(VERSION);
-            seg.base.as_ptr().add(12).cast::<u32>().write(cap as u32);
-        }
+        let st = crate::sys::fstat(&fd).map_err(Error::SharedMemory)?;
+        let seg = Segment::map(&fd, len, cap, st.st_ino)?;
+        seg.write_header();
         Ok((seg, fd))
+    }
+
+    /// Writes the header's magic, version and ring size.
+    fn write_header(&self) {
+        // SAFETY: the header page is ours alone until the segment is named to the peer (a new
+        // one, or a kept one both sides let go of); offsets 0, 8 and 12 are inside it and
+        // aligned for their types.
+        unsafe {
+            self.base.as_ptr().cast::<u64>().write(MAGIC);
+            self.base.as_ptr().add(8).cast::<u32>().write(VERSION);
+            self.base
+                .as_ptr()
+                .add(12)
+                .cast::<u32>()
+                .write(self.cap as u32);
+        }
     }
 
     /// Maps a segment the peer sent, checking its seals, size and header.
@@ -146,13 +176,21 @@ impl Segment {
         if len < DATA + 2 * MIN_CAP {
             return Err(proto("too small"));
         }
-        let mut seg = Segment::map(fd, len, 0)?;
+        let mut seg = Segment::map(fd, len, 0, st.st_ino)?;
+        seg.cap = seg.checked_cap()?;
+        Ok(seg)
+    }
+
+    /// The ring size the header gives, checked against the mapping (the peer may have written
+    /// anything there).
+    fn checked_cap(&self) -> Result<usize> {
+        let proto = |m: &str| Error::Protocol(format!("shared segment: {m}"));
         // SAFETY: the mapping holds at least DATA bytes; offsets are aligned for their types.
         let (magic, version, cap) = unsafe {
             (
-                seg.base.as_ptr().cast::<u64>().read_volatile(),
-                seg.base.as_ptr().add(8).cast::<u32>().read_volatile(),
-                seg.base.as_ptr().add(12).cast::<u32>().read_volatile() as usize,
+                self.base.as_ptr().cast::<u64>().read_volatile(),
+                self.base.as_ptr().add(8).cast::<u32>().read_volatile(),
+                self.base.as_ptr().add(12).cast::<u32>().read_volatile() as usize,
             )
         };
         if magic != MAGIC {
@@ -163,16 +201,65 @@ impl Segment {
                 "shared segment version {version}, want {VERSION}"
             )));
         }
-        if !(MIN_CAP..=MAX_CAP).contains(&cap) || cap % 4096 != 0 || DATA + 2 * cap != len {
+        if !(MIN_CAP..=MAX_CAP).contains(&cap) || cap % 4096 != 0 || DATA + 2 * cap != self.len {
             return Err(proto("ring size does not match the segment"));
         }
-        seg.cap = cap;
-        Ok(seg)
+        Ok(cap)
     }
 
-    fn map(fd: &OwnedFd, len: usize, cap: usize) -> Result<Segment> {
+    fn map(fd: &OwnedFd, len: usize, cap: usize, ino: libc::ino_t) -> Result<Segment> {
         let base = crate::sys::map_shared(fd, len).map_err(Error::SharedMemory)?;
-        Ok(Segment { base, len, cap })
+        Ok(Segment {
+            base,
+            len,
+            cap,
+            ino,
+            keep: None,
+        })
+    }
+
+    /// Takes up a kept segment again, checked as [`open`](Self::open) checks one: the header
+    /// must give the ring size `cap`. The other side made it as new before naming it.
+    pub(crate) fn reopen(mut self, cap: usize) -> Result<Segment> {
+        self.cap = self.checked_cap()?;
+        if self.cap != cap {
+            return Err(Error::Protocol("handshake: ring size mismatch".into()));
+        }
+        Ok(self)
+    }
+
+    /// Makes a kept segment, which both sides have let go of, as new for the next connection:
+    /// a new one holds its header and zeroes, but only the words either side reads before the
+    /// other writes them need to be zero - the control words, cursors and export tables, and
+    /// each ring's first stamp. Every later stamp position is zeroed by the ring's producer
+    /// before the consumer can reach it (`ring.rs`), so bytes of the earlier connection left in
+    /// the rings never pass for a record.
+    pub(crate) fn reset(&self) {
+        // The header too: the peer may have written anything there.
+        self.write_header();
+        // SAFETY: [16, DATA) and each ring's first 8 bytes lie in the mapping; neither side's
+        // connection uses the segment any more (it was kept on both, see `peers.rs`).
+        unsafe {
+            self.base.as_ptr().add(16).write_bytes(0, DATA - 16);
+            self.data(0).write_bytes(0, 8);
+            self.data(1).write_bytes(0, 8);
+        }
+    }
+
+    /// The memfd's inode number.
+    pub(crate) fn ino(&self) -> u64 {
+        self.ino
+    }
+
+    /// Bytes mapped.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// When dropped, the segment goes to `keeper` (a copy of it, owning the mapping and with
+    /// no keeper), rather than being unmapped.
+    pub(crate) fn keep_with(&mut self, keeper: Keeper) {
+        self.keep = Some(keeper);
     }
 
     /// Bytes per ring.
@@ -238,6 +325,17 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        if let Some(keeper) = self.keep.take() {
+            // The mapping moves to the copy; this one no longer owns it.
+            keeper(Segment {
+                base: self.base,
+                len: self.len,
+                cap: self.cap,
+                ino: self.ino,
+                keep: None,
+            });
+            return;
+        }
         // SAFETY: base/len are what mmap returned; the owner (the engine) is done with it.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
     }

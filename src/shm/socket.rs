@@ -223,7 +223,8 @@ mod tests {
     use super::*;
     use crate::conn::PRIVATE_DATA_MAX;
     use crate::cq::notice::NO_SLOT;
-    use crate::shm::wire::{HELLO, encode};
+    use crate::shm::peers::OFFERS_MAX;
+    use crate::shm::wire::encode_hello;
 
     /// Found by the handshake fuzz target: a message one byte longer than any valid one fit
     /// the receive buffer exactly and was passed on as if it had a valid size.
@@ -237,7 +238,7 @@ mod tests {
                 other => panic!("{len} bytes: {other:?}"),
             }
         }
-        let longest = encode(HELLO, 1, 1, NO_SLOT, &[7; PRIVATE_DATA_MAX]);
+        let longest = encode_hello(1, 1, NO_SLOT, &[7; PRIVATE_DATA_MAX], &[9; OFFERS_MAX]);
         assert_eq!(longest.len(), MSG_MAX);
         send_msg(tx.as_raw_fd(), &longest, &[]).unwrap();
         let (got, fds) = recv_msg(rx.as_raw_fd()).unwrap().expect("a message");

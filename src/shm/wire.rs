@@ -3,14 +3,16 @@
 //!
 //! **Establishment** (`handshake/`). The client's hello is answered with an accept or a
 //! rejection. A message: magic `u32`, version `u16`, kind `u16`, three `u32` parameters, a
-//! probe word's address and value (`u64` each), private-data length `u16`, private data. The
-//! hello carries the client's send queue depth, the ring size it asks for (0: none) and the
-//! slot of the connection on its completion queue's notice board (with the board's
-//! descriptor), the accept the ring size and the
-//! server's slot (with the segment's descriptor, then the board's): each side marks the
-//! other's slot when it has news for it (see `cq/notice.rs`). The probe word is a word of the
-//! sender's memory and its value, so that the other side can find out whether it may copy
-//! large messages straight from there (`direct.rs`).
+//! probe word's address and value (`u64` each), private-data length `u16`, private data, a
+//! count `u8` of offered segments and their inode numbers (`u64` each). The hello carries the
+//! client's send queue depth, the ring size it asks for (0: none), the slot of the connection
+//! on its completion queue's notice board (with the board's descriptor) and the segments it
+//! keeps from the listener's process (`peers.rs`); the accept the ring size, which offered
+//! segment it takes up again (its index + 1; 0: a new one) and the server's slot (with the new
+//! segment's descriptor, then the board's): each side marks the other's slot when it has news
+//! for it (see `cq/notice.rs`). The probe word is a word of the sender's memory and its value,
+//! so that the other side can find out whether it may copy large messages straight from there
+//! (`direct.rs`).
 //!
 //! **Packets.** Once the connection is up its socket (a Unix seqpacket socket: one packet per
 //! send, never merged or split) carries packets whose first byte is their tag; the bytes
@@ -33,19 +35,21 @@ use crate::conn::PRIVATE_DATA_MAX;
 use crate::cq::notice::{NO_SLOT, SLOTS};
 use crate::error::{Error, Result};
 use crate::shm::direct;
+use crate::shm::peers::OFFERS_MAX;
 
 pub(crate) const MAGIC: u32 = 0x3152_4252; // "RBR1"
 /// Version 2: notice boards. Version 3: a direct record carries a key (a large message copied
 /// out of the mapping of the region it is in). Version 4: the hello's second parameter is the
-/// ring size the client asks for, no longer its receive queue depth.
-pub(crate) const VERSION: u16 = 4;
+/// ring size the client asks for, no longer its receive queue depth. Version 5: segments kept
+/// from earlier connections, offered and taken up again.
+pub(crate) const VERSION: u16 = 5;
 pub(crate) const HELLO: u16 = 1;
 pub(crate) const ACCEPT: u16 = 2;
 pub(crate) const REJECT: u16 = 3;
 pub(crate) const REJECT_VERSION: u16 = 4;
 pub(crate) const REJECT_PERMISSION: u16 = 5;
 pub(crate) const HEADER: usize = 38;
-pub(crate) const MSG_MAX: usize = HEADER + PRIVATE_DATA_MAX;
+pub(crate) const MSG_MAX: usize = HEADER + PRIVATE_DATA_MAX + 1 + 8 * OFFERS_MAX;
 
 /// Most descriptors one message carries.
 pub(crate) const FDS_MAX: usize = 2;
@@ -60,13 +64,20 @@ pub(crate) struct Msg {
     /// The sender's probe word: address and value.
     pub(crate) probe: (u64, u64),
     pub(crate) data: Vec<u8>,
+    /// The segments offered (their inode numbers), at most [`OFFERS_MAX`].
+    pub(crate) offers: Vec<u64>,
 }
 
 pub(crate) fn encode(kind: u16, a: u32, b: u32, slot: u32, data: &[u8]) -> Vec<u8> {
-    encode_with_probe(kind, a, b, slot, direct::probe(), data)
+    encode_with_probe(kind, a, b, slot, direct::probe(), data, &[])
 }
 
-/// [`encode`] with the probe word given.
+/// A hello offering the segments `offers` (at most [`OFFERS_MAX`]; see [`encode`]).
+pub(crate) fn encode_hello(a: u32, b: u32, slot: u32, data: &[u8], offers: &[u64]) -> Vec<u8> {
+    encode_with_probe(HELLO, a, b, slot, direct::probe(), data, offers)
+}
+
+/// [`encode`] with the probe word and the offers given.
 pub(crate) fn encode_with_probe(
     kind: u16,
     a: u32,
@@ -74,8 +85,10 @@ pub(crate) fn encode_with_probe(
     slot: u32,
     (addr, value): (u64, u64),
     data: &[u8],
+    offers: &[u64],
 ) -> Vec<u8> {
-    let mut v = Vec::with_capacity(HEADER + data.len());
+    debug_assert!(offers.len() <= OFFERS_MAX);
+    let mut v = Vec::with_capacity(HEADER + data.len() + 1 + 8 * offers.len());
     v.extend_from_slice(&MAGIC.to_le_bytes());
     v.extend_from_slice(&VERSION.to_le_bytes());
     v.extend_from_slice(&kind.to_le_bytes());
@@ -86,6 +99,10 @@ pub(crate) fn encode_with_probe(
     v.extend_from_slice(&value.to_le_bytes());
     v.extend_from_slice(&(data.len() as u16).to_le_bytes());
     v.extend_from_slice(data);
+    v.push(offers.len() as u8);
+    for ino in offers {
+        v.extend_from_slice(&ino.to_le_bytes());
+    }
     v
 }
 
@@ -111,6 +128,7 @@ pub(crate) fn decode(buf: &[u8]) -> Result<Msg> {
             slot: NO_SLOT,
             probe: (0, 0),
             data: Vec::new(),
+            offers: Vec::new(),
         });
     }
     if buf.len() < HEADER {
@@ -118,8 +136,13 @@ pub(crate) fn decode(buf: &[u8]) -> Result<Msg> {
     }
     let u64_at = |i: usize| u64::from(u32_at(i)) | u64::from(u32_at(i + 4)) << 32;
     let len = u16_at(36) as usize;
-    if len > PRIVATE_DATA_MAX || HEADER + len != buf.len() {
+    if len > PRIVATE_DATA_MAX || HEADER + len >= buf.len() {
         return Err(bad("bad private data length"));
+    }
+    let tail = HEADER + len;
+    let count = usize::from(buf[tail]);
+    if count > OFFERS_MAX || tail + 1 + 8 * count != buf.len() {
+        return Err(bad("bad count of offered segments"));
     }
     Ok(Msg {
         version,
@@ -128,7 +151,8 @@ pub(crate) fn decode(buf: &[u8]) -> Result<Msg> {
         b: u32_at(12),
         slot: u32_at(16),
         probe: (u64_at(20), u64_at(28)),
-        data: buf[HEADER..].to_vec(),
+        data: buf[HEADER..tail].to_vec(),
+        offers: (0..count).map(|i| u64_at(tail + 1 + 8 * i)).collect(),
     })
 }
 
@@ -162,8 +186,9 @@ pub(crate) fn judge_hello(msg: &Msg, nfds: usize) -> HelloVerdict {
 }
 
 /// Judges the listener's decoded answer to a hello, which came with `nfds` descriptors: for an
-/// accept (the segment's descriptor first, then the listener's notice board when it names a
-/// slot), the listener's slot, if any; the reason the connect fails otherwise.
+/// accept (the segment's descriptor first unless it takes up an offered one, then the
+/// listener's notice board when it names a slot), the listener's slot, if any; the reason the
+/// connect fails otherwise.
 pub(crate) fn judge_reply(msg: &Msg, nfds: usize) -> Result<Option<u32>> {
     match msg.kind {
         ACCEPT => {}
@@ -189,12 +214,14 @@ pub(crate) fn judge_reply(msg: &Msg, nfds: usize) -> Result<Option<u32>> {
             msg.version
         )));
     }
-    match (msg.slot, nfds) {
-        (_, 0) => Err(Error::Protocol(
+    // The new segment's descriptor, unless an offered one is taken up.
+    let segment = usize::from(msg.b == 0);
+    match (msg.slot, nfds.checked_sub(segment)) {
+        (_, None) => Err(Error::Protocol(
             "handshake: accept without a segment".into(),
         )),
-        (NO_SLOT, 1) => Ok(None),
-        (slot, 2) if slot < SLOTS => Ok(Some(slot)),
+        (NO_SLOT, Some(0)) => Ok(None),
+        (slot, Some(1)) if slot < SLOTS => Ok(Some(slot)),
         _ => Err(Error::Protocol(
             "handshake: notice board and slot do not match".into(),
         )),

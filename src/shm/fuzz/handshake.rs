@@ -6,6 +6,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use crate::conn::PRIVATE_DATA_MAX;
 use crate::cq::notice::{NO_SLOT, SLOTS};
 use crate::error::Error;
+use crate::shm::peers::OFFERS_MAX;
 use crate::shm::segment::Segment;
 use crate::shm::socket::{pair, recv_msg, send_with_fds};
 use crate::shm::wire::{
@@ -44,14 +45,25 @@ pub fn handshake(data: &[u8]) {
     };
     assert!(buf.len() >= 12);
     if msg.version == VERSION {
-        assert!(msg.data.len() <= PRIVATE_DATA_MAX);
-        assert_eq!(HEADER + msg.data.len(), buf.len());
+        assert!(msg.data.len() <= PRIVATE_DATA_MAX && msg.offers.len() <= OFFERS_MAX);
+        assert_eq!(
+            HEADER + msg.data.len() + 1 + 8 * msg.offers.len(),
+            buf.len()
+        );
         // What was accepted is exactly what the sender encoded.
         let b = u32::from_le_bytes(buf[12..16].try_into().expect("4 bytes"));
-        let again = encode_with_probe(msg.kind, msg.a, b, msg.slot, msg.probe, &msg.data);
+        let again = encode_with_probe(
+            msg.kind,
+            msg.a,
+            b,
+            msg.slot,
+            msg.probe,
+            &msg.data,
+            &msg.offers,
+        );
         assert_eq!(again, buf);
     } else {
-        assert!(msg.data.is_empty() && msg.slot == NO_SLOT);
+        assert!(msg.data.is_empty() && msg.offers.is_empty() && msg.slot == NO_SLOT);
     }
     match judge_hello(&msg, nfds) {
         HelloVerdict::Welcome { board_slot } => {
@@ -68,9 +80,11 @@ pub fn handshake(data: &[u8]) {
     match judge_reply(&msg, nfds) {
         Ok(board_slot) => {
             assert_eq!((msg.version, msg.kind), (VERSION, ACCEPT));
+            // The new segment's descriptor comes unless an offered one is taken up.
+            let segment = usize::from(msg.b == 0);
             match board_slot {
-                Some(slot) => assert!(slot < SLOTS && nfds == 2),
-                None => assert!(nfds == 1 && msg.slot == NO_SLOT),
+                Some(slot) => assert!(slot < SLOTS && nfds == segment + 1),
+                None => assert!(nfds == segment && msg.slot == NO_SLOT),
             }
         }
         Err(Error::Rejected(data)) => assert!(data.len() <= PRIVATE_DATA_MAX),
@@ -176,47 +190,73 @@ pub fn handshake_seeds() -> Vec<(&'static str, Vec<u8>)> {
         h.extend_from_slice(&cap.to_le_bytes());
         h
     };
-    let mut v9 = encode_with_probe(HELLO, 9, 0, NO_SLOT, (0, 0), &[]);
+    let mut v9 = encode_with_probe(HELLO, 9, 0, NO_SLOT, (0, 0), &[], &[]);
     v9[4] = 9;
     vec![
         (
             "hello",
-            with(0, encode_with_probe(HELLO, 64, 64, NO_SLOT, probe, &[])),
+            with(
+                0,
+                encode_with_probe(HELLO, 64, 64, NO_SLOT, probe, &[], &[]),
+            ),
         ),
         (
             "hello-board-data",
-            with(1, encode_with_probe(HELLO, 16, 32, 5, probe, b"real")),
+            with(1, encode_with_probe(HELLO, 16, 32, 5, probe, b"real", &[])),
         ),
         (
             "accept",
             with(
                 1,
-                encode_with_probe(ACCEPT, 1 << 21, 0, NO_SLOT, probe, &[]),
+                encode_with_probe(ACCEPT, 1 << 21, 0, NO_SLOT, probe, &[], &[]),
             ),
         ),
         (
+            "hello-offers",
+            with(
+                0,
+                encode_with_probe(HELLO, 16, 0, NO_SLOT, probe, &[], &[7, 9]),
+            ),
+        ),
+        (
+            "accept-offered",
+            with(1, encode_with_probe(ACCEPT, 1 << 15, 2, 7, probe, &[], &[])),
+        ),
+        (
             "accept-board",
-            with(2, encode_with_probe(ACCEPT, 1 << 16, 0, 7, probe, b"hi")),
+            with(
+                2,
+                encode_with_probe(ACCEPT, 1 << 16, 0, 7, probe, b"hi", &[]),
+            ),
         ),
         (
             "reject",
-            with(0, encode_with_probe(REJECT, 0, 0, NO_SLOT, probe, b"no")),
+            with(
+                0,
+                encode_with_probe(REJECT, 0, 0, NO_SLOT, probe, b"no", &[]),
+            ),
         ),
         (
             "reject-version",
             with(
                 0,
-                encode_with_probe(REJECT_VERSION, 2, 0, NO_SLOT, probe, &[]),
+                encode_with_probe(REJECT_VERSION, 2, 0, NO_SLOT, probe, &[], &[]),
             ),
         ),
         ("hello-v9", with(0, v9)),
         (
             "socket-hello-board",
-            with(0x81, encode_with_probe(HELLO, 16, 32, 5, probe, b"real")),
+            with(
+                0x81,
+                encode_with_probe(HELLO, 16, 32, 5, probe, b"real", &[]),
+            ),
         ),
         (
             "socket-accept",
-            with(0x82, encode_with_probe(ACCEPT, 1 << 16, 0, 7, probe, &[])),
+            with(
+                0x82,
+                encode_with_probe(ACCEPT, 1 << 16, 0, 7, probe, &[], &[]),
+            ),
         ),
         ("segment", with(0x40, segment_header(1 << 16))),
         ("segment-unsealed", with(0x70, segment_header(1 << 16))),

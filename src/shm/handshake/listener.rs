@@ -390,6 +390,7 @@ impl Listener {
             board,
             peer: (pid, msg.probe),
             ring_wish: msg.b,
+            offers: msg.offers,
             ctx: self.ctx.clone(),
         })
     }

@@ -26,10 +26,10 @@ use crate::driver::{Next, Ready};
 use crate::error::{Error, Result};
 use crate::shm::conn::{Conn, Link};
 use crate::shm::engine::{self, Engine};
-use crate::shm::peers::Peers;
+use crate::shm::peers::{Kept, Peers};
 use crate::shm::segment::Segment;
 use crate::shm::socket::{address, my_uid, peer_cred, recv_msg, send_msg, socket};
-use crate::shm::wire::{ACCEPT, HELLO, REJECT, decode, encode, judge_reply};
+use crate::shm::wire::{ACCEPT, REJECT, decode, encode, encode_hello, judge_reply};
 use crate::sys;
 
 pub(crate) use listener::Listener;
@@ -54,6 +54,8 @@ pub(crate) struct Request {
     peer: (libc::pid_t, (u64, u64)),
     /// The ring size the client asked for (0: none).
     ring_wish: u32,
+    /// The segments the client keeps from this process (inode numbers; see `peers.rs`).
+    offers: Vec<u64>,
     ctx: Arc<ContextInner>,
 }
 
@@ -69,20 +71,33 @@ impl Request {
             .sock
             .take()
             .expect("an unanswered request has its socket");
-        let (seg, fd) = Segment::create(ring_size(self.ring_wish, opts.shm_ring_size))?;
+        let cap = ring_size(self.ring_wish, opts.shm_ring_size);
         let peers = self.ctx.transports.get::<Peers>();
-        // Before the accept goes out: the client is waiting for it, so its memory is there.
         let (pid, (addr, value)) = self.peer;
+        let probe = (pid, addr, value);
+        // A segment made for this client earlier and let go of on both sides, or a new one.
+        let (mut seg, fd, taken) = match peers.take_offered(probe, &self.offers, cap) {
+            Some((i, seg)) => {
+                seg.reset();
+                (seg, None, i as u32 + 1)
+            }
+            None => {
+                let (seg, fd) = Segment::create(cap)?;
+                (seg, Some(fd), 0)
+            }
+        };
+        seg.keep_with(Peers::keeper(&peers, Kept::Made(probe)));
+        // Before the accept goes out: the client is waiting for it, so its memory is there.
         let peer_pid = peers.can_read(pid, addr, value).then_some(pid);
         let peer_board = match self.board.take() {
             Some((fd, slot)) => Some((peers.board(&fd)?, slot)),
             None => None,
         };
         let slot = cq.reserve_slot();
-        let mut fds = vec![fd.as_raw_fd()];
+        let mut fds: Vec<RawFd> = fd.as_ref().map(|f| f.as_raw_fd()).into_iter().collect();
         fds.extend(slot.as_ref().map(|s| s.board_fd()));
         let slot_no = slot.as_ref().map_or(NO_SLOT, |s| s.slot());
-        let reply = encode(ACCEPT, seg.cap() as u32, 0, slot_no, &opts.private_data);
+        let reply = encode(ACCEPT, cap as u32, taken, slot_no, &opts.private_data);
         send_msg(sock.as_raw_fd(), &reply, &fds).map_err(|e| socket_error(e, Error::Accept))?;
         drop(fd);
         let data = std::mem::take(&mut self.private_data);
@@ -188,6 +203,7 @@ pub(crate) fn start_connect(
         sock: Some(sock),
         connected: None,
         sent: None,
+        offered: Vec::new(),
     };
     // Connecting a Unix socket never waits, and a socket not yet connected polls as hung up:
     // connected here, it is quiet in the driver's set until the listener answers. Its outcome
@@ -213,6 +229,9 @@ struct Connecting {
     connected: Option<Result<bool>>,
     /// Once the hello is out: the listener's process and this side's notice-board slot.
     sent: Option<(libc::pid_t, Option<SlotReservation>)>,
+    /// The segments kept from the listener's process that the hello offered, held until the
+    /// answer (unmapped when dropped).
+    offered: Vec<Segment>,
 }
 
 impl Handshake for Connecting {
@@ -269,18 +288,36 @@ impl Connecting {
         let msg = decode(&buf)?;
         let board_slot = judge_reply(&msg, fds.len())?;
         let mut fds = fds.into_iter();
-        let fd = fds.next().expect("judged: an accept carries its segment");
-        let seg = Segment::open(&fd)?;
-        drop(fd);
-        if seg.cap() != msg.a as usize {
-            return Err(Error::Protocol("handshake: ring size mismatch".into()));
-        }
+        let (pid, slot) = self.sent.take().expect("the hello went out");
+        let mut seg = match msg.b {
+            0 => {
+                let fd = fds
+                    .next()
+                    .expect("judged: a new segment's descriptor comes");
+                let seg = Segment::open(&fd)?;
+                if seg.cap() != msg.a as usize {
+                    return Err(Error::Protocol("handshake: ring size mismatch".into()));
+                }
+                seg
+            }
+            i => {
+                let i = i as usize - 1;
+                if i >= self.offered.len() {
+                    return Err(Error::Protocol(
+                        "handshake: the listener took up a segment not offered".into(),
+                    ));
+                }
+                self.offered.swap_remove(i).reopen(msg.a as usize)?
+            }
+        };
+        // Offers not taken up are unmapped.
+        self.offered.clear();
         let peers = setup.context().transports.get::<Peers>();
+        seg.keep_with(Peers::keeper(&peers, Kept::Mapped(pid)));
         let peer_board = match (board_slot, fds.next()) {
             (Some(slot), Some(fd)) => Some((peers.board(&fd)?, slot)),
             _ => None,
         };
-        let (pid, slot) = self.sent.take().expect("the hello went out");
         let (addr, value) = msg.probe;
         let peer_pid = peers.can_read(pid, addr, value).then_some(pid);
         let link = Link {
@@ -329,12 +366,15 @@ impl Connecting {
             Err(e) => return Err(Error::Connect(e)),
         };
         let slot = self.cq.reserve_slot();
-        let hello = encode(
-            HELLO,
+        let peers = setup.context().transports.get::<Peers>();
+        self.offered = peers.offers(pid);
+        let offers: Vec<u64> = self.offered.iter().map(Segment::ino).collect();
+        let hello = encode_hello(
             self.opts.send_queue_depth,
             self.opts.shm_ring_size,
             slot.as_ref().map_or(NO_SLOT, |s| s.slot()),
             &self.opts.private_data,
+            &offers,
         );
         let hello_fds: Vec<RawFd> = slot.as_ref().map(|s| s.board_fd()).into_iter().collect();
         send_msg(self.sock(), &hello, &hello_fds).map_err(|e| {
