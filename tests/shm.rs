@@ -1681,3 +1681,70 @@ fn a_closed_connections_segment_serves_the_next_one_as_new() {
         "no connection of {ROUNDS} took up a segment kept from the one before"
     );
 }
+
+/// How many lines of `/proc/self/maps` name a connection segment, read with system calls only
+/// (no allocation, no lock): for a child just forked from this multi-threaded process.
+fn segment_lines_after_fork() -> i32 {
+    const NEEDLE: &[u8] = b"memfd:rdmabridge-shm";
+    const KEEP: usize = NEEDLE.len() - 1;
+    let mut buf = [0u8; 4096 + KEEP];
+    let mut held = 0;
+    let mut found = 0;
+    // SAFETY: plain system calls on a NUL-terminated path and a live stack buffer, each read
+    // into the part of it after the bytes kept from the last.
+    unsafe {
+        let fd = libc::open(c"/proc/self/maps".as_ptr(), libc::O_RDONLY);
+        if fd < 0 {
+            return 100;
+        }
+        loop {
+            let n = libc::read(fd, buf[held..].as_mut_ptr().cast(), buf.len() - held);
+            if n <= 0 {
+                break;
+            }
+            let end = held + n as usize;
+            found += buf[..end]
+                .windows(NEEDLE.len())
+                .filter(|w| *w == NEEDLE)
+                .count();
+            // The last bytes may begin a name the next read ends.
+            let keep = end.min(KEEP);
+            buf.copy_within(end - keep..end, 0);
+            held = keep;
+        }
+        libc::close(fd);
+    }
+    found.min(99) as i32
+}
+
+/// A child this process forks maps none of its connections' segments: a segment kept after
+/// its connection closed may carry a later connection of the parent's, which the child must
+/// not see.
+#[test]
+fn a_forked_child_maps_no_segment() {
+    let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
+    let opts = ConnOptions::default();
+    let (c, _ccq, s, _scq) =
+        pair_between(&Net::Shm, &cctx, &sctx, &opts, &opts, Default::default());
+    assert!(
+        segment_map_count() >= 2,
+        "the connection's segment, mapped by both sides"
+    );
+    // SAFETY: the child makes system calls only, then exits without unwinding.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: ends the child at once.
+        unsafe { libc::_exit(segment_lines_after_fork()) };
+    }
+    assert!(pid > 0, "fork: {}", std::io::Error::last_os_error());
+    let mut status = 0;
+    // SAFETY: waits for our own child into a live local.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "the child ended: {status:#x}");
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        0,
+        "segment mappings in the forked child"
+    );
+    drop((c, s));
+}

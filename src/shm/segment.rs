@@ -209,13 +209,19 @@ impl Segment {
 
     fn map(fd: &OwnedFd, len: usize, cap: usize, ino: libc::ino_t) -> Result<Segment> {
         let base = crate::sys::map_shared(fd, len).map_err(Error::SharedMemory)?;
-        Ok(Segment {
+        let seg = Segment {
             base,
             len,
             cap,
             ino,
             keep: None,
-        })
+        };
+        // Not inherited by a child this process forks: a segment may carry later connections
+        // (it is kept when its connection closes), which a child mapping it could read.
+        // SAFETY: the whole of the mapping just made; changes only what fork does with it.
+        cvt(unsafe { libc::madvise(base.as_ptr().cast(), len, libc::MADV_DONTFORK) })
+            .map_err(Error::SharedMemory)?;
+        Ok(seg)
     }
 
     /// Takes up a kept segment again, checked as [`open`](Self::open) checks one: the header
