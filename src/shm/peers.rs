@@ -131,13 +131,10 @@ impl Peers {
     pub(crate) fn offers(&self, pid: libc::pid_t) -> Vec<Segment> {
         let mut mapped = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = Vec::new();
-        let mut i = 0;
-        while i < mapped.len() && out.len() < OFFERS {
-            if mapped[i].0 == pid {
-                out.extend(mapped.remove(i).map(|(_, s)| s));
-            } else {
-                i += 1;
-            }
+        while out.len() < OFFERS
+            && let Some(at) = mapped.iter().position(|(p, _)| *p == pid)
+        {
+            out.extend(mapped.remove(at).map(|(_, s)| s));
         }
         out
     }

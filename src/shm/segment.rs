@@ -224,13 +224,10 @@ impl Segment {
         Ok(seg)
     }
 
-    /// Takes up a kept segment again, checked as [`open`](Self::open) checks one: the header
-    /// must give the ring size `cap`. The other side made it as new before naming it.
-    pub(crate) fn reopen(mut self, cap: usize) -> Result<Segment> {
+    /// Takes up a kept segment again, its header checked as [`open`](Self::open) checks a new
+    /// one's: the other side made it as new before naming it.
+    pub(crate) fn reopen(mut self) -> Result<Segment> {
         self.cap = self.checked_cap()?;
-        if self.cap != cap {
-            return Err(Error::Protocol("handshake: ring size mismatch".into()));
-        }
         Ok(self)
     }
 

@@ -294,11 +294,7 @@ impl Connecting {
                 let fd = fds
                     .next()
                     .expect("judged: a new segment's descriptor comes");
-                let seg = Segment::open(&fd)?;
-                if seg.cap() != msg.a as usize {
-                    return Err(Error::Protocol("handshake: ring size mismatch".into()));
-                }
-                seg
+                Segment::open(&fd)?
             }
             i => {
                 let i = i as usize - 1;
@@ -307,9 +303,12 @@ impl Connecting {
                         "handshake: the listener took up a segment not offered".into(),
                     ));
                 }
-                self.offered.swap_remove(i).reopen(msg.a as usize)?
+                self.offered.swap_remove(i).reopen()?
             }
         };
+        if seg.cap() != msg.a as usize {
+            return Err(Error::Protocol("handshake: ring size mismatch".into()));
+        }
         // Offers not taken up are unmapped.
         self.offered.clear();
         let peers = setup.context().transports.get::<Peers>();
