@@ -35,7 +35,7 @@ use crate::verbs::devcq::{Attachment, attach};
 use crate::verbs::domain::Domain;
 use crate::verbs::preamble::{offers_credits, parse_credit_ext, parse_preamble, with_preamble};
 use crate::verbs::res::post_error;
-use crate::verbs::res::{DeviceEvents, Pd, device_events};
+use crate::verbs::res::{DeviceEvents, Limits, Pd, device_events};
 use crate::verbs::srq::{self, DevicePool};
 
 /// `rdma_set_option` level and name for the ACK timeout (rdma_cma.h; not in the bindings).
@@ -43,9 +43,6 @@ const RDMA_OPTION_ID: i32 = 0;
 const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
 /// rdma_cm's reject reason when nobody listens on the port (IB_CM_REJ_INVALID_SERVICE_ID).
 const REJ_NO_LISTENER: i32 = 8;
-/// Most RDMA reads and atomics a connection keeps in flight toward its peer, and accepts from
-/// it at once (each side's device may allow fewer).
-const RD_ATOM_MAX: u8 = 16;
 fn cm_err(what: &'static str) -> impl Fn(io::Error) -> Error {
     move |e| Error::Connect(io::Error::new(e.kind(), format!("{what}: {e}")))
 }
@@ -114,41 +111,6 @@ pub(super) struct Resources {
     pub(super) pool: Option<(Arc<SrqInner>, Arc<DevicePool>)>,
 }
 
-/// What a device allows one-sided operations on a queue pair.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Limits {
-    /// Most RDMA reads and atomics in flight that the queue pair may accept from its peer
-    /// (the device's `max_qp_rd_atom`, at most [`RD_ATOM_MAX`]).
-    pub(super) responder_resources: u8,
-    /// Most it may issue toward its peer (the device's `max_qp_init_rd_atom`, at most
-    /// [`RD_ATOM_MAX`]); the peer's responder resources bound it further.
-    pub(super) initiator_depth: u8,
-    /// Whether the device runs atomic operations.
-    pub(super) atomics: bool,
-}
-
-impl Limits {
-    fn of(device: *mut sys::ibv_context) -> Result<(Limits, u32)> {
-        // SAFETY: ibv_device_attr is plain data; zero is a valid start.
-        let mut attr: sys::ibv_device_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: live device context; `attr` is written on success. Returns the errno value.
-        let r = unsafe { sys::ibv_query_device(device, &mut attr) };
-        if r != 0 {
-            return Err(cm_err("ibv_query_device")(io::Error::from_raw_os_error(r)));
-        }
-        let cap = |v: i32| v.clamp(0, i32::from(RD_ATOM_MAX)) as u8;
-        let limits = Limits {
-            responder_resources: cap(attr.max_qp_rd_atom),
-            initiator_depth: cap(attr.max_qp_init_rd_atom),
-            atomics: attr.atomic_cap != sys::ibv_atomic_cap::IBV_ATOMIC_NONE,
-        };
-        // Scatter/gather entries a send-queue work request may carry: what one-sided
-        // operations need, as far as the device allows.
-        let sge = (crate::conn::SGE_MAX as i32).min(attr.max_sge).max(1) as u32;
-        Ok((limits, sge))
-    }
-}
-
 /// Destroys the id's QP on drop.
 struct QpGuard(*mut sys::rdma_cm_id);
 
@@ -181,7 +143,7 @@ impl Resources {
         let domain = ctx.transports.get::<Domain>();
         let pd = domain.pd(device)?;
         let dev = device_events(device)?;
-        let (limits, max_send_sge) = Limits::of(device)?;
+        let limits = dev.limits;
         // SAFETY: live id, bound to a device port by now.
         let port = unsafe { (*cm.0).port_num };
         // Room in the shared device CQ for everything the queue pair may report at once: a
@@ -216,7 +178,7 @@ impl Resources {
         // must never take the caller's, nor the server's hello receive.
         attr.cap.max_send_wr = opts.send_queue_depth + INTERNAL_SLOTS;
         attr.cap.max_recv_wr = own_recvs;
-        attr.cap.max_send_sge = max_send_sge;
+        attr.cap.max_send_sge = limits.send_sge;
         attr.cap.max_recv_sge = 1;
         if let Some((_, d)) = &pool {
             attr.srq = d.raw;
@@ -856,7 +818,15 @@ impl Connecting {
 
 impl Handshake for Connecting {
     fn step(&mut self, _: &Ready, setup: &Setup) -> Step {
-        let turn = self.turn(setup.registration());
+        let turn = self.turn(setup.registration()).map_err(|e| {
+            // A connect lists no devices once one was seen (`device_present`): a failure
+            // before the peer was reached asks whether a device went away.
+            if self.stage != ClientStage::Connect && !crate::verbs::devices_listed() {
+                Error::NoDevice
+            } else {
+                e
+            }
+        });
         step(turn, setup, &self.opts, self.deadline)
     }
 }

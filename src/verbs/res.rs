@@ -125,12 +125,57 @@ pub(crate) fn registration_error(e: io::Error, len: usize) -> Error {
     }
 }
 
+/// Most RDMA reads and atomics a connection keeps in flight toward its peer, and accepts from
+/// it at once (each side's device may allow fewer).
+const RD_ATOM_MAX: u8 = 16;
+
+/// What a device allows one-sided operations on a queue pair.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    /// Most RDMA reads and atomics in flight that the queue pair may accept from its peer
+    /// (the device's `max_qp_rd_atom`, at most [`RD_ATOM_MAX`]).
+    pub(crate) responder_resources: u8,
+    /// Most it may issue toward its peer (the device's `max_qp_init_rd_atom`, at most
+    /// [`RD_ATOM_MAX`]); the peer's responder resources bound it further.
+    pub(crate) initiator_depth: u8,
+    /// Whether the device runs atomic operations.
+    pub(crate) atomics: bool,
+    /// Scatter/gather entries a send-queue work request may carry: what one-sided operations
+    /// need, as far as the device allows.
+    pub(crate) send_sge: u32,
+}
+
+impl Limits {
+    fn of(device: *mut sys::ibv_context) -> Result<Limits> {
+        // SAFETY: ibv_device_attr is plain data; zero is a valid start.
+        let mut attr: sys::ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live device context; `attr` is written on success. Returns the errno value.
+        let r = unsafe { sys::ibv_query_device(device, &mut attr) };
+        if r != 0 {
+            let e = io::Error::from_raw_os_error(r);
+            return Err(Error::Connect(io::Error::new(
+                e.kind(),
+                format!("ibv_query_device: {e}"),
+            )));
+        }
+        let cap = |v: i32| v.clamp(0, i32::from(RD_ATOM_MAX)) as u8;
+        Ok(Limits {
+            responder_resources: cap(attr.max_qp_rd_atom),
+            initiator_depth: cap(attr.max_qp_init_rd_atom),
+            atomics: attr.atomic_cap != sys::ibv_atomic_cap::IBV_ATOMIC_NONE,
+            send_sge: (crate::conn::SGE_MAX as i32).min(attr.max_sge).max(1) as u32,
+        })
+    }
+}
+
 /// What a device's asynchronous events say about its ports: one per device per process (the
 /// device's event descriptor is), shared by every connection on the device. Each context's driver reads the events (whichever
 /// finds the descriptor readable first), and each connection's turn checks whether its own
-/// port is down.
+/// port is down. It also keeps what the device allows, asked once: a query per connection
+/// is a system call that answers the same every time.
 pub(crate) struct DeviceEvents {
     device: *mut sys::ibv_context,
+    pub(crate) limits: Limits,
     /// (port, since when) for each port that is down; port 0 stands for the whole device after
     /// a fatal error.
     down: Mutex<Vec<(u8, Instant)>>,
@@ -155,6 +200,7 @@ pub(crate) fn device_events(device: *mut sys::ibv_context) -> Result<Arc<DeviceE
     crate::verbs::cm::set_nonblocking(unsafe { (*device).async_fd })?;
     let d = Arc::new(DeviceEvents {
         device,
+        limits: Limits::of(device)?,
         down: Mutex::new(Vec::new()),
     });
     devs.push(d.clone());

@@ -35,6 +35,7 @@ macro_rules! for_each_suite_test {
             receive_too_small_fails_both_sides_with_length_errors,
             bad_posts_return_clear_errors_and_post_nothing,
             disconnect_flushes_and_reports_on_both_sides,
+            connections_ending_every_way_leave_the_next_ones_clean,
             delivered_unsignaled_send_reports_nothing_at_close,
             completion_fd_is_readable_while_a_poll_finds_completions,
             edge_triggered_waiter_never_sleeps_on_a_queued_completion,

@@ -425,6 +425,112 @@ pub fn disconnect_flushes_and_reports_on_both_sides(net: &Net) {
     ));
 }
 
+/// Connections of one context that end every way - refused, rejected, closed by the peer,
+/// closed here - leave nothing behind for the next ones, which take up the descriptor numbers
+/// (and over verbs the queue-pair numbers) the ended ones freed: an event, a completion or a
+/// descriptor of the library's set left behind would fail the next handshake or end the next
+/// connection. Each round ends with a connection that carries a message each way and reports
+/// exactly its own completions.
+pub fn connections_ending_every_way_leave_the_next_ones_clean(net: &Net) {
+    let (cctx, sctx) = (Context::new().unwrap(), Context::new().unwrap());
+    let cq = CompletionQueue::new().unwrap();
+    let opts = ConnOptions::default();
+    let rejecting_addr = net.addr("rejecting");
+    let rejecting = sctx.listen(&rejecting_addr, 4).unwrap();
+    for round in 0..20u64 {
+        let r = cctx.connect(&net.addr("nobody"), &cq, &opts);
+        assert!(matches!(r, Err(Error::Refused(_))), "round {round}: {r:?}");
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let req = rejecting
+                    .get_request(Some(Duration::from_secs(10)))
+                    .unwrap();
+                req.reject(b"not now").unwrap();
+            });
+            match cctx.connect(&rejecting_addr, &cq, &opts) {
+                Err(Error::Rejected(d)) => assert_eq!(d, b"not now", "round {round}"),
+                other => panic!("round {round}: expected a rejection, got {other:?}"),
+            }
+        });
+        // Closed by the peer: the client goes at once, its end perhaps not yet seen.
+        let (c, _ccq, s, _scq) =
+            pair_between(net, &cctx, &sctx, &opts, &opts, CqOptions::default());
+        drop(s);
+        drop(c);
+        // Closed here, the peer's end seen.
+        let (c, ccq, s, scq) = pair_between(net, &cctx, &sctx, &opts, &opts, CqOptions::default());
+        drop(c);
+        let e = next(&ccq);
+        assert_eq!(
+            (e.opcode, e.status),
+            (Opcode::Disconnected, WcStatus::Success)
+        );
+        let e = next(&scq);
+        assert_eq!(
+            (e.opcode, e.status),
+            (Opcode::Disconnected, WcStatus::Success)
+        );
+        drop(s);
+        // The next one works and reports only its own work.
+        let (c, ccq, s, scq) = pair_between(net, &cctx, &sctx, &opts, &opts, CqOptions::default());
+        let (cmr, smr) = (
+            cctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap(),
+            sctx.alloc_mr(64, Access::LOCAL_WRITE).unwrap(),
+        );
+        s.post_recv(&smr, 0, 32, 1).unwrap();
+        c.post_recv(&cmr, 0, 32, 2).unwrap();
+        unsafe { cmr.write(32, &round.to_le_bytes()) }.unwrap();
+        c.post_send(&cmr, 32, 8, 3, SendFlags::SIGNALED).unwrap();
+        let e = next(&scq);
+        assert_eq!(
+            (e.opcode, e.status, e.wr_id, e.byte_len),
+            (Opcode::Recv, WcStatus::Success, 1, 8)
+        );
+        unsafe { smr.write(32, &(round + 100).to_le_bytes()) }.unwrap();
+        s.post_send(&smr, 32, 8, 4, SendFlags::SIGNALED).unwrap();
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            let e = next(&ccq);
+            got.push((e.opcode, e.status, e.wr_id));
+        }
+        got.sort_by_key(|g| g.2);
+        assert_eq!(
+            got,
+            [
+                (Opcode::Recv, WcStatus::Success, 2),
+                (Opcode::Send, WcStatus::Success, 3)
+            ],
+            "round {round}"
+        );
+        let e = next(&scq);
+        assert_eq!(
+            (e.opcode, e.status, e.wr_id),
+            (Opcode::Send, WcStatus::Success, 4)
+        );
+        let mut buf = [0u8; 8];
+        unsafe { cmr.read(0, &mut buf) }.unwrap();
+        assert_eq!(u64::from_le_bytes(buf), round + 100);
+        unsafe { smr.read(0, &mut buf) }.unwrap();
+        assert_eq!(u64::from_le_bytes(buf), round);
+        assert!(
+            ccq.poll().is_none() && scq.poll().is_none(),
+            "round {round}"
+        );
+        drop((c, s));
+        for q in [&ccq, &scq] {
+            let e = next(q);
+            assert_eq!(
+                (e.opcode, e.status),
+                (Opcode::Disconnected, WcStatus::Success)
+            );
+        }
+    }
+    assert!(
+        cq.poll().is_none(),
+        "failed connects report nothing on the queue"
+    );
+}
+
 /// An unsignaled send reports only a failure: one the peer received reports nothing when the
 /// connection closes afterwards (it is not flushed), and the close is reported without the
 /// library waiting out its 2 s bound on the device's flushes, which is kept for work whose
