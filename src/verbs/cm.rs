@@ -13,6 +13,11 @@ use rdma_sys as sys;
 
 use crate::error::{Error, Result};
 
+/// A connection set-up call's failure, named: `what` failed with the error it gets.
+pub(crate) fn cm_err(what: &'static str) -> impl Fn(io::Error) -> Error {
+    move |e| Error::Connect(io::Error::new(e.kind(), format!("{what}: {e}")))
+}
+
 /// An RDMA CM event channel; destroyed on drop (after every id on it).
 pub(crate) struct EventChannel(*mut sys::rdma_event_channel);
 

@@ -27,7 +27,7 @@ use crate::cq::CompletionQueue;
 use crate::domain::ContextInner;
 use crate::driver::{Next, Ready, Registration};
 use crate::error::{Error, Result};
-use crate::verbs::cm::{CmEvent, CmId, EventChannel, sockaddr};
+use crate::verbs::cm::{CmEvent, CmId, EventChannel, cm_err, sockaddr};
 use crate::verbs::conn::Conn;
 use crate::verbs::conn::{HELLO_BIT, POOL_WR, RECV_BIT};
 use crate::verbs::credit::{CreditMr, FLAG_CREDITS, HELLO_LEN, INTERNAL_SLOTS, Remote};
@@ -43,9 +43,6 @@ const RDMA_OPTION_ID: i32 = 0;
 const RDMA_OPTION_ID_ACK_TIMEOUT: i32 = 3;
 /// rdma_cm's reject reason when nobody listens on the port (IB_CM_REJ_INVALID_SERVICE_ID).
 const REJ_NO_LISTENER: i32 = 8;
-fn cm_err(what: &'static str) -> impl Fn(io::Error) -> Error {
-    move |e| Error::Connect(io::Error::new(e.kind(), format!("{what}: {e}")))
-}
 
 /// Maps a failure event during establishment to its error.
 fn event_error(ev: &CmEvent, target: &str) -> Error {

@@ -11,6 +11,7 @@ use rdma_sys as sys;
 
 use crate::error::{Error, Result};
 use crate::mr::{Access, Keys, Registrar, Registration};
+use crate::verbs::cm::cm_err;
 
 /// A protection domain on one device.
 pub(crate) struct Pd {
@@ -152,11 +153,7 @@ impl Limits {
         // SAFETY: live device context; `attr` is written on success. Returns the errno value.
         let r = unsafe { sys::ibv_query_device(device, &mut attr) };
         if r != 0 {
-            let e = io::Error::from_raw_os_error(r);
-            return Err(Error::Connect(io::Error::new(
-                e.kind(),
-                format!("ibv_query_device: {e}"),
-            )));
+            return Err(cm_err("ibv_query_device")(io::Error::from_raw_os_error(r)));
         }
         let cap = |v: i32| v.clamp(0, i32::from(RD_ATOM_MAX)) as u8;
         Ok(Limits {
